@@ -1,0 +1,410 @@
+"""The typed configuration schema: every key of a run, documented once, here.
+
+A run's config is `conf/base.yaml`, then the chain of configs named by `extends:`, then
+`conf/NAME.yaml`, then dotted command-line overrides. Each layer is merged into the schema
+separately so that an error can name the file or override it came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class ModelConfig:
+    path: str = "${oc.env:PIPELINE_RL_CACHE,.cache}/tiny_model"
+    """Hugging Face model directory (config.json + safetensors) loaded by actors, scorers and trainers."""
+    dtype: str = "float32"
+    """Parameter dtype everywhere: float32 or bfloat16."""
+    make_tiny_if_missing: bool = False
+    """Build the tiny arithmetic model at `path` (scripts/make_tiny_model.py) when it does not exist."""
+
+
+@dataclass
+class RedisConfig:
+    host: str = "127.0.0.1"
+    """Redis host. With `start_server`, rank 0 starts redis-server and this is the address others use."""
+    port: int = 6379
+    """Redis port."""
+    password: Optional[str] = None
+    """Redis password (AUTH), or null."""
+    tls: bool = False
+    """Connect with TLS."""
+    maxlen: int = 100000
+    """Approximate cap on entries kept per stream key (XADD MAXLEN ~); 0 keeps everything."""
+    start_server: bool = False
+    """Rank 0 starts its own redis-server (binary on PATH) on `port`, for the run's lifetime."""
+
+
+@dataclass
+class StreamsConfig:
+    backend: str = "jsonl"
+    """jsonl (files under the run directory, one node) or redis (several nodes)."""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    """Redis connection, used when backend=redis."""
+
+
+@dataclass
+class WorldConfig:
+    nodes: int = 1
+    """Number of nodes; one launch.py runs on each (RANK / SLURM_NODEID tells which)."""
+    gpus_per_node: int = 0
+    """GPUs on each node; 0 means CPU only (every process gets one CPU thread)."""
+    actors: int = 1
+    """Actor processes (each owns one vLLM engine)."""
+    actor_gpus: int = 1
+    """GPUs per actor engine (vLLM tensor parallel size); ignored on CPU."""
+    preprocessors: int = 1
+    """Preprocessor processes."""
+    preprocessor_gpus: int = 0
+    """GPUs per preprocessor (for scorers that run a model); ignored on CPU."""
+    trainers: int = 1
+    """Trainer ranks (one process, one GPU each)."""
+    weight_sync_port: int = 29600
+    """Port of the weight-update process group's store, on the trainer's node."""
+    trainer_port: int = 29500
+    """MASTER_PORT of the trainers' own process group."""
+
+
+@dataclass
+class DatasetConfig:
+    loader: str = "jsonl"
+    """jsonl, parquet, or an import path `module:function` returning a list of problem dicts."""
+    train: str = "${oc.env:PIPELINE_RL_CACHE,.cache}/arithmetic/train.jsonl"
+    """Training problems."""
+    test: str = "${oc.env:PIPELINE_RL_CACHE,.cache}/arithmetic/test.jsonl"
+    """Held-out problems for evaluation."""
+
+
+@dataclass
+class LLMConfig:
+    kv_cache_gib: float = 1.0
+    """KV-cache size per engine in GiB (CPU needs it set explicitly)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs (fast start-up; on CPU also the faster path)."""
+    max_num_seqs: int = 256
+    """Most sequences one engine step batches."""
+    max_model_len: int = 256
+    """Longest prompt + completion the engine accepts."""
+
+
+@dataclass
+class ActorConfig:
+    mode: str = "async"
+    """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
+    (generate one batch with the current policy, wait for the update, repeat)."""
+    domain: str = "arithmetic"
+    """Rollout plug-in: a built-in name (arithmetic, math) or `module:function`."""
+    attempts: int = 8
+    """Completions sampled per problem (the group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer computes logprobs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_new_tokens: int = 16
+    """Longest completion."""
+    max_groups_in_flight: int = 64
+    """Most groups one actor generates at once (continuous batching fills the engine)."""
+    reward_timeout_s: float = 5.0
+    """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
+    eval_every_s: float = 30.0
+    """Actor 0 evaluates on held-out problems this often (0: never)."""
+    eval_problems: int = 200
+    """Held-out problems per evaluation."""
+    metrics_every_s: float = 5.0
+    """How often an actor publishes its metrics."""
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    """vLLM engine settings."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Where problems come from."""
+
+
+@dataclass
+class AdvantageConfig:
+    divide_by_std: bool = False
+    """Divide by the group's reward standard deviation."""
+    leave_one_out: bool = False
+    """Baseline each rollout by the mean of the *other* rollouts in its group."""
+    filter_zero: bool = True
+    """Skip (and count) groups whose advantages are all zero: they carry no gradient."""
+
+
+@dataclass
+class ScorerConfig:
+    cls: str = ""
+    """Import path `module:Class` of a scorer (see pipeline_rl/scorers.py)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the scorer's constructor."""
+
+
+@dataclass
+class PreprocessConfig:
+    seq_length: int = 2048
+    """Tokens per packed micro-batch."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Group-relative advantage options."""
+    scorers: list[ScorerConfig] = field(default_factory=list)
+    """Scorers run on every batch of groups, in order."""
+    batch_groups: int = 16
+    """Groups a preprocessor scores together."""
+
+
+@dataclass
+class LossConfig:
+    kind: str = "reinforce"
+    """reinforce: policy gradient with truncated importance weights; ppo: clipped ratio objective."""
+    is_truncation: float = 5.0
+    """Upper bound of the importance weight in reinforce mode."""
+    ppo_clip: float = 0.2
+    """PPO clip range epsilon."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    normalize: str = "token"
+    """token: average over all tokens of the step; sequence: average per sequence, then over sequences."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Learning rate (constant after warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables; DeepSpeed's own default would be 1.0)."""
+
+
+@dataclass
+class TrainerConfig:
+    groups_per_step: int = 16
+    """Rollout groups in one optimizer step (the RL batch)."""
+    max_lag: int = 4
+    """A sample whose oldest token comes from a policy more than this many versions behind the
+    trainer is not trained on (counted). Actors also stop admitting groups beyond this budget."""
+    weight_update_interval: int = 1
+    """Publish weights to the actors every this many optimizer steps."""
+    max_steps: int = 1000
+    """Optimizer steps of the run."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (0-3)."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    weight_bucket_mb: int = 256
+    """Size of one weight-broadcast bucket."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy-gradient loss settings."""
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Also write TensorBoard event files under RUN_DIR/tensorboard."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; null disables it."""
+    wandb_mode: str = "offline"
+    """online or offline (offline needs no network)."""
+    plot_at_end: bool = True
+    """Write PNG plots into RUN_DIR/plots when the run ends."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/${name}"
+    """Output directory: resolved config, streams, logs, metrics, checkpoints, plots."""
+    name: str = "run"
+    """Name of the run (also the Redis key namespace)."""
+    seed: int = 0
+    """Seed of data order, sampling and initialisation."""
+    max_time_s: float = 0.0
+    """Stop the run after this much wall time (0: run until trainer.max_steps)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    world: WorldConfig = field(default_factory=WorldConfig)
+    """Nodes and how processes are placed."""
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
+    """The stream layer between pools."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor pool."""
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    """Preprocessor pool."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer pool."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metrics sinks and plots."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and where it came from."""
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "streams.backend": ("jsonl", "redis"),
+    "actor.mode": ("async", "sync"),
+    "trainer.loss.kind": ("reinforce", "ppo"),
+    "trainer.loss.normalize": ("token", "sequence"),
+    "metrics.wandb_mode": ("online", "offline"),
+}
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(schema):
+        full = prefix + f.name
+        keys.append(full)
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            keys += _all_keys(type(default), full + ".")
+    return keys
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, _all_keys(RunConfig), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as e:
+        key = e.full_key or ""
+        what = type(e).__name__
+        if what == "ConfigKeyError":
+            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}") from None
+        raise ConfigError(f"{source}: bad value for '{key}': {e.msg.splitlines()[0]}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _layers(name: str, conf_dir: Path) -> list[tuple[Path, dict]]:
+    """conf/NAME.yaml and the configs it extends, outermost last; base.yaml is not included."""
+    chain: list[tuple[Path, dict]] = []
+    seen = set()
+    while name and name != "base":
+        if name in seen:
+            raise ConfigError(f"config '{name}' extends itself through {sorted(seen)}")
+        seen.add(name)
+        path = conf_dir / f"{name}.yaml"
+        data = _read_yaml(path)
+        parent = data.pop("extends", "base")
+        chain.append((path, data))
+        name = parent
+    return chain[::-1]
+
+
+def parse_overrides(args: list[str]) -> tuple[Optional[str], list[str]]:
+    """Split `conf=NAME` from the dotted `key=value` overrides."""
+    name, overrides = None, []
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(f"override '{arg}' is not of the form key=value")
+        if arg.startswith("conf="):
+            name = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return name, overrides
+
+
+def load_config(name: str = "base", overrides: list[str] = (), conf_dir: Path = CONF_DIR) -> RunConfig:
+    """Load, merge and validate a run config. Raises ConfigError naming the key and source."""
+    cfg = OmegaConf.structured(RunConfig)
+    base_path = conf_dir / "base.yaml"
+    cfg = _merge(cfg, _read_yaml(base_path), str(base_path))
+    for path, data in _layers(name, conf_dir):
+        cfg = _merge(cfg, data, str(path))
+    for item in overrides:
+        key, _, value = item.partition("=")
+        try:
+            layer = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override '{item}': {e}") from None
+        cfg = _merge(cfg, layer, f"override '{key}'")
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve '{e.full_key}': {e.msg}") from None
+    run = OmegaConf.to_object(cfg)
+    validate(run)
+    return run
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks of values that types alone cannot express."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)!r}, expected one of {choices}")
+    positive = [
+        "world.nodes", "world.actors", "world.preprocessors", "world.trainers", "actor.attempts",
+        "actor.max_new_tokens", "actor.max_groups_in_flight", "preprocess.seq_length",
+        "preprocess.batch_groups", "trainer.groups_per_step", "trainer.weight_update_interval",
+        "trainer.max_steps", "trainer.weight_bucket_mb",
+    ]
+    for key in positive:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 1")
+    for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every"]:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
+    if cfg.trainer.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
+    if cfg.actor.temperature <= 0:
+        raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
+    if cfg.trainer.loss.kl_coef > 0 and not any("Reference" in s.cls for s in cfg.preprocess.scorers):
+        raise ConfigError("'trainer.loss.kl_coef' > 0 needs a reference scorer in 'preprocess.scorers'")
+    for i, scorer in enumerate(cfg.preprocess.scorers):
+        if ":" not in scorer.cls:
+            raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
+    if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
+        raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def load_saved_config(path: Path) -> RunConfig:
+    """Read back the resolved config a launcher wrote into a run directory."""
+    cfg = _merge(OmegaConf.structured(RunConfig), _read_yaml(path), str(path))
+    return OmegaConf.to_object(cfg)
