@@ -73,8 +73,9 @@ def redis_server(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The pretrained tiny arithmetic model (built once, cached under .cache/tiny_model)."""
+    """The pretrained tiny arithmetic model (built once, cached under .cache/tiny_model, with
+    its data set under .cache/arithmetic)."""
     path = CACHE / "tiny_model"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", str(path)], check=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--cache", str(CACHE)], check=True)
     return path
