@@ -111,6 +111,17 @@ class Metrics:
 
 
 @dataclass
+class Control:
+    """Run-wide events between the launchers of several nodes (stop, failure)."""
+
+    event: str
+    """stop (the run is over) or failed (a process failed; `source` names it)."""
+    source: str
+    reason: str = ""
+    kind: str = "control"
+
+
+@dataclass
 class DeadLetter:
     """A payload a reader could not use, with where it came from and why."""
 
@@ -124,7 +135,7 @@ class DeadLetter:
 
 RECORD_TYPES = {
     t.__dataclass_fields__["kind"].default: t
-    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, DeadLetter)
+    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, Control, DeadLetter)
 }
 
 # Token-level fields whose length must equal the owner's reference field.
