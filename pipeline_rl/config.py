@@ -283,7 +283,11 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, _all_keys(RunConfig), n=1, cutoff=0.6)
+    keys = _all_keys(RunConfig)
+    leaf = key.rsplit(".", 1)[-1]
+    # A right name at the wrong depth (trainer.lr) is the commonest slip: match the last part first.
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    close = close or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
@@ -319,6 +323,9 @@ def _layers(name: str, conf_dir: Path) -> list[tuple[Path, dict]]:
             raise ConfigError(f"config '{name}' extends itself through {sorted(seen)}")
         seen.add(name)
         path = conf_dir / f"{name}.yaml"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in conf_dir.glob("*.yaml")))
+            raise ConfigError(f"config file not found: {path} (available: {known})")
         data = _read_yaml(path)
         parent = data.pop("extends", "base")
         chain.append((path, data))

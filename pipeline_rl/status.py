@@ -1,0 +1,51 @@
+"""The launcher's live status line: a progress bar over trainer steps, fed by the metrics stream."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from pipeline_rl.records import Metrics
+
+
+class StatusLine:
+    """Keeps the latest value of each metric per pool and shows the ones people watch."""
+
+    def __init__(self, total_steps: int, reader: Any):
+        self.reader = reader
+        self.latest: dict[str, dict[str, Any]] = {}
+        self.bar = tqdm(total=total_steps, desc="version", unit="step", mininterval=1.0, dynamic_ncols=True)
+        self._last_print = 0.0
+
+    def _value(self, pool: str, key: str, default: Any = None) -> Any:
+        values = [v[key] for name, v in self.latest.items() if name.startswith(pool) and key in v]
+        if not values:
+            return default
+        if isinstance(values[0], (int, float)):
+            return sum(values) if key.endswith("_per_s") else sum(values) / len(values)
+        return values[0]
+
+    def update(self, timeout: float) -> None:
+        for entry in self.reader.read(timeout=timeout, max_count=1024):
+            record: Metrics = entry.record
+            self.latest.setdefault(record.process, {}).update(record.values)
+        version = int(self._value("trainer", "version", 0))
+        if version > self.bar.n:
+            self.bar.update(version - self.bar.n)
+        if time.time() - self._last_print < 1.0:
+            return
+        self._last_print = time.time()
+        fields = {
+            "samples/s": self._value("trainer", "samples_per_s"),
+            "tok/s(actor)": self._value("actor", "tokens_per_s"),
+            "reward": self._value("actor", "reward_mean"),
+            "eval": self._value("actor", "eval/reward"),
+            "lag": self._value("actor", "lag_mean"),
+            "dropped": self._value("trainer", "dropped_total"),
+        }
+        self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in fields.items() if v is not None})
+
+    def close(self) -> None:
+        self.bar.close()
