@@ -354,7 +354,9 @@ def load_config(name: str = "base", overrides: list[str] = (), conf_dir: Path = 
     for path, data in _layers(name, conf_dir):
         cfg = _merge(cfg, data, str(path))
     for item in overrides:
-        key, _, value = item.partition("=")
+        key, eq, _ = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
         try:
             layer = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as e:
