@@ -1,0 +1,97 @@
+"""Pipelined vs conventional RL on the tiny CPU demo, same seed, data and time budget.
+
+    python scripts/bench_learning.py [--budget-s 900] [--out runs/bench_learning] [override ...]
+
+Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, and prints for
+each the wall time until the held-out mean reward first reaches 0.7 and 0.9, the speed-up,
+the actor and trainer idle fractions, and peak RSS per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from pipeline_rl.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+THRESHOLDS = (0.7, 0.9)
+
+
+def time_to_reach(records: list[dict], t0: float, threshold: float) -> float | None:
+    for r in records:
+        value = r["values"].get("eval/reward")
+        if isinstance(value, (int, float)) and value >= threshold:
+            return r["time"] - t0
+    return None
+
+
+def last_values(records: list[dict]) -> dict[str, dict]:
+    latest: dict[str, dict] = defaultdict(dict)
+    for r in records:
+        latest[r["process"]].update(r["values"])
+    return latest
+
+
+def idle_fraction(latest: dict[str, dict], pool: str, idle_key: str, total_key: str) -> float | None:
+    fractions = [v[idle_key] / v[total_key] for p, v in latest.items()
+                 if p.startswith(pool) and v.get(total_key) and idle_key in v]
+    return sum(fractions) / len(fractions) if fractions else None
+
+
+def run(mode: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
+    run_dir = out / mode
+    argv = [sys.executable, "launch.py", "conf=tiny", f"actor.mode={mode}", f"run_dir={run_dir}",
+            f"name=bench_{mode}", f"max_time_s={budget_s}", "--fresh", *overrides]
+    print(f"[{mode}] {' '.join(argv[1:])}", flush=True)
+    start = time.time()
+    code = subprocess.run(argv, cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"[{mode}] launch.py exited with {code}; see {run_dir / 'logs'}")
+    records = read_metrics(run_dir)
+    t0 = min(r["time"] for r in records)
+    latest = last_values(records)
+    return {
+        "mode": mode,
+        "wall_s": time.time() - start,
+        "reach": {t: time_to_reach(records, t0, t) for t in THRESHOLDS},
+        "final_eval": max((r["values"]["eval/reward"], r["time"]) for r in records if "eval/reward" in r["values"])[0]
+        if any("eval/reward" in r["values"] for r in records) else None,
+        "actor_idle": idle_fraction(latest, "actor", "admission_wait_s", "uptime_s"),
+        "trainer_idle": idle_fraction(latest, "trainer", "wait_data_s", "uptime_s"),
+        "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
+    }
+
+
+def fmt(x, spec=".0f", unit="") -> str:
+    return "not reached" if x is None else f"{x:{spec}}{unit}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=900.0, help="wall-time budget of each run")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_learning")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
+    args = parser.parse_args()
+    results = [run(mode, args.budget_s, args.out, args.overrides) for mode in ("async", "sync")]
+    print("\n=== bench_learning: held-out mean reward (T=1) on the tiny arithmetic demo ===")
+    for r in results:
+        reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s')}" for t in THRESHOLDS)
+        print(f"{r['mode']:>5}: time to reach {reach}; best eval {fmt(r['final_eval'], '.3f')}; "
+              f"actor idle {fmt(r['actor_idle'], '.2f')}, trainer idle {fmt(r['trainer_idle'], '.2f')}")
+        print(f"       peak RSS MB: {', '.join(f'{p}={v:.0f}' for p, v in sorted(r['peak_rss_mb'].items()))}")
+    pipe, sync = results
+    for t in THRESHOLDS:
+        a, s = pipe["reach"][t], sync["reach"][t]
+        if a and s:
+            print(f"speed-up to {t}: {s / a:.2f}x (sync {s:.0f} s / pipelined {a:.0f} s)")
+        else:
+            print(f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s')}, sync {fmt(s, '.0f', ' s')})")
+
+
+if __name__ == "__main__":
+    main()
