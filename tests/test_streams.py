@@ -179,8 +179,9 @@ def test_round_robin_partitions_and_split(streams):
     got = {}
     for consumer in range(2):
         r = streams.reader("actor", RolloutGroup, partitions=partitions_for(consumer, 2, 3))
-        for e in read_all(r, 10, timeout=1.0):
+        for e in read_all(r, 6 - 2 * consumer, timeout=5.0):
             got.setdefault(e.partition, []).append(e.record.problem_id)
+        assert r.read(timeout=0.1) == []
     assert got == {0: ["w:0", "w:3", "w:6"], 1: ["w:1", "w:4", "w:7", "w:100"], 2: ["w:2", "w:5", "w:8"]}
 
 
@@ -242,7 +243,6 @@ def test_jsonl_torn_line_is_terminated_and_dead_lettered(tmp_path):
     s = Streams.from_config(cfg)
     w = s.writer("actor")
     w.write(group(0))
-    w.close()
     path = partition_path(Path(cfg.run_dir) / "streams", "actor", 0)
     fragment_at = path.stat().st_size
     with open(path, "ab") as f:
@@ -250,8 +250,7 @@ def test_jsonl_torn_line_is_terminated_and_dead_lettered(tmp_path):
     r = s.reader("actor", RolloutGroup)
     assert ids(r.read(timeout=1)) == ["w:0"]
     assert r.read(timeout=0.3) == [] and r.dead_letters == 0  # the fragment is not handed out
-    w2 = s.writer("actor")  # the next writer terminates the fragment
-    w2.write(group(2))
+    w.write(group(2))  # the next write, even by a writer opened earlier, terminates the fragment
     assert ids(r.read(timeout=1)) == ["w:2"]
     assert r.dead_letters == 1
     letter = s.reader("actor.dead", DeadLetter).read(timeout=1)[0].record
@@ -284,4 +283,43 @@ def test_jsonl_writer_killed_mid_write(tmp_path):
     assert r.dead_letters == 1
     letter = read_all(s.reader("actor.dead", DeadLetter), 1)[0].record
     assert "payload of" in letter.error and len(letter.payload) <= 1 << 16
+    s.close()
+
+
+# ---- Redis connection loss ----
+
+@pytest.mark.redis
+def test_redis_writer_and_reader_survive_a_restart(tmp_path, redis_server, caplog):
+    caplog.set_level(logging.WARNING, logger="pipeline_rl.stream_redis")
+    s = Streams.from_config(make_cfg(tmp_path, "redis", redis_server.port))
+    w = s.writer("actor")
+    r = s.reader("actor", RolloutGroup)
+    w.write(group(0))
+    w.flush()
+    assert ids(r.read(timeout=5)) == ["w:0"]
+    got = []
+
+    def consume():  # blocked in XREAD when the server goes away
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            got.extend(r.read(timeout=0.5))
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    time.sleep(0.3)
+    restart = threading.Thread(target=redis_server.restart, kwargs={"down_s": 1.5})
+    restart.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    w.write(group(1))
+    w.write(group(2))
+    w.flush()  # blocks, retrying, until the new server takes the batch
+    assert time.monotonic() - t0 > 0.5
+    restart.join()
+    consumer.join()
+    # The restarted server has no persistence: w:0 is gone, the new records flow.
+    assert ids(got) == ["w:1", "w:2"]
+    lost = [m.getMessage() for m in caplog.records if "connection lost" in m.getMessage()]
+    assert any("writer of topic 'actor'" in m for m in lost)
+    assert any("reader of topic 'actor'" in m for m in lost)
     s.close()

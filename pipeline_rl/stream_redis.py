@@ -1,0 +1,191 @@
+"""Redis backend of the stream layer: one Redis stream per partition (several nodes).
+
+Keys are "{namespace}:{topic}:{partition}" with namespace "pipeline_rl:{cfg.name}". Each
+entry has one field, `data`, holding the orjson payload; an offset is the entry ID. XADD
+trims with MAXLEN ~ cfg.streams.redis.maxlen (0: no trimming): a reader that falls further
+behind than that loses the trimmed entries.
+
+Writes are batched: write() buffers the record; a background thread sends what is buffered
+in one pipeline about LINGER_S after the first buffered record, and write() itself sends the
+batch once it holds BATCH_RECORDS records or BATCH_BYTES bytes. So a record is visible to
+readers within a few milliseconds of write() returning, and at once after flush() or
+close(). Batches go out one at a time, in write order.
+
+A lost connection is logged and retried with exponential backoff (RETRY_MIN_S doubling up to
+RETRY_MAX_S) for as long as it takes: a writer's flush() blocks until its batch is in;
+a reader's read() returns [] at its timeout and tries again on the next call. A batch whose
+reply was lost with the connection is sent again, so delivery is at-least-once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pipeline_rl.config import RedisConfig
+from pipeline_rl.streams import RawEntry, Reader, Streams, Writer
+
+log = logging.getLogger(__name__)
+
+FIELD = b"data"
+BATCH_RECORDS = 256
+BATCH_BYTES = 4 << 20
+LINGER_S = 0.002
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0
+BLOCK_MAX_S = 10.0
+"""Longest single XREAD block; the socket timeout is well above it."""
+SOCKET_TIMEOUT_S = 30.0
+
+_LOST = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Backoff:
+    """Delays between retries of one operation, with a log line for each failure."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failures = 0
+
+    def failed(self, error: Exception) -> float:
+        delay = min(RETRY_MIN_S * 2 ** self.failures, RETRY_MAX_S)
+        self.failures += 1
+        log.warning("%s: redis connection lost (%s); retry %d in %.1f s", self.what, error, self.failures, delay)
+        return delay
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.warning("%s: redis connection back after %d retries", self.what, self.failures)
+        self.failures = 0
+
+
+class RedisWriter(Writer):
+    def __init__(self, client: redis.Redis, namespace: str, topic: str, partitions: int, maxlen: int):
+        super().__init__(topic, partitions)
+        self._client = client
+        self._keys = [f"{namespace}:{topic}:{p}" for p in range(partitions)]
+        self._trim = {"maxlen": maxlen, "approximate": True} if maxlen > 0 else {}
+        self._buf: list[tuple[int, bytes]] = []
+        self._bytes = 0
+        self._buf_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one batch in flight at a time keeps write order
+        self._wake = threading.Event()
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._backoff = Backoff(f"writer of topic {topic!r}")
+
+    def write_raw(self, payload: bytes, partition: int = 0) -> None:
+        self._check_partition(partition)
+        if self._error is not None:
+            raise RuntimeError(f"topic {self.topic!r}: background flush failed: {self._error}") from self._error
+        with self._buf_lock:
+            self._buf.append((partition, payload))
+            self._bytes += len(payload)
+            full = len(self._buf) >= BATCH_RECORDS or self._bytes >= BATCH_BYTES
+        if full:
+            self.flush()
+        else:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._flush_loop, daemon=True,
+                                                name=f"stream-writer-{self.topic}")
+                self._thread.start()
+            self._wake.set()
+
+    def flush(self) -> None:
+        with self._send_lock:
+            with self._buf_lock:
+                batch, self._buf, self._bytes = self._buf, [], 0
+            if batch:
+                self._send(batch)
+
+    def _send(self, batch: list[tuple[int, bytes]]) -> None:
+        while True:
+            pipe = self._client.pipeline(transaction=False)
+            for partition, payload in batch:
+                pipe.xadd(self._keys[partition], {FIELD: payload}, **self._trim)
+            try:
+                pipe.execute()
+                self._backoff.succeeded()
+                return
+            except _LOST as e:
+                time.sleep(self._backoff.failed(e))
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            self._wake.clear()
+            time.sleep(LINGER_S)  # let a few more records join the batch
+            try:
+                self.flush()
+            except Exception as e:  # surfaced to the caller on its next write()
+                log.error("writer of topic %r: background flush failed: %s", self.topic, e)
+                self._error = e
+                return
+
+    def close(self) -> None:
+        self.flush()
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+class RedisReader(Reader):
+    def __init__(self, client: redis.Redis, namespace: str, topic: str, record_type: type,
+                 partitions: Iterable[int], position: Optional[dict], dead_writer: Callable[[], Writer]):
+        super().__init__(topic, record_type, partitions, position, "0-0", dead_writer)
+        self._client = client
+        self._keys = {f"{namespace}:{topic}:{p}".encode(): p for p in self.partitions}
+        self._backoff = Backoff(f"reader of topic {topic!r}")
+
+    def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
+        streams = {key: self._position[p] for key, p in self._keys.items()}
+        block_ms = int(min(timeout, BLOCK_MAX_S) * 1000)
+        try:
+            # block=0 would mean forever in Redis; no block means return at once.
+            reply = self._client.xread(streams, count=max_count, block=block_ms or None)
+            self._backoff.succeeded()
+        except _LOST as e:
+            time.sleep(min(self._backoff.failed(e), timeout))
+            return []
+        out: list[RawEntry] = []
+        for key, items in reply or ():
+            partition = self._keys[key]
+            for entry_id, fields in items[:max_count - len(out)]:
+                offset = entry_id.decode()
+                out.append((partition, offset, fields.get(FIELD, b"")))
+                self._position[partition] = offset
+        return out
+
+
+class RedisStreams(Streams):
+    def __init__(self, rcfg: RedisConfig, namespace: str):
+        super().__init__()
+        self.namespace = namespace
+        self.maxlen = rcfg.maxlen
+        # Retries are ours (logged, with backoff), so redis-py's own are turned off.
+        self.client = redis.Redis(
+            host=rcfg.host, port=rcfg.port, password=rcfg.password, ssl=rcfg.tls,
+            socket_connect_timeout=5.0, socket_timeout=SOCKET_TIMEOUT_S, socket_keepalive=True,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    def _make_writer(self, topic: str, partitions: int) -> Writer:
+        return RedisWriter(self.client, self.namespace, topic, partitions, self.maxlen)
+
+    def _make_reader(self, topic: str, record_type: type, partitions: Iterable[int],
+                     position: Optional[dict], dead_writer: Callable[[], Writer]) -> Reader:
+        return RedisReader(self.client, self.namespace, topic, record_type, partitions, position, dead_writer)
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
