@@ -45,7 +45,7 @@ from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.packing import is_padding, pack_step, rollout_sequence
 from pipeline_rl.records import DeadLetter, RolloutGroup, encode
 from pipeline_rl.scorers import SCORER_DEAD_TOPIC, Scorer, load_scorers
-from pipeline_rl.streams import Entry, PositionStore, Streams, partitions_for
+from pipeline_rl.streams import Entry, PositionStore, Reader, Streams, partitions_for
 
 log = logging.getLogger("pipeline_rl.preprocessor")
 
@@ -234,7 +234,7 @@ def run(cfg: RunConfig, index: int, stop: Optional[Callable[[], bool]] = None) -
         streams.close()
 
 
-def _run_scoring_only(cfg: RunConfig, index: int, actor, scoring: ScoringStage, streams: Streams,
+def _run_scoring_only(cfg: RunConfig, index: int, actor: Optional[Reader], scoring: ScoringStage, streams: Streams,
                       store: PositionStore, metrics: MetricsLogger, counters: Counters,
                       stop: Callable[[], bool]) -> None:
     """Preprocessors 1..n-1: score batches and hand them to preprocessor 0."""

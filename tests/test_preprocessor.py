@@ -46,7 +46,8 @@ def make_group(i: int, vocab: int = 97) -> RolloutGroup:
     for k in range(3):
         p, c = rng.randint(2, 10), rng.randint(2, 20)
         rollouts.append(Rollout(
-            prompt_ids=[rng.randrange(vocab) for _ in range(p)], completion_ids=[rng.randrange(vocab) for _ in range(c)],
+            prompt_ids=[rng.randrange(vocab) for _ in range(p)],
+            completion_ids=[rng.randrange(vocab) for _ in range(c)],
             logprobs=[-rng.random() for _ in range(c)], versions=[i // 3] * c,
             reward=1.0 if i % 4 == 3 else float(k == i % 3), finish_reason="stop",
         ))
@@ -101,7 +102,7 @@ def run_cli_until(cfg: RunConfig, step: int) -> None:
 
 def check_steps(per_rank: list[list[MicroBatch]], steps: int) -> dict[int, list[tuple]]:
     """Equal counts per rank, 0-based step numbering, indices, denominators; returns the
-    real sequences of each step as (group_id, input_ids, advantages, loss_mask)."""
+    real sequences of each step as (group_id, input_ids, advantages, loss_mask, ref_logprobs)."""
     by_step = [defaultdict(list) for _ in per_rank]
     for rank, batches in enumerate(per_rank):
         assert [mb.step for mb in batches] == sorted(mb.step for mb in batches)
@@ -122,7 +123,8 @@ def check_steps(per_rank: list[list[MicroBatch]], steps: int) -> dict[int, list[
             start = 0
             for n, gid in zip(mb.seq_lengths, mb.group_ids):
                 sl = slice(start, start + n)
-                seqs.append((gid, mb.input_ids[sl], mb.advantages[sl], mb.loss_mask[sl], mb.ref_logprobs and mb.ref_logprobs[sl]))
+                ref = mb.ref_logprobs[sl] if mb.ref_logprobs is not None else None
+                seqs.append((gid, mb.input_ids[sl], mb.advantages[sl], mb.loss_mask[sl], ref))
                 start += n
         assert all(mb.step_tokens == sum(sum(x.loss_mask) for x in flat) for mb in flat)
         assert all(mb.step_samples == len(seqs) for mb in flat)
@@ -168,7 +170,8 @@ def test_cli_end_to_end_with_resume(tmp_path):
             assert mask == [0] * len(r.prompt_ids) + [1] * len(r.completion_ids)
             assert got_adv[len(r.prompt_ids):] == pytest.approx(adv)
     # The run resumed at step 2 rather than renumbering; the metrics count filtered groups.
-    metrics = [orjson.loads(line) for line in (Path(cfg.run_dir) / "metrics" / "preprocessor0.jsonl").read_bytes().splitlines()]
+    metrics_file = Path(cfg.run_dir) / "metrics" / "preprocessor0.jsonl"
+    metrics = [orjson.loads(line) for line in metrics_file.read_bytes().splitlines()]
     step_records = [m for m in metrics if "preprocess/groups_out" in m["values"]]
     assert [m["step"] for m in step_records] == [0, 1, 2, 3]
     assert sum(m["values"]["preprocess/groups_in"] - m["values"]["preprocess/groups_out"] for m in step_records) == \
