@@ -9,8 +9,10 @@ takes groups from its own scoring and from those partitions. (With n = 1 there i
 Advantages are a cheap function of a scored group, so preprocessor 0 computes them.
 
 Assembly, in preprocessor 0: per-token advantages; groups whose advantages are all zero are
-dropped and counted (`preprocess.advantage.filter_zero`); kept groups fill a step of exactly
-`trainer.groups_per_step` groups, which is packed (pipeline_rl/packing.py) into the same
+dropped and counted (`preprocess.advantage.filter_zero`). A step is exactly
+`trainer.groups_per_step` groups *taken*, filtered ones included, so the number of groups an
+actor must produce per step is fixed and its admission bound (pipeline_rl/admission.py) can
+never wait for groups that filtering threw away. The kept groups are packed (pipeline_rl/packing.py) into the same
 number of micro-batches for every rank and written to partition r of "trainer" for rank r.
 
 Resume contract. Reads are capped so that a step never holds more groups than it needs;
@@ -111,24 +113,26 @@ class StepAssembler:
         self.metrics = metrics
         self.next_step = next_step
         self.pending: list[tuple[RolloutGroup, list[list[float]]]] = []
+        self.taken = 0
         self.counters = Counters()
         self.rewards: list[float] = []
 
     @property
     def needed(self) -> int:
-        return self.cfg.trainer.groups_per_step - len(self.pending)
+        return self.cfg.trainer.groups_per_step - self.taken
 
     def add(self, groups: list[RolloutGroup]) -> None:
         """Take scored groups; the caller never hands over more than `needed`."""
         for group in groups:
             advantages = group_advantages(group, self.cfg.preprocess.advantage)
+            self.taken += 1
             self.counters.add("groups_in")
             self.rewards += [r.reward for r in group.rollouts]
             if self.cfg.preprocess.advantage.filter_zero and all_zero(advantages):
                 self.counters.add("groups_filtered")
                 continue
             self.pending.append((group, advantages))
-        assert len(self.pending) <= self.cfg.trainer.groups_per_step, "read more groups than the step needs"
+        assert self.taken <= self.cfg.trainer.groups_per_step, "read more groups than the step needs"
 
     def write_step(self) -> None:
         """Pack and write the full step `next_step` to every rank, then advance."""
@@ -169,6 +173,7 @@ class StepAssembler:
         self.counters.reset()
         self.rewards = []
         self.pending = []
+        self.taken = 0
         self.next_step += 1
 
 
