@@ -10,6 +10,7 @@ checked one by one: that would cost more than the decoding itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -176,28 +177,50 @@ def _check_value(value: Any, hint: str, where: str) -> None:
             raise RecordError(f"{where}: expected {base}, got {type(value).__name__}")
 
 
+def _accepted_types(hint: str) -> Optional[frozenset]:
+    """The exact types of JSON values that _check_value(value, hint, ...) accepts (None: any).
+    orjson.loads only makes exact builtin types, so `type(v) in accepted` is the same test."""
+    optional = {type(None)} if hint.startswith("Optional[") else set()
+    base = hint.replace("Optional[", "").rstrip("]") if optional else hint
+    if base.startswith("list["):
+        return frozenset({list} | optional)
+    if base.startswith("dict["):
+        return frozenset({dict} | optional)
+    exact = {"int": {int}, "float": {int, float}, "str": {str}, "bool": {bool}}.get(base)
+    return frozenset(exact | optional) if exact is not None else None
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[frozenset, tuple]:
+    """Field names, and per field (name, required, hint, accepted types); computed once per
+    class because dataclasses.fields and the hint parsing dominated decode time."""
+    specs = tuple(
+        (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, str(f.type),
+         _accepted_types(str(f.type)))
+        for f in dataclasses.fields(cls)
+    )
+    return frozenset(s[0] for s in specs), specs
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise RecordError(f"{where}: expected an object, got {type(data).__name__}")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(data) - set(known)
-    if unknown:
-        raise RecordError(f"{where}: unknown field(s) {sorted(unknown)}")
-    kwargs = {}
-    for name, f in known.items():
+    names, specs = _schema(cls)
+    if not names.issuperset(data):
+        raise RecordError(f"{where}: unknown field(s) {sorted(set(data) - names)}")
+    for name, required, hint, accepted in specs:
         if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if required:
                 raise RecordError(f"{where}: missing field '{name}'")
             continue
         value = data[name]
         if cls is RolloutGroup and name == "rollouts":
             if not isinstance(value, list):
                 raise RecordError(f"{where}.rollouts: expected a list")
-            value = [_build(Rollout, r, f"{where}.rollouts[{i}]") for i, r in enumerate(value)]
-        else:
-            _check_value(value, str(f.type), f"{where}.{name}")
-        kwargs[name] = value
-    obj = cls(**kwargs)
+            data[name] = [_build(Rollout, r, f"{where}.rollouts[{i}]") for i, r in enumerate(value)]
+        elif accepted is not None and type(value) not in accepted:
+            _check_value(value, hint, f"{where}.{name}")  # raises, naming the field
+    obj = cls(**data)
     if cls in _ALIGNED:
         ref, aligned = _ALIGNED[cls]
         n = len(getattr(obj, ref))
