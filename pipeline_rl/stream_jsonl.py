@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -45,6 +46,7 @@ class JsonlWriter(Writer):
         self._fds: dict[int, int] = {}
         self._ends: dict[int, int] = {}
         """File size right after this writer's last write: if unchanged, the file ends in '\\n'."""
+        self._lock = threading.Lock()  # flock does not exclude threads sharing one descriptor
 
     def _fd(self, partition: int) -> int:
         fd = self._fds.get(partition)
@@ -61,8 +63,12 @@ class JsonlWriter(Writer):
         self._check_partition(partition)
         if b"\n" in payload:
             raise ValueError(f"topic {self.topic!r}: a JSONL payload cannot contain a newline")
-        fd = self._fd(partition)
         line = payload + b"\n"
+        with self._lock:
+            self._append(partition, line)
+
+    def _append(self, partition: int, line: bytes) -> None:
+        fd = self._fd(partition)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             size = os.fstat(fd).st_size
@@ -79,9 +85,10 @@ class JsonlWriter(Writer):
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class JsonlReader(Reader):

@@ -5,11 +5,13 @@ entry has one field, `data`, holding the orjson payload; an offset is the entry 
 trims with MAXLEN ~ cfg.streams.redis.maxlen (0: no trimming): a reader that falls further
 behind than that loses the trimmed entries.
 
-Writes are batched: write() buffers the record; a background thread sends what is buffered
-in one pipeline about LINGER_S after the first buffered record, and write() itself sends the
-batch once it holds BATCH_RECORDS records or BATCH_BYTES bytes. So a record is visible to
-readers within a few milliseconds of write() returning, and at once after flush() or
-close(). Batches go out one at a time, in write order.
+Writes are batched: write() buffers the record and sends the buffer in one pipeline once it
+holds BATCH_RECORDS records or BATCH_BYTES bytes or its oldest record is LINGER_S old. When
+writes stop, a background thread sends what is left about LINGER_S to 2 * LINGER_S after the
+last write. So a record is visible to readers within a few milliseconds of write()
+returning, and at once after flush() or close(). Batches go out one at a time, in write
+order. (The sending is done by the writing thread while it writes: a background sender
+would wait for the GIL behind the encoding thread at every socket call.)
 
 A lost connection is logged and retried with exponential backoff (RETRY_MIN_S doubling up to
 RETRY_MAX_S) for as long as it takes: a writer's flush() blocks until its batch is in;
@@ -52,8 +54,8 @@ class Backoff:
         self.what = what
         self.failures = 0
 
-    def failed(self, error: Exception) -> float:
-        delay = min(RETRY_MIN_S * 2 ** self.failures, RETRY_MAX_S)
+    def failed(self, error: Exception, cap: float = RETRY_MAX_S) -> float:
+        delay = min(RETRY_MIN_S * 2 ** self.failures, RETRY_MAX_S, cap)
         self.failures += 1
         log.warning("%s: redis connection lost (%s); retry %d in %.1f s", self.what, error, self.failures, delay)
         return delay
@@ -72,6 +74,8 @@ class RedisWriter(Writer):
         self._trim = {"maxlen": maxlen, "approximate": True} if maxlen > 0 else {}
         self._buf: list[tuple[int, bytes]] = []
         self._bytes = 0
+        self._first = 0.0
+        """When the oldest buffered record was written (time.monotonic)."""
         self._buf_lock = threading.Lock()
         self._send_lock = threading.Lock()  # one batch in flight at a time keeps write order
         self._wake = threading.Event()
@@ -84,11 +88,15 @@ class RedisWriter(Writer):
         self._check_partition(partition)
         if self._error is not None:
             raise RuntimeError(f"topic {self.topic!r}: background flush failed: {self._error}") from self._error
+        now = time.monotonic()
         with self._buf_lock:
+            if not self._buf:
+                self._first = now
             self._buf.append((partition, payload))
             self._bytes += len(payload)
-            full = len(self._buf) >= BATCH_RECORDS or self._bytes >= BATCH_BYTES
-        if full:
+            due = (len(self._buf) >= BATCH_RECORDS or self._bytes >= BATCH_BYTES
+                   or now - self._first >= LINGER_S)
+        if due:
             self.flush()
         else:
             if self._thread is None:
@@ -117,12 +125,19 @@ class RedisWriter(Writer):
                 time.sleep(self._backoff.failed(e))
 
     def _flush_loop(self) -> None:
+        """Send what an idle writer left in its buffer."""
         while True:
             self._wake.wait()
             if self._closed:
                 return
             self._wake.clear()
-            time.sleep(LINGER_S)  # let a few more records join the batch
+            time.sleep(LINGER_S)
+            with self._buf_lock:
+                idle = bool(self._buf) and time.monotonic() - self._first >= LINGER_S
+            if not idle:
+                if self._buf:
+                    self._wake.set()  # a busy writer sends by itself; look again later
+                continue
             try:
                 self.flush()
             except Exception as e:  # surfaced to the caller on its next write()
@@ -155,7 +170,7 @@ class RedisReader(Reader):
             reply = self._client.xread(streams, count=max_count, block=block_ms or None)
             self._backoff.succeeded()
         except _LOST as e:
-            time.sleep(min(self._backoff.failed(e), timeout))
+            time.sleep(self._backoff.failed(e, cap=timeout))
             return []
         out: list[RawEntry] = []
         for key, items in reply or ():
