@@ -1,0 +1,150 @@
+"""The in-flight weight swap: a lock around every forward pass of an in-process vLLM engine.
+
+The engine's forward pass and logits happen in the model runner's `execute_model`;
+sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and records
+the policy version each forward pass ran with. `swap` takes the same lock, reloads the
+weights in place (`model_runner.reload_weights`, which also works on CPU where linear
+layers repack their weights after loading) and sets the new version. A swap thus waits at
+most one forward pass; sequences in flight keep their KV cache and continue with the new
+weights from the next decode step.
+
+A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
+another forward pass before the swap has run.
+
+On GPU, forward and reload run on the same (default) CUDA stream, so a reload queued after
+a forward pass's kernels runs after them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwapStats:
+    version: int
+    lock_wait_s: float
+    """Time between asking for the lock and getting it (at most one forward pass)."""
+    load_s: float
+    """Time to load the new weights while holding the lock."""
+
+
+def checkpoint_shapes(model_path: str | Path) -> tuple[dict[str, list[int]], set[str]]:
+    """Parameter names and shapes of a Hugging Face checkpoint (read from the safetensors
+    headers), and the names an update may carry but need not (a tied lm_head)."""
+    path = Path(model_path)
+    shapes: dict[str, list[int]] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = list(f.get_slice(name).get_shape())
+    optional: set[str] = set()
+    config = json.loads((path / "config.json").read_text())
+    embed = "model.embed_tokens.weight"
+    if config.get("tie_word_embeddings") and embed in shapes and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes[embed]
+        optional.add("lm_head.weight")
+    return shapes, optional
+
+
+class WeightSwapHook:
+    """Gates `model_runner.execute_model` with `lock` and swaps weights between forward passes."""
+
+    def __init__(self, model_runner, version: int, expected_shapes: dict[str, list[int]],
+                 optional_names: Iterable[str] = (), history: int = 10000):
+        self.lock = threading.Lock()
+        self._turnstile = threading.Lock()
+        self.version = version
+        """Version of the weights loaded now."""
+        self.step_version = version
+        """Version the latest forward pass ran with (read by the thread that steps the engine)."""
+        self.forward_passes = 0
+        self.swaps: deque[SwapStats] = deque(maxlen=history)
+        self.swap_count = 0
+        self.failures = 0
+        self._expected = expected_shapes
+        self._optional = set(optional_names)
+        self._broken: Optional[str] = None
+        self._runner = model_runner
+        self._execute_model = model_runner.execute_model
+        model_runner.execute_model = self._gated_execute_model
+
+    @classmethod
+    def install(cls, llm_engine, model_path: str | Path, version: int) -> "WeightSwapHook":
+        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process)."""
+        try:
+            runner = llm_engine.model_executor.driver_worker.worker.model_runner
+        except AttributeError:
+            raise RuntimeError(
+                "the weight-swap hook needs the model runner in this process: set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 and use one worker (tensor_parallel_size=1)"
+            ) from None
+        shapes, optional = checkpoint_shapes(model_path)
+        return cls(runner, version, shapes, optional)
+
+    def _gated_execute_model(self, *args, **kwargs):
+        with self._turnstile:
+            pass
+        with self.lock:
+            if self._broken is not None:
+                raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
+            self.step_version = self.version
+            self.forward_passes += 1
+            return self._execute_model(*args, **kwargs)
+
+    def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise ValueError unless the update has every parameter of the engine's model with
+        its shape, and nothing else."""
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in self._expected:
+                raise ValueError(f"weight update has unknown parameter {name!r}")
+            if list(tensor.shape) != self._expected[name]:
+                raise ValueError(f"weight update: {name} has shape {list(tensor.shape)}, "
+                                 f"the engine's model has {self._expected[name]}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight update: {name} has non-float dtype {tensor.dtype}")
+            seen.add(name)
+        missing = set(self._expected) - self._optional - seen
+        if missing:
+            raise ValueError(f"weight update lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
+
+    def swap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
+        """Check the update, then load it between two forward passes and set `version`.
+        A failed check raises before anything is loaded (the old version keeps serving)."""
+        named = list(named_tensors)
+        try:
+            self.check(named)
+        except ValueError:
+            self.failures += 1
+            raise
+        asked = time.perf_counter()
+        with self._turnstile, self.lock:
+            got = time.perf_counter()
+            try:
+                self._runner.reload_weights(weights_iterator=iter(named))
+            except Exception as e:
+                self.failures += 1
+                self._broken = f"loading version {version} failed: {e}"
+                raise
+            self.version = version
+            done = time.perf_counter()
+        stats = SwapStats(version, got - asked, done - got)
+        self.swaps.append(stats)
+        self.swap_count += 1
+        return stats

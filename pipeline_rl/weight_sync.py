@@ -1,0 +1,234 @@
+"""Weight broadcast from trainer rank 0 to every actor engine, in buckets.
+
+The process group is standalone: a TCPStore hosted by the sender at `addr` and a
+ProcessGroupGloo / ProcessGroupNCCL object built directly on it, so the trainer's own
+default process group (DeepSpeed's) and vLLM's are never touched. Rank 0 is the sender,
+actor i is rank i + 1.
+
+One update: the sender publishes its version under the store key "latest", announces a
+WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts each bucket
+as one flat buffer per dtype. Receivers read the announcement from the "weights" stream and
+take part in the broadcast.
+
+The group is built lazily by the first transfer and rebuilt after a failure: the sender
+names each group it builds by the version it was built for (store key "group"), and a
+receiver whose group has another name rebuilds before receiving. A receiver that reads an
+announcement older than "latest" (an actor restarted after that transfer ended) skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pipeline_rl.records import WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+class StaleUpdate(Exception):
+    """An announcement whose transfer is already over; the receiver did not take part."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in weight update")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_buckets(sizes_bytes: list[int], bucket_mb: int) -> list[int]:
+    """Tensors per bucket: consecutive tensors, at most `bucket_mb` MiB each (a larger tensor
+    gets a bucket of its own)."""
+    limit = bucket_mb * 2**20
+    buckets: list[int] = []
+    count = filled = 0
+    for size in sizes_bytes:
+        if count and filled + size > limit:
+            buckets.append(count)
+            count = filled = 0
+        count += 1
+        filled += size
+    if count:
+        buckets.append(count)
+    return buckets
+
+
+def _split_host_port(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"weight-sync address {addr!r} is not host:port")
+    return host, int(port)
+
+
+def _new_group(store: dist.Store, name: str, rank: int, world_size: int, backend: str, timeout: timedelta):
+    prefixed = dist.PrefixStore(f"weights/{name}", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+
+
+class _Endpoint:
+    def __init__(self, addr: str, rank: int, world_size: int, backend: str, timeout_s: float):
+        if world_size < 2:
+            raise ValueError(f"weight-sync world size must be >= 2 (trainer + actors), got {world_size}")
+        self.host, self.port = _split_host_port(addr)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._group = None
+        self._group_name: Optional[str] = None
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._group.broadcast([buffer], opts).wait(self.timeout)
+
+    def _transfer(self, update: WeightUpdate, tensors: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Broadcast each bucket as one flat buffer per dtype; the sender passes its tensors,
+        a receiver gets views into the received buffers."""
+        out: list[torch.Tensor] = []
+        start = 0
+        for count in update.bucket_sizes:
+            idx = range(start, start + count)
+            by_dtype: dict[str, list[int]] = defaultdict(list)
+            for i in idx:
+                by_dtype[update.dtypes[i]].append(i)
+            received: dict[int, torch.Tensor] = {}
+            for dtype_name in sorted(by_dtype):
+                members = by_dtype[dtype_name]
+                if tensors is not None:
+                    flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device) for i in members])
+                else:
+                    numel = sum(_numel(update.shapes[i]) for i in members)
+                    flat = torch.empty(numel, dtype=_dtype(dtype_name), device=self.device)
+                self._broadcast(flat)
+                offset = 0
+                for i in members:
+                    n = _numel(update.shapes[i])
+                    received[i] = flat[offset:offset + n].view(update.shapes[i])
+                    offset += n
+            out.extend(received[i] for i in idx)
+            start += count
+        return out
+
+    def _drop_group(self) -> None:
+        self._group = None
+        self._group_name = None
+
+    def close(self) -> None:
+        self._drop_group()
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class WeightSender(_Endpoint):
+    """Trainer rank 0: hosts the store and broadcasts each published version."""
+
+    def __init__(self, addr: str, world_size: int, backend: str = "gloo", timeout_s: float = 120):
+        super().__init__(addr, 0, world_size, backend, timeout_s)
+        self._store = dist.TCPStore(self.host, self.port, world_size, is_master=True,
+                                    timeout=self.timeout, wait_for_workers=False)
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             announce: Callable[[WeightUpdate], None], bucket_mb: int) -> float:
+        """Announce `version` and broadcast it to every receiver; returns the seconds taken.
+        Raises when a receiver is missing or dies (after at most the timeout); the next send
+        then builds a fresh group."""
+        start = time.perf_counter()
+        names, tensors = [], []
+        for name, tensor in named_tensors:
+            names.append(name)
+            tensors.append(tensor)
+        update = WeightUpdate(
+            version=version, names=names, shapes=[list(t.shape) for t in tensors],
+            dtypes=[_dtype_name(t.dtype) for t in tensors],
+            bucket_sizes=plan_buckets([t.numel() * t.element_size() for t in tensors], bucket_mb),
+        )
+        try:
+            if self._group is None:
+                self._group_name = str(version)
+                self._store.set("group", self._group_name)
+            self._store.set("latest", str(version))
+            announce(update)
+            if self._group is None:
+                self._group = _new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
+            self._transfer(update, tensors)
+        except Exception:
+            self._drop_group()
+            raise
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        super().close()
+        self._store = None
+
+
+class WeightReceiver(_Endpoint):
+    """An actor engine's end: joins the sender's store on first use and receives updates."""
+
+    def __init__(self, addr: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 120):
+        if not 1 <= rank < world_size:
+            raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
+        super().__init__(addr, rank, world_size, backend, timeout_s)
+        self._store: Optional[dist.TCPStore] = None
+
+    def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
+        """Take part in the broadcast announced by `update`; returns (name, tensor) pairs.
+        Raises StaleUpdate for an announcement whose transfer is over, ValueError for an
+        inconsistent announcement, and RuntimeError/DistStoreError when the sender dies or
+        stalls past the timeout."""
+        _check_announcement(update)
+        try:
+            if self._store is None:
+                self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
+                                            timeout=self.timeout)
+            latest = int(self._store.get("latest"))
+            if update.version < latest:
+                raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {latest}")
+            name = self._store.get("group").decode()
+            if name != self._group_name:
+                self._group = _new_group(self._store, name, self.rank, self.world_size, self.backend, self.timeout)
+                self._group_name = name
+            tensors = self._transfer(update, None)
+        except StaleUpdate:
+            raise
+        except Exception:
+            self._drop_group()
+            self._store = None
+            raise
+        return list(zip(update.names, tensors))
+
+    def close(self) -> None:
+        super().close()
+        self._store = None
+
+
+def _check_announcement(update: WeightUpdate) -> None:
+    n = len(update.names)
+    if len(update.shapes) != n or len(update.dtypes) != n:
+        raise ValueError(f"weight update {update.version}: {n} names, {len(update.shapes)} shapes, "
+                         f"{len(update.dtypes)} dtypes")
+    if sum(update.bucket_sizes) != n or any(c < 1 for c in update.bucket_sizes):
+        raise ValueError(f"weight update {update.version}: bucket sizes {update.bucket_sizes} do not cover {n} tensors")
+    for name in update.dtypes:
+        _dtype(name)

