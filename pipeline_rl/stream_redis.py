@@ -173,7 +173,8 @@ class RedisReader(Reader):
             time.sleep(self._backoff.failed(e, cap=timeout))
             return []
         out: list[RawEntry] = []
-        for key, items in reply or ():
+        # redis-py gives [[key, entries], ...], or {key: entries} under RESP3 in some versions.
+        for key, items in (reply.items() if isinstance(reply, dict) else reply or ()):
             partition = self._keys[key]
             for entry_id, fields in items[:max_count - len(out)]:
                 offset = entry_id.decode()

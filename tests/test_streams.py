@@ -244,6 +244,7 @@ def test_jsonl_torn_line_is_terminated_and_dead_lettered(tmp_path):
     w = s.writer("actor")
     w.write(group(0))
     path = partition_path(Path(cfg.run_dir) / "streams", "actor", 0)
+    assert path == tmp_path / "run" / "streams" / "actor" / "0.jsonl"
     fragment_at = path.stat().st_size
     with open(path, "ab") as f:
         f.write(encode(group(1))[:40])  # what a killed writer leaves behind
@@ -258,11 +259,11 @@ def test_jsonl_torn_line_is_terminated_and_dead_lettered(tmp_path):
     s.close()
 
 
-def test_jsonl_writer_killed_mid_write(tmp_path):
-    cfg = make_cfg(tmp_path, "jsonl")
-    path = partition_path(Path(cfg.run_dir) / "streams", "actor", 0)
-    proc = start(child_write_huge, cfg.run_dir, "actor", 64 << 20)
-    # Kill the writer while its 64 MB line is partly in the file.
+def kill_mid_write(cfg, topic: str) -> bool:
+    """Start a writer of three small records and a 64 MB one; SIGKILL it while the big line is
+    partly in the file. False if the write finished first (a very busy machine)."""
+    path = partition_path(Path(cfg.run_dir) / "streams", topic, 0)
+    proc = start(child_write_huge, cfg.run_dir, topic, 64 << 20)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if path.exists() and path.stat().st_size > 4 << 20:
@@ -271,22 +272,46 @@ def test_jsonl_writer_killed_mid_write(tmp_path):
         time.sleep(0.001)
     proc.join(10)
     assert proc.exitcode == -signal.SIGKILL
-    size = path.stat().st_size
-    assert size < 64 << 20 and path.read_bytes()[-1:] != b"\n", "the kill should land mid-write"
+    return path.read_bytes()[-1:] != b"\n"
+
+
+def test_jsonl_writer_killed_mid_write(tmp_path):
+    cfg = make_cfg(tmp_path, "jsonl")
+    topic = next(t for t in ("actor", "actor1", "actor2") if kill_mid_write(cfg, t))
     s = Streams.from_config(cfg)
-    r = s.reader("actor", RolloutGroup)
+    r = s.reader(topic, RolloutGroup)
     assert ids(read_all(r, 3, timeout=5)) == ["w:0", "w:1", "w:2"]
-    assert r.read(timeout=0.2) == [] and r.dead_letters == 0
-    proc = start(child_write, cfg.run_dir, "actor", 0, "next", 2, 0, 0.0)
+    assert r.read(timeout=0.2) == [] and r.dead_letters == 0  # the torn line is not handed out
+    torn_at = r.position()[0]
+    proc = start(child_write, cfg.run_dir, topic, 0, "next", 2, 0, 0.0)
     assert ids(read_all(r, 2, timeout=30)) == ["next:0", "next:1"]
     proc.join(10)
     assert r.dead_letters == 1
-    letter = read_all(s.reader("actor.dead", DeadLetter), 1)[0].record
+    letter = read_all(s.reader(f"{topic}.dead", DeadLetter), 1)[0].record
+    assert letter.offset == torn_at
     assert "payload of" in letter.error and len(letter.payload) <= 1 << 16
     s.close()
 
 
-# ---- Redis connection loss ----
+# ---- Redis ----
+
+@pytest.mark.redis
+def test_redis_keys_are_namespaced_and_trimmed(tmp_path, redis_server):
+    import redis
+
+    cfg = make_cfg(tmp_path, "redis", redis_server.port)
+    cfg.streams.redis.maxlen = 50
+    s = Streams.from_config(cfg)
+    w = s.writer("actor", partitions=2)
+    for i in range(2000):
+        w.write(group(i), partition=1)
+    s.close()
+    client = redis.Redis(port=redis_server.port)
+    assert client.keys("*") == [b"pipeline_rl:streamtest:actor:1"]
+    # MAXLEN ~ trims whole macro-nodes (100 entries by default), so the length is approximate.
+    assert 50 <= client.xlen("pipeline_rl:streamtest:actor:1") < 300
+    client.close()
+
 
 @pytest.mark.redis
 def test_redis_writer_and_reader_survive_a_restart(tmp_path, redis_server, caplog):
