@@ -85,7 +85,11 @@ class PositionStore:
 
 
 class Writer:
-    """Appends records to the partitions of one topic. Backends implement `write_raw`."""
+    """Appends records to the partitions of one topic. Backends implement `write_raw`.
+
+    Visibility: a JSONL record is readable when write() returns; a Redis record a few
+    milliseconds later (writes are batched), or at once after flush(). close() flushes; a
+    process must close (or flush) its writers before it exits."""
 
     def __init__(self, topic: str, partitions: int):
         check_topic(topic)
