@@ -1,0 +1,251 @@
+"""Real DeepSpeed trainer ranks on gloo: data parallelism gives the same update as one rank,
+and the max_lag gate keeps stale samples out of the update.
+
+Every trainer is a real process with torchrun-style env: most are forked from the test
+process and call pipeline_rl.trainer.main(), the ZeRO-3 pair is started as
+`python -m pipeline_rl.trainer` and stopped with SIGTERM like the launcher does. Helpers here
+are shared with tests/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, free_port
+from pipeline_rl.advantages import sequence_advantages
+from pipeline_rl.checkpoint import latest_checkpoint
+from pipeline_rl.config import RunConfig, load_config, save_config
+from pipeline_rl.logprobs import packed_logprobs
+from pipeline_rl.packing import Sequence, pack_step, rollout_sequence
+from pipeline_rl.records import Rollout
+from pipeline_rl.streams import Streams
+
+pytestmark = pytest.mark.deepspeed
+
+# Update-equality tolerance: runs differ only in float summation order (micro-batch layout,
+# gradient all-reduce), which Adam's normalised step can amplify for near-zero gradients.
+# Weights move by ~lr = 1e-3 per step, so 1e-5 is 1% of one step.
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> Path:
+    """A random tiny Qwen2 (hidden 64, 2 layers) with one tokenizer file to copy along."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def trainer_config(run_dir: Path, model_path: Path, *overrides: str) -> RunConfig:
+    cfg = load_config("base", [
+        f"run_dir={run_dir}", f"model.path={model_path}", "metrics.tensorboard=false", "actor.temperature=0.8",
+        "trainer.optimizer.lr=1e-3", "trainer.checkpoint_every=0", "trainer.max_lag=100", "preprocess.seq_length=64",
+        *overrides,
+    ])
+    save_config(cfg, run_dir / "config.yaml")
+    return cfg
+
+
+def make_steps(model_path: Path, steps: int, groups: int, seed: int, versions: list[int] | None = None
+               ) -> list[list[Sequence]]:
+    """Random rollout groups (4 attempts, prompt 4-8 tokens, completion 3-12) laid out as the
+    preprocessor would, with behaviour logprobs from the initial model at temperature 0.8.
+    Step s's samples carry policy version versions[s] (default s)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    rng = random.Random(seed)
+    out = []
+    for s in range(steps):
+        version = s if versions is None else versions[s]
+        seqs = []
+        for g in range(groups):
+            prompt = [rng.randrange(128) for _ in range(rng.randint(4, 8))]
+            rollouts = []
+            for _ in range(4):
+                completion = [rng.randrange(128) for _ in range(rng.randint(3, 12))]
+                ids = torch.tensor([prompt + completion])
+                with torch.no_grad():
+                    lp, _ = packed_logprobs(model, ids, torch.arange(ids.shape[1])[None], 0.8)
+                rollouts.append(Rollout(prompt_ids=prompt, completion_ids=completion,
+                                        logprobs=lp[len(prompt):].tolist(), versions=[version] * len(completion),
+                                        reward=float(rng.random() < 0.5), finish_reason="stop"))
+            advantages = sequence_advantages([r.reward for r in rollouts])
+            seqs += [rollout_sequence(r, [a] * len(r.completion_ids), f"s{s}g{g}", 64)
+                     for r, a in zip(rollouts, advantages)]
+        out.append(seqs)
+    return out
+
+
+def write_steps(cfg: RunConfig, steps: list[list[Sequence]], ranks: int) -> None:
+    streams = Streams.from_config(cfg)
+    writer = streams.writer("trainer", partitions=ranks)
+    for s, seqs in enumerate(steps):
+        for rank, micro_batches in enumerate(pack_step(seqs, s, ranks, cfg.preprocess.seq_length)):
+            for mb in micro_batches:
+                writer.write(mb, partition=rank)
+    streams.close()
+
+
+def rank_env(rank: int, ranks: int, port: int) -> dict[str, str]:
+    return dict(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+
+
+def _forked_main(env: dict[str, str], argv: list[str], log_path: str) -> None:
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(env)
+    os.environ.pop("PIPELINE_RL_WEIGHT_SYNC_ADDR", None)
+    from pipeline_rl.trainer import main
+
+    os._exit(main(argv))
+
+
+def start_ranks(run_dir: Path, ranks: int, fork: bool = True) -> list:
+    """Trainer ranks as real processes: forked from the test process (which has already
+    imported torch/DeepSpeed/transformers, so they start in a second, and the test process
+    itself never joins a process group) or `python -m pipeline_rl.trainer` subprocesses."""
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        argv = ["--run-dir", str(run_dir), "--index", str(rank)]
+        log_path = run_dir / f"trainer{rank}.log"
+        if fork:
+            proc = multiprocessing.get_context("fork").Process(
+                target=_forked_main, args=(rank_env(rank, ranks, port), argv, str(log_path)))
+            proc.start()
+        else:
+            env = dict(os.environ, **rank_env(rank, ranks, port))
+            env.pop("PIPELINE_RL_WEIGHT_SYNC_ADDR", None)
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "pipeline_rl.trainer", *argv], cwd=ROOT, env=env,
+                                        stdout=log, stderr=log)
+        procs.append(proc)
+    return procs
+
+
+def _exit_code(proc, timeout: float):
+    if isinstance(proc, subprocess.Popen):
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+    proc.join(timeout)
+    return proc.exitcode
+
+
+def wait_all(procs: list, run_dir: Path, timeout: float) -> None:
+    deadline = time.time() + timeout
+    codes = [_exit_code(p, max(1.0, deadline - time.time())) for p in procs]
+    for p, code in zip(procs, codes):
+        if code is None:
+            p.kill()
+    for rank, code in enumerate(codes):
+        log = (Path(run_dir) / f"trainer{rank}.log").read_text()[-3000:]
+        assert code == 0, f"trainer{rank} exited with {code}:\n{log}"
+
+
+def train(cfg: RunConfig, ranks: int = 1, timeout: float = 120) -> None:
+    wait_all(start_ranks(Path(cfg.run_dir), ranks), Path(cfg.run_dir), timeout)
+
+
+def trainer_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics" / "trainer0.jsonl"
+    return [orjson.loads(line)["values"] for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def final_weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
+    found = latest_checkpoint(run_dir)
+    assert found is not None and found[1] == version, f"latest checkpoint of {run_dir}: {found}"
+    return load_file(found[0] / "model.safetensors")
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_two_ranks_give_the_same_update_as_one(model_path, tmp_path):
+    steps = make_steps(model_path, steps=2, groups=4, seed=1)
+    initial = load_file(model_path / "model.safetensors")
+    results = {}
+    cases = [("zero2", "trainer.zero_stage=2", "trainer.loss.normalize=token"),
+             ("zero3", "trainer.zero_stage=3", "trainer.loss.normalize=sequence")]
+    for name, *overrides in cases:
+        ref = trainer_config(tmp_path / f"{name}_1rank", model_path, "trainer.max_steps=2", "trainer.zero_stage=2",
+                             *overrides[1:])
+        write_steps(ref, steps, ranks=1)
+        train(ref)
+        results[name] = final_weights(ref.run_dir, 2)
+        assert max_diff(results[name], initial) > 1e-3  # the steps did move the weights
+
+    # ZeRO-2: two ranks that stop at max_steps.
+    two = trainer_config(tmp_path / "zero2_2ranks", model_path, "trainer.max_steps=2", "world.trainers=2",
+                         *cases[0][1:])
+    write_steps(two, steps, ranks=2)
+    train(two, ranks=2)
+    assert max_diff(final_weights(two.run_dir, 2), results["zero2"]) < ATOL
+
+    # ZeRO-3: two ranks stopped by SIGTERM (as the launcher does) once both steps are trained;
+    # they save the final checkpoint and exit 0.
+    three = trainer_config(tmp_path / "zero3_2ranks", model_path, "trainer.max_steps=50", "world.trainers=2",
+                           *cases[1][1:])
+    write_steps(three, steps, ranks=2)
+    procs = start_ranks(Path(three.run_dir), 2, fork=False)
+    deadline = time.time() + 240
+    while not any(m.get("version") == 2 for m in trainer_metrics(Path(three.run_dir))):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            "ZeRO-3 ranks did not train 2 steps:\n" + (Path(three.run_dir) / "trainer0.log").read_text()[-3000:]
+        time.sleep(0.5)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    wait_all(procs, Path(three.run_dir), timeout=120)
+    assert max_diff(final_weights(three.run_dir, 2), results["zero3"]) < ATOL
+    # Same data, different normalisation: the two references really differ.
+    assert max_diff(results["zero2"], results["zero3"]) > 10 * ATOL
+
+
+def test_stale_sample_is_not_trained_on(model_path, tmp_path):
+    """max_lag=0: at version 1, a sample of version 0 (lag 1) is dropped by the gate, so the
+    weights equal those of a run whose data never had it; with a larger max_lag they differ."""
+    fresh = make_steps(model_path, steps=2, groups=2, seed=2)
+    stale = make_steps(model_path, steps=1, groups=1, seed=3, versions=[0])[0][:1]
+    with_stale = [fresh[0], fresh[1] + stale]
+
+    def weights_after(name: str, steps, *overrides) -> dict[str, torch.Tensor]:
+        cfg = trainer_config(tmp_path / name, model_path, "trainer.max_steps=2", *overrides)
+        write_steps(cfg, steps, ranks=1)
+        train(cfg)
+        return final_weights(cfg.run_dir, 2)
+
+    gated = weights_after("gated", with_stale, "trainer.max_lag=0")
+    without = weights_after("without", fresh, "trainer.max_lag=0")
+    kept = weights_after("kept", with_stale, "trainer.max_lag=1")
+    assert max_diff(gated, without) < ATOL
+    assert max_diff(kept, without) > 10 * ATOL
+
+    metrics = trainer_metrics(tmp_path / "gated")
+    assert [m["dropped_samples"] for m in metrics] == [0, 1]
+    assert metrics[-1]["dropped_total"] == 1
+    assert metrics[-1]["lag_hist"] == {"0": len(fresh[1]), "1": 1}
+    assert trainer_metrics(tmp_path / "kept")[-1]["dropped_samples"] == 0
