@@ -9,7 +9,7 @@ redis-server on a free port. Every process reports its peak RSS.
 
 Goals: Redis layer >= 50% of raw Redis; JSONL >= 100 MB/s for 64 KB records.
 
-    python scripts/bench_streams.py [--count-1k 30000] [--count-64k 1500] [--rounds 2]
+    python scripts/bench_streams.py [--count-1k 20000] [--count-64k 1000] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--count-1k", type=int, default=30000, help="records in the ~1 KB runs")
-    parser.add_argument("--count-64k", type=int, default=1500, help="records in the ~64 KB runs")
+    parser.add_argument("--count-1k", type=int, default=20000, help="records in the ~1 KB runs")
+    parser.add_argument("--count-64k", type=int, default=1000, help="records in the ~64 KB runs")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each case; the best counts")
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     for name in ("--result", "--run-dir", "--ready", "--key"):
