@@ -53,7 +53,7 @@ def _wipe_redis(cfg: RunConfig) -> None:
     from pipeline_rl.streams import Streams
 
     streams = Streams.from_config(cfg)
-    streams.delete_all()
+    print(f"--fresh: deleted {streams.delete_all()} Redis stream keys of run '{cfg.name}'", flush=True)
     streams.close()
 
 

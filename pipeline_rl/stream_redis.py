@@ -202,6 +202,11 @@ class RedisStreams(Streams):
                      position: Optional[dict], dead_writer: Callable[[], Writer]) -> Reader:
         return RedisReader(self.client, self.namespace, topic, record_type, partitions, position, dead_writer)
 
+    def delete_all(self) -> int:
+        """Delete every stream of this run (its namespace); returns how many keys went."""
+        keys = list(self.client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        return self.client.delete(*keys) if keys else 0
+
     def close(self) -> None:
         super().close()
         self.client.close()
