@@ -1,8 +1,9 @@
 """The in-flight weight swap: a lock around every forward pass of an in-process vLLM engine.
 
 The engine's forward pass and logits happen in the model runner's `execute_model`;
-sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and records
-the policy version each forward pass ran with. `swap` takes the same lock, reloads the
+sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and tells its
+owner (`on_new_version`) when a forward pass is the first one with a new policy version, so
+that tokens can be tagged with the version that produced them. `swap` takes the same lock, reloads the
 weights in place (`model_runner.reload_weights`, which also works on CPU where linear
 layers repack their weights after loading) and sets the new version. A swap thus waits at
 most one forward pass; sequences in flight keep their KV cache and continue with the new
@@ -17,6 +18,7 @@ a forward pass's kernels runs after them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -24,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from safetensors import safe_open
@@ -71,9 +73,11 @@ class WeightSwapHook:
         self._turnstile = threading.Lock()
         self.version = version
         """Version of the weights loaded now."""
-        self.step_version = version
-        """Version the latest forward pass ran with (read by the thread that steps the engine)."""
+        self.on_new_version: Optional[Callable[[int], None]] = None
+        """Called in the engine's thread, under the lock, right before the first forward pass
+        with a new version: the moment that splits the tokens of the old version from the new."""
         self.forward_passes = 0
+        self._forward_version = version
         self.swaps: deque[SwapStats] = deque(maxlen=history)
         self.swap_count = 0
         self.failures = 0
@@ -103,9 +107,21 @@ class WeightSwapHook:
         with self.lock:
             if self._broken is not None:
                 raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
-            self.step_version = self.version
+            if self.version != self._forward_version:
+                if self.on_new_version is not None:
+                    self.on_new_version(self.version)
+                self._forward_version = self.version
             self.forward_passes += 1
             return self._execute_model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def bypassed(self):
+        """Forward passes without the gate, for benchmarks that compare against plain vLLM."""
+        self._runner.execute_model = self._execute_model
+        try:
+            yield
+        finally:
+            self._runner.execute_model = self._gated_execute_model
 
     def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Raise ValueError unless the update has every parameter of the engine's model with

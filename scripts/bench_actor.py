@@ -1,0 +1,224 @@
+"""Actor engine benchmark: what the weight-swap hook and in-flight weight updates cost.
+
+One engine, three ways of generating the same load (64 prompts x n=4 x 64 new tokens,
+ignore_eos), interleaved round by round so that load from other processes hits all alike:
+  (1) plain vLLM `LLM.generate`, with the hook bypassed;
+  (2) LLMClient (engine thread, asyncio futures, per-token versions) with the hook, no updates;
+  (3) as (2) while a real sender process broadcasts new weights over gloo every
+      --update-every seconds (announced on a JSONL "weights" stream and received by
+      LLMClient.start_receiver, as in a run).
+Prints tokens/s of each, the ratios (2)/(1) and (3)/(2), the swap pauses (lock wait and load
+time, p50/p99), the engine step time p50, and the peak RSS of each process.
+
+    python scripts/bench_actor.py [--model DIR] [--seconds 15] [--update-every 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS, N, NEW_TOKENS = 64, 4, 64
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
+
+
+def run_config(run_dir: str):
+    from pipeline_rl.config import load_config
+
+    return load_config("base", [f"run_dir={run_dir}", "actor.llm.max_model_len=256", "actor.llm.max_num_seqs=256"])
+
+
+def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
+    """The trainer side: one update per `send VERSION` line on stdin, alternating between two
+    weight sets; prints `sent VERSION SECONDS`, and its peak RSS when stdin closes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline_rl.streams import Streams
+    from pipeline_rl.weight_sync import WeightSender
+
+    streams = Streams.from_config(run_config(run_dir))
+    writer = streams.writer("weights")
+
+    def announce(update):
+        writer.write(update)
+        writer.flush()
+
+    base = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        base.update(load_file(str(file)))
+    g = torch.Generator().manual_seed(0)
+    noisy = {k: t + 0.1 * t.std() * torch.randn(t.shape, generator=g) if t.dim() > 1 else t for k, t in base.items()}
+    sets = [noisy, base]
+    sender = WeightSender(addr, world_size=2, timeout_s=60)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        version = int(line.split()[1])
+        seconds = sender.send(version, sets[version % 2].items(), announce, bucket_mb=1)
+        print(f"sent {version} {seconds:.4f}", flush=True)
+    print(f"rss {peak_rss_mib():.0f}", flush=True)
+
+
+class Updater:
+    """Asks the sender for a new version every `every` seconds while running."""
+
+    def __init__(self, sender: subprocess.Popen, every: float):
+        self.sender, self.every = sender, every
+        self.version = 0
+        self.send_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.version += 1
+            self.sender.stdin.write(f"send {self.version}\n")
+            self.sender.stdin.flush()
+            reply = self.sender.stdout.readline().split()
+            if not reply or reply[0] != "sent":
+                raise RuntimeError(f"sender failed: {reply}")
+            self.send_s.append(float(reply[2]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=os.path.join(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache"), "tiny_model"))
+    parser.add_argument("--seconds", type=float, default=15.0, help="time per phase")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--update-every", type=float, default=2.0)
+    parser.add_argument("--sender", nargs=3, metavar=("ADDR", "MODEL", "RUN_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sender:
+        sender_main(*args.sender)
+        return
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs.engine import tokens_input
+
+    from pipeline_rl.llm_client import LLMClient, engine_args
+    from pipeline_rl.records import WeightUpdate
+    from pipeline_rl.streams import Streams
+    from pipeline_rl.vllm_hook import WeightSwapHook
+    from pipeline_rl.weight_sync import WeightReceiver
+
+    run_dir = tempfile.mkdtemp(prefix="bench_actor_")
+    cfg = run_config(run_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    sender = subprocess.Popen([sys.executable, __file__, "--sender", addr, args.model, run_dir],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    start = time.perf_counter()
+    llm = LLM(**engine_args(cfg, args.model))
+    print(f"engine start-up: {time.perf_counter() - start:.1f} s")
+    hook = WeightSwapHook.install(llm.llm_engine, args.model, version=0)
+    client = LLMClient(llm.llm_engine, hook, llm.get_tokenizer())
+    streams = Streams.from_config(cfg)
+    client.start_receiver(WeightReceiver(addr, rank=1, world_size=2, timeout_s=60),
+                          streams.reader("weights", WeightUpdate))
+    assert sender.stdout.readline().strip() == "ready"
+    updater = Updater(sender, args.update_every)
+
+    tok = client.tokenizer
+    prompts = [tok.encode(f"{i} + {3 * i % 97} =") for i in range(PROMPTS)]
+    plain_params = SamplingParams(n=N, max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0, flat_logprobs=True,
+                                  ignore_eos=True)
+
+    def plain_rep() -> int:
+        with hook.bypassed():
+            outs = llm.generate([tokens_input(p) for p in prompts], plain_params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    def client_rep() -> int:
+        async def run():
+            return await asyncio.gather(*(client.generate(p, N, NEW_TOKENS, 1.0, ignore_eos=True) for p in prompts))
+        return sum(len(c.token_ids) for g in asyncio.run(run()) for c in g)
+
+    def phase(rep, seconds: float) -> tuple[int, float]:
+        tokens, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            tokens += rep()
+        return tokens, time.perf_counter() - t0
+
+    plain_rep(), client_rep()  # warm-up
+    totals = {1: [0, 0.0], 2: [0, 0.0], 3: [0, 0.0]}
+    step_times: list[float] = []
+    per_round = args.seconds / args.rounds
+    for r in range(args.rounds):
+        for name, rep in ((1, plain_rep), (2, client_rep), (3, client_rep)):
+            if name == 2:
+                client.step_times.clear()
+            if name == 3:
+                updater.start()
+            tokens, seconds = phase(rep, per_round)
+            if name == 3:
+                updater.stop()
+            if name == 2:
+                step_times += client.step_times
+            totals[name][0] += tokens
+            totals[name][1] += seconds
+            print(f"round {r} phase ({name}): {tokens / seconds:8.0f} tok/s")
+    sender.stdin.close()
+    sender_rss = sender.stdout.read().split()[-1]
+    sender.wait()
+    deadline = time.monotonic() + 30
+    while client.version != updater.version and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    rate = {k: t / s for k, (t, s) in totals.items()}
+    swaps = list(hook.swaps)
+    waits = [s.lock_wait_s * 1e3 for s in swaps]
+    loads = [s.load_s * 1e3 for s in swaps]
+    step50 = percentile(step_times, 0.5) * 1e3
+    print()
+    print(f"load: {PROMPTS} prompts x n={N} x {NEW_TOKENS} tokens, {args.rounds} rounds, "
+          f"{args.seconds:.0f} s per phase, model {args.model}")
+    print(f"(1) plain vLLM generate:         {rate[1]:8.0f} tok/s")
+    print(f"(2) LLMClient + hook:            {rate[2]:8.0f} tok/s   (2)/(1) = {rate[2] / rate[1]:.3f}  (goal >= 0.97)")
+    print(f"(3) + update every {args.update_every:g} s:        {rate[3]:8.0f} tok/s   (3)/(2) = {rate[3] / rate[2]:.3f}  (goal >= 0.95)")
+    print(f"updates sent {updater.version}, swapped {hook.swap_count}, failures {client.stats()['swap_failures']}, "
+          f"final version {client.version}")
+    print(f"sender send() time:  p50 {percentile(updater.send_s, 0.5) * 1e3:6.1f} ms  p99 {percentile(updater.send_s, 0.99) * 1e3:6.1f} ms")
+    print(f"swap lock wait:      p50 {percentile(waits, 0.5):6.2f} ms  p99 {percentile(waits, 0.99):6.2f} ms  max {max(waits, default=float('nan')):6.2f} ms")
+    print(f"swap load:           p50 {percentile(loads, 0.5):6.2f} ms  p99 {percentile(loads, 0.99):6.2f} ms")
+    print(f"engine step (2):     p50 {step50:6.2f} ms  -> p99 lock wait / step p50 = {percentile(waits, 0.99) / step50:.2f} (goal <= 1)")
+    print(f"peak RSS: actor (engine) process {peak_rss_mib():.0f} MiB, sender process {sender_rss} MiB")
+    client.close()
+    streams.close()
+
+
+if __name__ == "__main__":
+    main()
