@@ -10,9 +10,9 @@ checked one by one: that would cost more than the decoding itself.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orjson
 
@@ -146,107 +146,166 @@ _ALIGNED = {
     Rollout: ("completion_ids", ("logprobs", "versions", "mask", "token_rewards", "ref_logprobs")),
     MicroBatch: ("input_ids", ("position_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs")),
 }
-_PER_SEQUENCE = ("seq_lengths", ("sample_versions", "group_ids", "rewards"))
+_PER_SEQUENCE = ("sample_versions", "group_ids", "rewards")
+"""MicroBatch fields with one value per packed sequence (len(seq_lengths))."""
 
-_TYPE_CHECKS = {
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-    bool: lambda v: isinstance(v, bool),
-}
+_BASE_TYPES = {"int": {int}, "float": {int, float}, "str": {str}, "bool": {bool},
+               "Any": {dict, list, str, int, float, bool, type(None)}}
+"""Exact JSON value types accepted for a scalar hint (orjson.loads makes exact builtin types)."""
+
+
+class _Absent:
+    """Type of the placeholder for a field missing from the payload."""
+
+
+_ABSENT = _Absent()
+
+
+class _FieldError(Exception):
+    """Raised inside decoding with the path (field names, list indices) to the bad value."""
+
+    def __init__(self, path: list[str], message: str):
+        super().__init__(message)
+        self.path, self.message = path, message
 
 
 def encode(record: Any) -> bytes:
     return orjson.dumps(record)
 
 
-def _check_value(value: Any, hint: str, where: str) -> None:
-    base = hint.replace("Optional[", "").rstrip("]") if hint.startswith("Optional[") else hint
-    if value is None:
-        if hint.startswith("Optional["):
-            return
-        raise RecordError(f"{where}: missing value")
+def _accepted(hint: str, required: bool) -> frozenset:
+    """Types a field's JSON value may have (_Absent: the field may be left out)."""
+    optional = hint.startswith("Optional[")
+    base = hint[len("Optional["):-1] if optional else hint
     if base.startswith("list["):
-        if not isinstance(value, list):
-            raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
+        types = {list}
     elif base.startswith("dict["):
-        if not isinstance(value, dict):
-            raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
-    elif base in ("int", "float", "str", "bool"):
-        if not _TYPE_CHECKS[{"int": int, "float": float, "str": str, "bool": bool}[base]](value):
-            raise RecordError(f"{where}: expected {base}, got {type(value).__name__}")
+        types = {dict}
+    else:
+        types = set(_BASE_TYPES[base])
+    if optional:
+        types.add(type(None))
+    if not required:
+        types.add(_Absent)
+    return frozenset(types)
 
 
-def _accepted_types(hint: str) -> Optional[frozenset]:
-    """The exact types of JSON values that _check_value(value, hint, ...) accepts (None: any).
-    orjson.loads only makes exact builtin types, so `type(v) in accepted` is the same test."""
-    optional = {type(None)} if hint.startswith("Optional[") else set()
-    base = hint.replace("Optional[", "").rstrip("]") if optional else hint
-    if base.startswith("list["):
-        return frozenset({list} | optional)
-    if base.startswith("dict["):
-        return frozenset({dict} | optional)
-    exact = {"int": {int}, "float": {int, float}, "str": {str}, "bool": {bool}}.get(base)
-    return frozenset(exact | optional) if exact is not None else None
+def _describe(value: Any, hint: str) -> str:
+    """Why `value` does not fit `hint` (only called once a value failed the fast check)."""
+    if value is _ABSENT:
+        return "missing field"
+    if value is None:
+        return "missing value"
+    base = hint[len("Optional["):-1] if hint.startswith("Optional[") else hint
+    wanted = "a list" if base.startswith("list[") else "an object" if base.startswith("dict[") else base
+    return f"expected {wanted}, got {type(value).__name__}"
 
 
-@functools.cache
-def _schema(cls: type) -> tuple[frozenset, tuple]:
-    """Field names, and per field (name, required, hint, accepted types); computed once per
-    class because dataclasses.fields and the hint parsing dominated decode time."""
-    specs = tuple(
-        (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, str(f.type),
-         _accepted_types(str(f.type)))
-        for f in dataclasses.fields(cls)
-    )
-    return frozenset(s[0] for s in specs), specs
+@dataclass(frozen=True)
+class _Schema:
+    """What decoding checks for one record class, computed once: per-element checks of long
+    lists would cost more than parsing them, so only field names, container/scalar types and
+    the lengths that must agree are checked."""
+
+    names: tuple[str, ...]
+    hints: tuple[str, ...]
+    accepted: tuple[frozenset, ...]
+    valid: frozenset
+    """Every accepted tuple of field value types: one set lookup checks a whole record (the
+    classes have few optional fields, so this stays small)."""
+    name_set: frozenset
+    absent: tuple
+    """One _ABSENT per field: the default for dict.get."""
+    defaults: tuple[tuple[str, Any, Optional[Callable[[], Any]]], ...]
+    """(name, default, default factory) of the fields that may be left out."""
+
+    @staticmethod
+    def of(cls: type) -> "_Schema":
+        fields = dataclasses.fields(cls)
+        defaults = tuple((f.name, f.default, None if f.default_factory is dataclasses.MISSING else f.default_factory)
+                         for f in fields
+                         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+        optional = {d[0] for d in defaults}
+        accepted = tuple(_accepted(str(f.type), f.name not in optional) for f in fields)
+        return _Schema(tuple(f.name for f in fields), tuple(str(f.type) for f in fields), accepted,
+                       frozenset(itertools.product(*accepted)), frozenset(f.name for f in fields),
+                       (_ABSENT,) * len(fields), defaults)
+
+    def check(self, data: Any) -> None:
+        """Raise _FieldError unless `data` is an object with known fields of accepted types."""
+        if type(data) is not dict:
+            raise _FieldError([], f"expected an object, got {type(data).__name__}")
+        if not self.name_set.issuperset(data):
+            raise _FieldError([], f"unknown field(s) {sorted(set(data) - self.name_set)}")
+        if tuple(map(type, map(data.get, self.names, self.absent))) in self.valid:
+            return
+        for name, hint, accepted, value in zip(self.names, self.hints, self.accepted,
+                                               map(data.get, self.names, self.absent)):
+            if type(value) not in accepted:
+                raise _FieldError([name], _describe(value, hint))
+
+    def make(self, cls: type, data: dict) -> Any:
+        """An instance of the checked `data`, without the cost of the dataclass __init__."""
+        if len(data) < len(self.names):
+            for name, default, factory in self.defaults:
+                if name not in data:
+                    data[name] = default if factory is None else factory()
+        obj = object.__new__(cls)
+        obj.__dict__ = data
+        return obj
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise RecordError(f"{where}: expected an object, got {type(data).__name__}")
-    names, specs = _schema(cls)
-    if not names.issuperset(data):
-        raise RecordError(f"{where}: unknown field(s) {sorted(set(data) - names)}")
-    for name, required, hint, accepted in specs:
-        if name not in data:
-            if required:
-                raise RecordError(f"{where}: missing field '{name}'")
-            continue
-        value = data[name]
-        if cls is RolloutGroup and name == "rollouts":
-            if not isinstance(value, list):
-                raise RecordError(f"{where}.rollouts: expected a list")
-            data[name] = [_build(Rollout, r, f"{where}.rollouts[{i}]") for i, r in enumerate(value)]
-        elif accepted is not None and type(value) not in accepted:
-            _check_value(value, hint, f"{where}.{name}")  # raises, naming the field
-    obj = cls(**data)
-    if cls in _ALIGNED:
-        ref, aligned = _ALIGNED[cls]
-        n = len(getattr(obj, ref))
-        for name in aligned:
-            value = getattr(obj, name)
-            if value is not None and len(value) != n:
-                raise RecordError(f"{where}.{name}: length {len(value)} != len({ref}) {n}")
-    if cls is MicroBatch:
-        ref, per_seq = _PER_SEQUENCE
-        n = len(obj.seq_lengths)
-        for name in per_seq:
-            if len(getattr(obj, name)) != n:
-                raise RecordError(f"{where}.{name}: length {len(getattr(obj, name))} != number of sequences {n}")
-        if sum(obj.seq_lengths) != len(obj.input_ids):
-            raise RecordError(f"{where}.seq_lengths: sum {sum(obj.seq_lengths)} != len(input_ids) {len(obj.input_ids)}")
-    return obj
+_SCHEMAS = {cls: _Schema.of(cls) for cls in (Rollout, *RECORD_TYPES.values())}
+
+
+def _check_lengths(cls: type, data: dict) -> None:
+    ref, aligned = _ALIGNED[cls]
+    n = len(data[ref])
+    for name in aligned:
+        value = data.get(name)
+        if value is not None and len(value) != n:
+            raise _FieldError([name], f"length {len(value)} != len({ref}) {n}")
+
+
+def _build(cls: type, data: Any) -> Any:
+    schema = _SCHEMAS[cls]
+    schema.check(data)
+    if cls is RolloutGroup:
+        rollouts = data["rollouts"]
+        for i, rollout in enumerate(rollouts):
+            try:
+                rollouts[i] = _build(Rollout, rollout)
+            except _FieldError as e:
+                e.path.insert(0, f"rollouts[{i}]")
+                raise
+    elif cls in _ALIGNED:
+        _check_lengths(cls, data)
+        if cls is MicroBatch:
+            n = len(data["seq_lengths"])
+            for name in _PER_SEQUENCE:
+                if len(data[name]) != n:
+                    raise _FieldError([name], f"length {len(data[name])} != number of sequences {n}")
+            try:
+                total = sum(data["seq_lengths"])
+            except TypeError:
+                raise _FieldError(["seq_lengths"], "expected a list of ints") from None
+            if total != len(data["input_ids"]):
+                raise _FieldError(["seq_lengths"], f"sum {total} != len(input_ids) {len(data['input_ids'])}")
+    return schema.make(cls, data)
 
 
 def decode(payload: bytes | str, expected: type) -> Any:
-    """Parse and type-check one record of type `expected`; raises RecordError on any mismatch."""
+    """Parse and type-check one record of type `expected`; raises RecordError on any mismatch,
+    with the path to the bad field (e.g. "rollout_group.rollouts[2].logprobs: ...")."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as e:
         raise RecordError(f"not valid JSON: {e}") from None
     kind = expected.__dataclass_fields__["kind"].default
-    if not isinstance(data, dict) or data.get("kind") != kind:
+    if type(data) is not dict or data.get("kind") != kind:
         got = data.get("kind") if isinstance(data, dict) else type(data).__name__
         raise RecordError(f"expected a '{kind}' record, got {got!r}")
-    return _build(expected, data, kind)
+    try:
+        return _build(expected, data)
+    except _FieldError as e:
+        raise RecordError(f"{'.'.join([kind, *e.path])}: {e.message}") from None
