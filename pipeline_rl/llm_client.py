@@ -136,6 +136,7 @@ class LLMClient:
         self._closed = threading.Event()
         self._error: Optional[BaseException] = None
         self._scheduler = engine.engine_core.engine_core.scheduler
+        self.max_model_len = engine.vllm_config.model_config.max_model_len
         hook.on_new_version = self._mark_new_version
         self._thread = threading.Thread(target=self._run_engine, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -165,6 +166,9 @@ class LLMClient:
             raise RuntimeError(f"the vLLM engine failed: {self._error!r}")
         if self._closed.is_set():
             raise RuntimeError("LLMClient is closed")
+        if not 0 < len(prompt_ids) < self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens: must be 1 to {self.max_model_len - 1} tokens "
+                             f"(actor.llm.max_model_len = {self.max_model_len})")
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
             flat_logprobs=True, ignore_eos=ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,

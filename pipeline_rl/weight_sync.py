@@ -11,15 +11,17 @@ as one flat buffer per dtype. Receivers read the announcement from the "weights"
 take part in the broadcast.
 
 The group is built lazily by the first transfer and rebuilt after a failure: the sender
-names each group it builds by the version it was built for (store key "group"), and a
-receiver whose group has another name rebuilds before receiving. A receiver that reads an
-announcement older than "latest" (an actor restarted after that transfer ended) skips it.
+gives each group it builds a new name (store key "group"), and a receiver whose group has
+another name rebuilds before receiving. A receiver that reads an announcement older than
+"latest" (an actor restarted after that transfer ended) skips it. A receiver whose store
+connection broke (the trainer restarted) connects again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Iterable, Optional
@@ -166,7 +168,7 @@ class WeightSender(_Endpoint):
         )
         try:
             if self._group is None:
-                self._group_name = str(version)
+                self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
                 self._store.set("group", self._group_name)
             self._store.set("latest", str(version))
             announce(update)
@@ -199,10 +201,7 @@ class WeightReceiver(_Endpoint):
         stalls past the timeout."""
         _check_announcement(update)
         try:
-            if self._store is None:
-                self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                            timeout=self.timeout)
-            latest = int(self._store.get("latest"))
+            latest = int(self._store_get("latest"))
             if update.version < latest:
                 raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {latest}")
             name = self._store.get("group").decode()
@@ -217,6 +216,16 @@ class WeightReceiver(_Endpoint):
             self._store = None
             raise
         return list(zip(update.names, tensors))
+
+    def _store_get(self, key: str) -> bytes:
+        if self._store is not None:
+            try:
+                return self._store.get(key)
+            except Exception as e:  # the sender's store went away (trainer restarted): connect again
+                log.warning("weight-sync store at %s:%d: %s; reconnecting", self.host, self.port, e)
+                self._drop_group()
+        self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+        return self._store.get(key)
 
     def close(self) -> None:
         super().close()

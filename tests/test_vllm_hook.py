@@ -130,3 +130,50 @@ def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_mo
     assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
     hook.swap(weights_a.items(), new + 1)  # leave model A loaded for other tests
+
+
+def test_stop_strings_cancellation_and_bad_requests(client):
+    prompt = client.tokenizer.encode("12 + 7 =")
+    [full] = asyncio.run(client.generate(prompt, 1, 40, 0.0, ignore_eos=True))
+    assert full.finish_reason == "length" and len(full.token_ids) == 40
+    # Stop at a piece of text from the middle of the same greedy completion.
+    cut = client.tokenizer.decode(full.token_ids[:20])
+    stop = cut[-3:]
+    [stopped] = asyncio.run(client.generate(prompt, 1, 40, 0.0, stop=[stop], ignore_eos=True))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) <= 20
+    assert stop not in stopped.text and full.text.startswith(stopped.text)
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(client.generate(prompt, 2, 200, 1.0, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    deadline = time.monotonic() + 10
+    while client.stats()["running_requests"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.stats()["running_requests"] == 0
+    assert not client.engine.has_unfinished_requests()  # aborted in the engine, not just forgotten
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(client.generate(list(range(5, 105)) * 3, 1, 8, 1.0))
+    # The engine still serves after all that.
+    [again] = asyncio.run(client.generate(prompt, 1, 40, 0.0, ignore_eos=True))
+    assert again.token_ids == full.token_ids
+
+
+def test_swap_rejects_a_mismatching_update_before_loading(client, weights_a):
+    hook = client.hook
+    version, failures = hook.version, hook.failures
+    wrong = dict(weights_a)
+    wrong["lm_head.weight"] = wrong["lm_head.weight"][:-1]
+    with pytest.raises(ValueError, match="lm_head.weight has shape"):
+        hook.swap(wrong.items(), version + 1)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        hook.swap([*weights_a.items(), ("model.extra.weight", torch.zeros(2))], version + 1)
+    with pytest.raises(ValueError, match="lacks 1 parameter"):
+        hook.swap([kv for kv in weights_a.items() if kv[0] != "model.norm.weight"], version + 1)
+    assert hook.version == version and hook.failures == failures + 3

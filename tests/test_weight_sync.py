@@ -5,8 +5,8 @@ each update on the JSONL "weights" stream and broadcasts over gloo with 1 MiB bu
 tiny model needs several). The engine's receiver thread (LLMClient.start_receiver) reads the
 announcements and swaps the weights in. One sender goes through: a good update; a shape
 mismatch; a stall past the receiver's timeout; a good update again (the group is rebuilt);
-and finally it is SIGKILLed mid-transfer. After each failure the engine still serves the
-last complete version.
+it is SIGKILLed mid-transfer; a new sender at the same address (a restarted trainer) sends
+again; that one is killed between updates and restarted too. After each failure the engine still serves the last complete version.
 """
 
 from __future__ import annotations
@@ -85,28 +85,50 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
             print(f"failed {version} {type(e).__name__}", flush=True)
 
 
+class Setup:
+    """The engine with its receiver thread, and the trainer-like sender processes."""
+
+    def __init__(self, model_dir: Path, run_dir: str, addr: str):
+        from pipeline_rl.llm_client import LLMClient
+
+        self.model_dir, self.run_dir, self.addr = model_dir, run_dir, addr
+        self.senders: list[subprocess.Popen] = []
+        self.start_sender()
+        cfg = run_config(run_dir)
+        self.client = LLMClient.create(cfg, str(model_dir), version=0)
+        self.streams = Streams.from_config(cfg)
+        self.client.start_receiver(WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S),
+                                   self.streams.reader("weights", WeightUpdate))
+
+    def start_sender(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        self.senders.append(subprocess.Popen([sys.executable, __file__, self.addr, str(self.model_dir), self.run_dir],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+
+    @property
+    def sender(self) -> subprocess.Popen:
+        return self.senders[-1]
+
+    def wait_ready(self) -> None:
+        assert self.sender.stdout.readline().strip() == "ready"
+
+    def close(self) -> None:
+        self.client.close()
+        for sender in self.senders:
+            if sender.poll() is None:
+                sender.kill()
+            sender.wait()
+        self.streams.close()
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
     from conftest import free_port
-    from pipeline_rl.llm_client import LLMClient
 
-    run_dir = str(tmp_path_factory.mktemp("run"))
-    cfg = run_config(run_dir)
-    addr = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    sender = subprocess.Popen([sys.executable, __file__, addr, str(tiny_model), run_dir],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    client = LLMClient.create(cfg, str(tiny_model), version=0)
-    streams = Streams.from_config(cfg)
-    client.start_receiver(WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S),
-                          streams.reader("weights", WeightUpdate))
-    assert sender.stdout.readline().strip() == "ready"
-    yield client, sender, streams
-    client.close()
-    if sender.poll() is None:
-        sender.kill()
-    sender.wait()
-    streams.close()
+    ctx = Setup(tiny_model, str(tmp_path_factory.mktemp("run")), f"127.0.0.1:{free_port()}")
+    ctx.wait_ready()
+    yield ctx
+    ctx.close()
 
 
 def greedy(client) -> list[tuple[list[int], list[int]]]:
@@ -146,7 +168,7 @@ def test_buckets_are_consecutive_and_bounded():
 
 
 def test_broadcast_changes_engine_outputs_and_versions(setup, tiny_model):
-    client, sender, streams = setup
+    client, sender, streams = setup.client, setup.sender, setup.streams
     before = greedy(client)
     assert all(v == [0] * len(v) for _, v in before)
     command(sender, "send 1 1 ok")
@@ -170,7 +192,7 @@ def test_broadcast_changes_engine_outputs_and_versions(setup, tiny_model):
 
 
 def test_failed_updates_keep_the_last_complete_version(setup):
-    client, sender, _ = setup
+    client, sender = setup.client, setup.sender
     assert client.version == 1
     serving = greedy(client)
 
@@ -206,6 +228,22 @@ def test_failed_updates_keep_the_last_complete_version(setup):
     wait_for(lambda: failures(client) == count + 1, 30, "the killed transfer to be counted")
     assert time.monotonic() - started < TIMEOUT_S
     assert client.version == 4 and greedy(client) == serving
+
+    # The trainer restarts (a new store at the same address): the receiver connects again.
+    setup.start_sender()
+    setup.wait_ready()
+    command(setup.sender, "send 6 6 ok")
+    assert setup.sender.stdout.readline().startswith("sent 6")
+    wait_for(lambda: client.version == 6, 30, "version 6 in the engine")
+    assert all(v == [6] * len(v) for _, v in greedy(client))
+
+    # The trainer dies between updates and restarts: the receiver's store connection is stale.
+    setup.sender.kill()
+    setup.start_sender()
+    setup.wait_ready()
+    command(setup.sender, "send 7 7 ok")
+    assert setup.sender.stdout.readline().startswith("sent 7")
+    wait_for(lambda: client.version == 7, 30, "version 7 in the engine")
 
 
 if __name__ == "__main__":
