@@ -4,6 +4,7 @@ the `metrics` stream that the launcher's status line reads."""
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -41,8 +42,12 @@ class MetricsLogger:
         self._calls = 0
 
     def log(self, values: dict[str, Any], step: Optional[int] = None) -> None:
-        """Record scalar (or small list) values; `step` is the x-axis in TensorBoard."""
-        record = Metrics(process=self.process, time=time.time(), values=values, step=step)
+        """Record scalar (or small dict) values; `step` is the x-axis in TensorBoard. Every
+        record also carries the process's uptime and peak RSS."""
+        now = time.time()
+        values = {**values, "uptime_s": now - self._start,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        record = Metrics(process=self.process, time=now, values=values, step=step)
         self._file.write(orjson.dumps(record) + b"\n")
         self._file.flush()
         if self._writer is not None:

@@ -37,10 +37,18 @@ def last_values(records: list[dict]) -> dict[str, dict]:
     return latest
 
 
-def idle_fraction(latest: dict[str, dict], pool: str, idle_key: str, total_key: str) -> float | None:
-    fractions = [v[idle_key] / v[total_key] for p, v in latest.items()
-                 if p.startswith(pool) and v.get(total_key) and idle_key in v]
+def actor_idle(latest: dict[str, dict]) -> float | None:
+    """Share of each actor's uptime spent blocked on admission (waiting for newer weights)."""
+    fractions = [v["admission_wait_s"] / v["uptime_s"] for p, v in latest.items()
+                 if p.startswith("actor") and v.get("uptime_s") and "admission_wait_s" in v]
     return sum(fractions) / len(fractions) if fractions else None
+
+
+def trainer_idle(records: list[dict]) -> float | None:
+    """Share of trainer rank 0's step time spent waiting for data."""
+    steps = [r["values"] for r in records if r["process"] == "trainer0" and "wait_s" in r["values"]]
+    total = sum(v["wait_s"] + v["compute_s"] for v in steps)
+    return sum(v["wait_s"] for v in steps) / total if total else None
 
 
 def run(mode: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
@@ -61,8 +69,8 @@ def run(mode: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
         "reach": {t: time_to_reach(records, t0, t) for t in THRESHOLDS},
         "final_eval": max((r["values"]["eval/reward"], r["time"]) for r in records if "eval/reward" in r["values"])[0]
         if any("eval/reward" in r["values"] for r in records) else None,
-        "actor_idle": idle_fraction(latest, "actor", "admission_wait_s", "uptime_s"),
-        "trainer_idle": idle_fraction(latest, "trainer", "wait_data_s", "uptime_s"),
+        "actor_idle": actor_idle(latest),
+        "trainer_idle": trainer_idle(records),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
     }
 
