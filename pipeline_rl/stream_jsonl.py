@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from pipeline_rl.streams import RawEntry, Reader, Streams, Writer, check_topic
+from pipeline_rl.streams import READ_BYTES, RawEntry, Reader, Streams, Writer, check_topic
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +120,12 @@ class JsonlReader(Reader):
         self._skip[partition] = 0
         return True
 
-    def _take(self, partition: int, limit: int, out: list[RawEntry]) -> None:
-        """Move up to `limit` complete lines from the partition's buffer to `out`."""
+    def _take(self, partition: int, limit: int, budget: int, out: list[RawEntry]) -> int:
+        """Move up to `limit` complete lines from the partition's buffer to `out`, stopping once
+        they hold `budget` bytes; returns the budget left."""
         buf, i = self._buf[partition], self._skip[partition]
         pos = int(self._position[partition]) - i  # file offset of buf[0]
-        while limit > 0:
+        while limit > 0 and budget > 0:
             j = buf.find(b"\n", i)
             if j < 0:
                 # No complete line buffered: read more, unless the file has nothing new.
@@ -135,8 +136,9 @@ class JsonlReader(Reader):
                 pos = int(self._position[partition])
                 continue
             out.append((partition, str(pos + i), buf[i:j]))
-            i, limit = j + 1, limit - 1
+            i, limit, budget = j + 1, limit - 1, budget - (j - i)
         self._skip[partition], self._position[partition] = i, str(pos + i)
+        return budget
 
     def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
         deadline = time.monotonic() + timeout
@@ -146,9 +148,10 @@ class JsonlReader(Reader):
         self._rotate = (self._rotate + 1) % len(self.partitions)
         while True:
             out: list[RawEntry] = []
+            budget = READ_BYTES
             for p in order:
-                self._take(p, max_count - len(out), out)
-                if len(out) >= max_count:
+                budget = self._take(p, max_count - len(out), budget, out)
+                if len(out) >= max_count or budget <= 0:
                     break
             remaining = deadline - time.monotonic()
             if out or remaining <= 0:

@@ -31,7 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pipeline_rl.config import RedisConfig
-from pipeline_rl.streams import RawEntry, Reader, Streams, Writer
+from pipeline_rl.streams import READ_BYTES, RawEntry, Reader, Streams, Writer
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +161,17 @@ class RedisReader(Reader):
         self._client = client
         self._keys = {f"{namespace}:{topic}:{p}".encode(): p for p in self.partitions}
         self._backoff = Backoff(f"reader of topic {topic!r}")
+        self._entry_bytes = 16 << 10
+        """Mean payload size of the last read (a guess before the first): XREAD's COUNT is set so
+        that a read holds about READ_BYTES."""
 
     def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
         streams = {key: self._position[p] for key, p in self._keys.items()}
         block_ms = int(min(timeout, BLOCK_MAX_S) * 1000)
+        count = max(1, min(max_count, READ_BYTES // self._entry_bytes))
         try:
             # block=0 would mean forever in Redis; no block means return at once.
-            reply = self._client.xread(streams, count=max_count, block=block_ms or None)
+            reply = self._client.xread(streams, count=count, block=block_ms or None)
             self._backoff.succeeded()
         except _LOST as e:
             time.sleep(self._backoff.failed(e, cap=timeout))
@@ -176,10 +180,12 @@ class RedisReader(Reader):
         # redis-py gives [[key, entries], ...], or {key: entries} under RESP3 in some versions.
         for key, items in (reply.items() if isinstance(reply, dict) else reply or ()):
             partition = self._keys[key]
-            for entry_id, fields in items[:max_count - len(out)]:
+            for entry_id, fields in items[:count - len(out)]:
                 offset = entry_id.decode()
                 out.append((partition, offset, fields.get(FIELD, b"")))
                 self._position[partition] = offset
+        if out:
+            self._entry_bytes = max(1, sum(len(e[2]) for e in out) // len(out))
         return out
 
 

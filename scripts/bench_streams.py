@@ -66,6 +66,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_s() -> float:
+    """CPU seconds this process used so far (user + system): less noisy than wall time on a busy machine."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def redis_client(port: int):
     import redis
 
@@ -78,19 +84,19 @@ def role_writer(args) -> dict:
     record = make_group(args.size)
     streams = Streams.from_config(load_saved_config(Path(args.run_dir) / "config.yaml"))
     writer = streams.writer(TOPIC)
-    t0 = time.time()
+    t0, cpu0 = time.time(), cpu_s()
     for _ in range(args.count):
         writer.write(record)
     writer.flush()
     streams.close()
-    return {"t0": t0, "t_done": time.time(), "bytes": len(encode(record)) * args.count}
+    return {"t0": t0, "t_done": time.time(), "cpu_s": cpu_s() - cpu0, "bytes": len(encode(record)) * args.count}
 
 
 def role_reader(args) -> dict:
     streams = Streams.from_config(load_saved_config(Path(args.run_dir) / "config.yaml"))
     reader = streams.reader(TOPIC, RolloutGroup)
     Path(args.ready).touch()
-    got = 0
+    cpu0, got = cpu_s(), 0
     while got < args.count:
         entries = reader.read(timeout=30, max_count=256)
         if not entries:
@@ -98,27 +104,27 @@ def role_reader(args) -> dict:
         got += len(entries)
     t_end = time.time()
     streams.close()
-    return {"t_end": t_end, "dead_letters": reader.dead_letters}
+    return {"t_end": t_end, "cpu_s": cpu_s() - cpu0, "dead_letters": reader.dead_letters}
 
 
 def role_raw_writer(args) -> dict:
     payload = encode(make_group(args.size))
     client = redis_client(args.port)
     per_batch = max(1, min(RAW_BATCH_RECORDS, RAW_BATCH_BYTES // len(payload)))
-    t0 = time.time()
+    t0, cpu0 = time.time(), cpu_s()
     pipe = client.pipeline(transaction=False)
     for i in range(args.count):
         pipe.xadd(args.key, {b"data": payload}, maxlen=RAW_MAXLEN, approximate=True)
         if len(pipe) >= per_batch:
             pipe.execute()
     pipe.execute()
-    return {"t0": t0, "t_done": time.time(), "bytes": len(payload) * args.count}
+    return {"t0": t0, "t_done": time.time(), "cpu_s": cpu_s() - cpu0, "bytes": len(payload) * args.count}
 
 
 def role_raw_reader(args) -> dict:
     client = redis_client(args.port)
     Path(args.ready).touch()
-    last, got = "0-0", 0
+    cpu0, last, got = cpu_s(), "0-0", 0
     while got < args.count:
         reply = client.xread({args.key: last}, count=256, block=30000)
         if not reply:
@@ -126,7 +132,7 @@ def role_raw_reader(args) -> dict:
         items = reply[0][1]
         got += len(items)
         last = items[-1][0]
-    return {"t_end": time.time(), "dead_letters": 0}
+    return {"t_end": time.time(), "cpu_s": cpu_s() - cpu0, "dead_letters": 0}
 
 
 ROLES = {"writer": role_writer, "reader": role_reader, "raw-writer": role_raw_writer, "raw-reader": role_raw_reader}
@@ -191,6 +197,7 @@ def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict
     shutil.rmtree(case_dir / "run", ignore_errors=True)
     return {"records_s": count / seconds, "mb_s": w["bytes"] / seconds / 1e6, "seconds": seconds,
             "record_bytes": w["bytes"] // count, "writer_rss": w["rss_mb"], "reader_rss": r["rss_mb"],
+            "writer_cpu_us": w["cpu_s"] / count * 1e6, "reader_cpu_us": r["cpu_s"] / count * 1e6,
             "dead": r["dead_letters"]}
 
 
@@ -231,12 +238,14 @@ def main() -> None:
         server.wait(timeout=10)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"best of {args.rounds} rounds; MB/s of encoded payload; peak RSS per process")
-    print(f"{'case':<16}{'record':>9}{'records/s':>12}{'MB/s':>9}{'writer RSS':>12}{'reader RSS':>12}")
+    print(f"best of {args.rounds} rounds; MB/s of encoded payload; CPU time per record and peak RSS per process")
+    print(f"{'case':<16}{'record':>9}{'records/s':>12}{'MB/s':>9}{'writer CPU':>12}{'reader CPU':>12}"
+          f"{'writer RSS':>12}{'reader RSS':>12}")
     for kind, size, _ in cases:
         res = best[kind, size]
         name = "raw redis-py" if kind == "raw" else f"{kind} layer"
         print(f"{name:<16}{res['record_bytes']:>8}B{res['records_s']:>12,.0f}{res['mb_s']:>9.1f}"
+              f"{res['writer_cpu_us']:>10.0f}us{res['reader_cpu_us']:>10.0f}us"
               f"{res['writer_rss']:>10.0f}MB{res['reader_rss']:>10.0f}MB")
     print(f"redis-server peak RSS: {redis_rss:.0f} MB")
     for size in (1024, 65536):

@@ -16,7 +16,7 @@ import pytest
 from pipeline_rl.config import load_config, load_saved_config, save_config
 from pipeline_rl.records import DeadLetter, Metrics, Rollout, RolloutGroup, encode
 from pipeline_rl.stream_jsonl import partition_path
-from pipeline_rl.streams import PositionStore, Streams, partitions_for
+from pipeline_rl.streams import READ_BYTES, PositionStore, Streams, partitions_for
 
 SPAWN = mp.get_context("spawn")
 
@@ -348,3 +348,18 @@ def test_redis_writer_and_reader_survive_a_restart(tmp_path, redis_server, caplo
     assert any("writer of topic 'actor'" in m for m in lost)
     assert any("reader of topic 'actor'" in m for m in lost)
     s.close()
+
+
+def test_a_read_holds_about_read_bytes_of_payload(streams):
+    w = streams.writer("actor")
+    for i in range(100):
+        w.write(group(i, tokens=8000))  # ~100 KB each
+    w.flush()
+    size = len(encode(group(0, tokens=8000)))
+    r = streams.reader("actor", RolloutGroup)
+    batches = []
+    while sum(batches) < 100 and (entries := r.read(timeout=5, max_count=256)):
+        batches.append(len(entries))
+    assert sum(batches) == 100 and len(batches) > 2
+    # After the first read (Redis learns the record size from it) each read stops at READ_BYTES.
+    assert all(1 <= n <= READ_BYTES // size + 1 for n in batches[1:])
