@@ -161,9 +161,9 @@ class RedisReader(Reader):
         self._client = client
         self._keys = {f"{namespace}:{topic}:{p}".encode(): p for p in self.partitions}
         self._backoff = Backoff(f"reader of topic {topic!r}")
-        self._entry_bytes = 16 << 10
-        """Mean payload size of the last read (a guess before the first): XREAD's COUNT is set so
-        that a read holds about READ_BYTES."""
+        self._entry_bytes = 1
+        """Mean payload size of the last read (unknown before the first, which takes max_count):
+        XREAD's COUNT is set so that a read holds about READ_BYTES."""
 
     def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
         streams = {key: self._position[p] for key, p in self._keys.items()}
