@@ -1,0 +1,41 @@
+"""Build the tiny arithmetic model and its data set (see pipeline_rl/tiny_model.py).
+
+    python scripts/make_tiny_model.py [--cache DIR] [--seed N]
+
+DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# One compute thread: on these machines two OpenMP threads in one process are often far slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache")))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import torch
+
+    from pipeline_rl.tiny_model import build
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    start = time.time()
+    path = build(args.cache, args.seed)
+    report = json.loads((path / "pretrain_report.json").read_text())
+    print(f"tiny model in {path} ({time.time() - start:.0f} s): {json.dumps(report)}")
+
+
+if __name__ == "__main__":
+    main()
