@@ -12,6 +12,11 @@ weights from the next decode step.
 A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
 another forward pass before the swap has run.
 
+Tied weights (a tied lm_head): reload updates the shared parameter in place, but on CPU the
+lm_head computes with a packed copy made at load time, which reload does not remake (vLLM
+logs "ParallelLMHead: Failed to load weights" and keeps the old packed copy). The hook
+re-runs the processing of every module whose weight is shared, so the copy is remade.
+
 On GPU, forward and reload run on the same (default) CUDA stream, so a reload queued after
 a forward pass's kernels runs after them.
 """
@@ -64,6 +69,16 @@ def checkpoint_shapes(model_path: str | Path) -> tuple[dict[str, list[int]], set
     return shapes, optional
 
 
+def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules with processed weights (a quant_method) whose weight another module shares."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    return [m for ms in owners.values() if len(ms) > 1 for m in ms if getattr(m, "quant_method", None) is not None]
+
+
 class WeightSwapHook:
     """Gates `model_runner.execute_model` with `lock` and swaps weights between forward passes."""
 
@@ -85,6 +100,7 @@ class WeightSwapHook:
         self._optional = set(optional_names)
         self._broken: Optional[str] = None
         self._runner = model_runner
+        self._tied = _tied_modules(model_runner.get_model())
         self._execute_model = model_runner.execute_model
         model_runner.execute_model = self._gated_execute_model
 
@@ -154,6 +170,8 @@ class WeightSwapHook:
             got = time.perf_counter()
             try:
                 self._runner.reload_weights(weights_iterator=iter(named))
+                for module in self._tied:
+                    module.quant_method.process_weights_after_loading(module)
             except Exception as e:
                 self.failures += 1
                 self._broken = f"loading version {version} failed: {e}"

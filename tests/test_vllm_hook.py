@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from pipeline_rl.config import load_config
 from pipeline_rl.llm_client import LLMClient
@@ -31,6 +30,8 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 
 
 def hf_model(model_dir, weights: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM  # here: the sender process of test_weight_sync imports this file
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.load_state_dict(weights, strict=False)
     if model.config.tie_word_embeddings:
@@ -169,8 +170,8 @@ def test_swap_rejects_a_mismatching_update_before_loading(client, weights_a):
     hook = client.hook
     version, failures = hook.version, hook.failures
     wrong = dict(weights_a)
-    wrong["lm_head.weight"] = wrong["lm_head.weight"][:-1]
-    with pytest.raises(ValueError, match="lm_head.weight has shape"):
+    wrong["model.embed_tokens.weight"] = wrong["model.embed_tokens.weight"][:-1]
+    with pytest.raises(ValueError, match="embed_tokens.weight has shape"):
         hook.swap(wrong.items(), version + 1)
     with pytest.raises(ValueError, match="unknown parameter"):
         hook.swap([*weights_a.items(), ("model.extra.weight", torch.zeros(2))], version + 1)

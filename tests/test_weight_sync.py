@@ -27,18 +27,13 @@ from pipeline_rl.config import load_config
 from pipeline_rl.records import WeightUpdate
 from pipeline_rl.streams import Streams
 from pipeline_rl.weight_sync import WeightReceiver, WeightSender, plan_buckets
+from test_vllm_hook import hf_model, perturbed
 
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 4.0
 BUCKET_MB = 1
-
-
-def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {name: t + torch.randn(t.shape, generator=g) * t.std() if t.dim() > 1 else t.clone()
-            for name, t in weights.items()}
 
 
 def run_config(run_dir: str):
@@ -178,10 +173,7 @@ def test_broadcast_changes_engine_outputs_and_versions(setup, tiny_model):
     assert all(v == [1] * len(v) for _, v in after)
     assert [t for t, _ in after] != [t for t, _ in before]
     # The engine now computes with the sent weights: greedy tokens are their argmax.
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    model.load_state_dict(perturbed(load_file(str(tiny_model / "model.safetensors")), 1))
+    model = hf_model(tiny_model, perturbed(load_file(str(tiny_model / "model.safetensors")), 1))
     prompt = client.tokenizer.encode("12 + 7 =")
     with torch.no_grad():
         logits = model(torch.tensor([prompt + after[0][0]])).logits[0, len(prompt) - 1:-1]
