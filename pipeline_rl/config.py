@@ -100,6 +100,22 @@ class LLMConfig:
 
 
 @dataclass
+class MathRewardConfig:
+    """Reward of a math rollout (domain `math`) by what its final \\boxed{} answer is."""
+
+    correct: float = 1.0
+    """The last \\boxed{} answer equals the reference answer (checked with math-verify)."""
+    wrong: float = 0.0
+    """A readable last \\boxed{} answer that differs from the reference."""
+    no_answer: float = 0.0
+    """The completion finished without any \\boxed{} answer."""
+    unparsable: float = 0.0
+    """A \\boxed{} answer math-verify cannot read, or a check that failed or ran past actor.reward_timeout_s."""
+    truncated: float = 0.0
+    """The completion was cut off at actor.max_new_tokens (or the model length), whatever it contains."""
+
+
+@dataclass
 class ActorConfig:
     mode: str = "async"
     """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
@@ -118,6 +134,10 @@ class ActorConfig:
     """Most groups one actor generates at once (continuous batching fills the engine)."""
     reward_timeout_s: float = 5.0
     """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
+    reward_workers: int = 2
+    """Worker processes per actor that run reward checks under the time limit (pipeline_rl/rewards.py)."""
+    math_reward: MathRewardConfig = field(default_factory=MathRewardConfig)
+    """Reward table of the math domain."""
     eval_every_s: float = 30.0
     """Actor 0 evaluates on held-out problems this often (0: never)."""
     eval_problems: int = 200
@@ -385,7 +405,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)!r}, expected one of {choices}")
     positive = [
         "world.nodes", "world.actors", "world.preprocessors", "world.trainers", "actor.attempts",
-        "actor.max_new_tokens", "actor.max_groups_in_flight", "preprocess.seq_length",
+        "actor.max_new_tokens", "actor.max_groups_in_flight", "actor.reward_workers", "preprocess.seq_length",
         "preprocess.batch_groups", "trainer.groups_per_step", "trainer.weight_update_interval",
         "trainer.max_steps", "trainer.weight_bucket_mb",
     ]
