@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -49,19 +50,31 @@ def client(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def weights_a(tiny_model):
+def trained(tiny_model):
+    """The checkpoint's weights (the engine serves them between tests)."""
     return load_file(str(tiny_model / "model.safetensors"))
 
 
-def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, weights_a):
+@contextlib.contextmanager
+def serving(client, weights: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]):
+    """Serve `weights` (as a new version) inside the block, the checkpoint's weights after it.
+    The trained tiny model answers and then repeats EOS; a perturbed one gives varied tokens."""
+    client.hook.swap(weights.items(), client.hook.version + 1)
+    try:
+        yield
+    finally:
+        client.hook.swap(trained.items(), client.hook.version + 1)
+
+
+def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, trained):
     prompts = [client.tokenizer.encode(p) for p in ("12 + 7 =", "the quick brown", "3")]
     temperature = 0.7
 
     async def run():
-        return await asyncio.gather(*(client.generate(p, 4, 24, temperature) for p in prompts))
+        return await asyncio.gather(*(client.generate(p, 4, 24, temperature, ignore_eos=True) for p in prompts))
 
     groups = asyncio.run(run())
-    model = hf_model(tiny_model, weights_a)
+    model = hf_model(tiny_model, trained)
     worst = 0.0
     for prompt, group in zip(prompts, groups):
         assert len(group) == 4
@@ -87,9 +100,14 @@ def argmax_agreement(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]
     return int((agree | ~clear).sum()), len(tokens)
 
 
-def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_model, weights_a):
+def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_model, trained):
+    weights_a, weights_b = perturbed(trained, seed=1), perturbed(trained, seed=2)
+    with serving(client, weights_a, trained):
+        swap_during_generation(client, tiny_model, weights_a, weights_b)
+
+
+def swap_during_generation(client, tiny_model, weights_a, weights_b):
     hook = client.hook
-    weights_b = perturbed(weights_a, seed=1)
     old, new = hook.version, hook.version + 1
     prompt = client.tokenizer.encode("12 + 7 =")
     swap_after = 40
@@ -130,20 +148,19 @@ def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_mo
     expected = torch.cat([full_a[:s].log_softmax(-1), after.log_softmax(-1)]).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
-    hook.swap(weights_a.items(), new + 1)  # leave model A loaded for other tests
-
 
 def test_stop_strings_cancellation_and_bad_requests(client):
-    prompt = client.tokenizer.encode("12 + 7 =")
-    [full] = asyncio.run(client.generate(prompt, 1, 40, 0.0, ignore_eos=True))
-    assert full.finish_reason == "length" and len(full.token_ids) == 40
-    # Stop at a piece of text from the middle of the same greedy completion.
-    cut = client.tokenizer.decode(full.token_ids[:20])
-    stop = cut[-3:]
-    [stopped] = asyncio.run(client.generate(prompt, 1, 40, 0.0, stop=[stop], ignore_eos=True))
+    # The trained model answers sums and stops at EOS; stop instead after the answer's first character.
+    answers = [(p, c) for p in (client.tokenizer.encode(f"Q: {a}+{b}=") for a, b in ((89, 29), (71, 60), (96, 38)))
+               for [c] in [asyncio.run(client.generate(p, 1, 8, 0.0))]]
+    prompt, full = next(((p, c) for p, c in answers if len(c.text) >= 2), answers[0])
+    assert full.finish_reason == "stop" and len(full.text) >= 2, [c.text for _, c in answers]
+    stop = full.text[1:]
+    [stopped] = asyncio.run(client.generate(prompt, 1, 8, 0.0, stop=[stop]))
     assert stopped.finish_reason == "stop"
-    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) <= 20
-    assert stop not in stopped.text and full.text.startswith(stopped.text)
+    assert stopped.text == full.text[:full.text.index(stop)]
+    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)]
+    assert len(stopped.token_ids) < len(full.token_ids)
 
     async def cancel_midway():
         task = asyncio.ensure_future(client.generate(prompt, 2, 200, 1.0, ignore_eos=True))
@@ -162,19 +179,19 @@ def test_stop_strings_cancellation_and_bad_requests(client):
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(client.generate(list(range(5, 105)) * 3, 1, 8, 1.0))
     # The engine still serves after all that.
-    [again] = asyncio.run(client.generate(prompt, 1, 40, 0.0, ignore_eos=True))
+    [again] = asyncio.run(client.generate(prompt, 1, 8, 0.0))
     assert again.token_ids == full.token_ids
 
 
-def test_swap_rejects_a_mismatching_update_before_loading(client, weights_a):
+def test_swap_rejects_a_mismatching_update_before_loading(client, trained):
     hook = client.hook
     version, failures = hook.version, hook.failures
-    wrong = dict(weights_a)
+    wrong = dict(trained)
     wrong["model.embed_tokens.weight"] = wrong["model.embed_tokens.weight"][:-1]
     with pytest.raises(ValueError, match="embed_tokens.weight has shape"):
         hook.swap(wrong.items(), version + 1)
     with pytest.raises(ValueError, match="unknown parameter"):
-        hook.swap([*weights_a.items(), ("model.extra.weight", torch.zeros(2))], version + 1)
+        hook.swap([*trained.items(), ("model.extra.weight", torch.zeros(2))], version + 1)
     with pytest.raises(ValueError, match="lacks 1 parameter"):
-        hook.swap([kv for kv in weights_a.items() if kv[0] != "model.norm.weight"], version + 1)
+        hook.swap([kv for kv in trained.items() if kv[0] != "model.norm.weight"], version + 1)
     assert hook.version == version and hook.failures == failures + 3
