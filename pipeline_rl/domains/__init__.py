@@ -1,0 +1,67 @@
+"""Rollout plug-ins ("domains"): how one problem becomes one scored RolloutGroup.
+
+A domain is an async function
+
+    async def rollout(problem: dict, llm: LLMClient, cfg: RunConfig) -> RolloutGroup
+
+`problem` is one row of the data set (pipeline_rl/datasets.py: "id", "prompt", "answer" and
+any extra keys). The function samples with `llm.generate(...)` (usually
+n=cfg.actor.attempts) and returns a RolloutGroup whose rollouts have their rewards filled in.
+Each Rollout carries the prompt's token ids and, per completion token, the id, the sampled
+logprob and the policy version as returned in the Completion. The actor then sets the group's
+`group_id` and `actor` fields, so a domain may leave them at their defaults.
+
+A check that could hang or is expensive (parsing model output) belongs in a
+`pipeline_rl.rewards.RewardPool`, which enforces actor.reward_timeout_s. A reward that
+failed is reported, not raised: the rollout gets the failure reward and the error text goes
+into `rollout.metadata["reward_error"]`, which the actor counts and shows in its metrics.
+
+Multi-turn rollouts (tools, environments, dialogues) use the same interface: a rollout is a
+list of turns flattened into one `completion_ids` after the prompt. Tokens the policy sampled
+have mask 1 and their logprobs and versions; tokens the environment inserted (a tool result,
+the next question) have mask 0, logprob 0.0 and version -1, and are not trained on. Each turn's
+own reward can go on that turn's last token in `token_rewards` (0.0 elsewhere); `reward` is
+the rollout's total. tests/multiturn_domain.py is a small example.
+
+`load_domain(name)` accepts a built-in name ("arithmetic", "math") or "module:function".
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Awaitable, Callable
+
+from pipeline_rl.records import Rollout
+
+BUILTIN = {"arithmetic": "pipeline_rl.domains.arithmetic:rollout", "math": "pipeline_rl.domains.math:rollout"}
+
+RolloutFn = Callable[..., Awaitable]
+
+
+def load_domain(name: str) -> RolloutFn:
+    """The rollout function of a built-in domain or of an import path `module:function`."""
+    path = BUILTIN.get(name, name)
+    if ":" not in path:
+        raise ValueError(f"unknown domain {name!r}: expected one of {sorted(BUILTIN)} or module:function")
+    module_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"domain {name!r}: cannot import {path}: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"domain {name!r}: {path} must be an async function (async def rollout(problem, llm, cfg))")
+    return fn
+
+
+def make_rollout(prompt_ids: list[int], completion: Any, reward: float, error: str | None = None,
+                 **metadata: Any) -> Rollout:
+    """A single-turn Rollout from an LLMClient Completion; `error` (a failed reward check) is
+    kept in metadata["reward_error"]."""
+    if error is not None:
+        metadata["reward_error"] = error
+    return Rollout(
+        prompt_ids=list(prompt_ids), completion_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
+        versions=list(completion.versions), reward=float(reward), finish_reason=completion.finish_reason,
+        metadata=metadata,
+    )
