@@ -39,24 +39,11 @@ pytestmark = pytest.mark.deepspeed
 with contextlib.suppress(ImportError):
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
-# Update-equality tolerance: runs differ only in float summation order (micro-batch layout,
-# gradient all-reduce), which Adam's normalised step can amplify for near-zero gradients.
-# Weights move by ~lr = 1e-3 per step; measured differences are 3e-7 (ZeRO-2) and 3e-6 (ZeRO-3).
-ATOL = 2e-5
-
-
-@pytest.fixture(scope="session")
-def model_path(tmp_path_factory) -> Path:
-    """A random tiny Qwen2 (hidden 64, 2 layers) with one tokenizer file to copy along."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    (path / "tokenizer_config.json").write_text("{}")
-    return path
+# Update-equality tolerance, relative to the size of the update itself: runs differ only in
+# float summation order (micro-batch layout, gradient reduction), which Adam's normalised
+# step turns into noise of up to lr on parameters whose exact gradient is ~0 (the k_proj
+# biases: softmax ignores a per-query constant). Measured: 5e-6 (ZeRO-2), 1.2e-4 (ZeRO-3).
+REL_TOL = 1e-3
 
 
 def trainer_config(run_dir: Path, model_path: Path, *overrides: str) -> RunConfig:
@@ -77,16 +64,17 @@ def make_steps(model_path: Path, steps: int, groups: int, seed: int, versions: l
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    vocab = model.config.vocab_size
     rng = random.Random(seed)
     out = []
     for s in range(steps):
         version = s if versions is None else versions[s]
         seqs = []
         for g in range(groups):
-            prompt = [rng.randrange(128) for _ in range(rng.randint(4, 8))]
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 8))]
             rollouts = []
             for _ in range(4):
-                completion = [rng.randrange(128) for _ in range(rng.randint(3, 12))]
+                completion = [rng.randrange(vocab) for _ in range(rng.randint(3, 12))]
                 ids = torch.tensor([prompt + completion])
                 with torch.no_grad():
                     lp, _ = packed_logprobs(model, ids, torch.arange(ids.shape[1])[None], 0.8)
@@ -175,35 +163,39 @@ def final_weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
     return load_file(found[0] / "model.safetensors")
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+def update_error(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                 initial: dict[str, torch.Tensor]) -> float:
+    """|weights - reference| / |reference - initial| over all parameters (L2)."""
+    assert weights.keys() == reference.keys()
+    diff = sum(((weights[k] - reference[k]) ** 2).sum() for k in weights) ** 0.5
+    update = sum(((reference[k] - initial[k]) ** 2).sum() for k in weights) ** 0.5
+    assert update > 0, "the reference run did not change the weights"
+    return float(diff / update)
 
 
-def test_two_ranks_give_the_same_update_as_one(model_path, tmp_path):
-    steps = make_steps(model_path, steps=2, groups=4, seed=1)
-    initial = load_file(model_path / "model.safetensors")
+def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
+    steps = make_steps(tiny_model, steps=2, groups=4, seed=1)
+    initial = load_file(tiny_model / "model.safetensors")
     results = {}
     cases = [("zero2", "trainer.zero_stage=2", "trainer.loss.normalize=token"),
              ("zero3", "trainer.zero_stage=3", "trainer.loss.normalize=sequence")]
     for name, *overrides in cases:
-        ref = trainer_config(tmp_path / f"{name}_1rank", model_path, "trainer.max_steps=2", "trainer.zero_stage=2",
+        ref = trainer_config(tmp_path / f"{name}_1rank", tiny_model, "trainer.max_steps=2", "trainer.zero_stage=2",
                              *overrides[1:])
         write_steps(ref, steps, ranks=1)
         train(ref)
         results[name] = final_weights(ref.run_dir, 2)
-        assert max_diff(results[name], initial) > 1e-3  # the steps did move the weights
 
     # ZeRO-2: two ranks that stop at max_steps.
-    two = trainer_config(tmp_path / "zero2_2ranks", model_path, "trainer.max_steps=2", "world.trainers=2",
+    two = trainer_config(tmp_path / "zero2_2ranks", tiny_model, "trainer.max_steps=2", "world.trainers=2",
                          *cases[0][1:])
     write_steps(two, steps, ranks=2)
     train(two, ranks=2)
-    assert max_diff(final_weights(two.run_dir, 2), results["zero2"]) < ATOL
+    assert update_error(final_weights(two.run_dir, 2), results["zero2"], initial) < REL_TOL
 
     # ZeRO-3: two ranks stopped by SIGTERM (as the launcher does) once both steps are trained;
     # they save the final checkpoint and exit 0.
-    three = trainer_config(tmp_path / "zero3_2ranks", model_path, "trainer.max_steps=50", "world.trainers=2",
+    three = trainer_config(tmp_path / "zero3_2ranks", tiny_model, "trainer.max_steps=50", "world.trainers=2",
                            *cases[1][1:])
     write_steps(three, steps, ranks=2)
     procs = start_ranks(Path(three.run_dir), 2)
@@ -215,20 +207,20 @@ def test_two_ranks_give_the_same_update_as_one(model_path, tmp_path):
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)
     wait_all(procs, Path(three.run_dir), timeout=120)
-    assert max_diff(final_weights(three.run_dir, 2), results["zero3"]) < ATOL
+    assert update_error(final_weights(three.run_dir, 2), results["zero3"], initial) < REL_TOL
     # Same data, different normalisation: the two references really differ.
-    assert max_diff(results["zero2"], results["zero3"]) > 10 * ATOL
+    assert update_error(results["zero2"], results["zero3"], initial) > 100 * REL_TOL
 
 
-def test_stale_sample_is_not_trained_on(model_path, tmp_path):
+def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     """max_lag=0: at version 1, a sample of version 0 (lag 1) is dropped by the gate, so the
     weights equal those of a run whose data never had it; with a larger max_lag they differ."""
-    fresh = make_steps(model_path, steps=2, groups=2, seed=2)
-    stale = make_steps(model_path, steps=1, groups=1, seed=3, versions=[0])[0][:1]
+    fresh = make_steps(tiny_model, steps=2, groups=2, seed=2)
+    stale = make_steps(tiny_model, steps=1, groups=1, seed=3, versions=[0])[0][:1]
     with_stale = [fresh[0], fresh[1] + stale]
 
     def weights_after(name: str, steps, *overrides) -> dict[str, torch.Tensor]:
-        cfg = trainer_config(tmp_path / name, model_path, "trainer.max_steps=2", *overrides)
+        cfg = trainer_config(tmp_path / name, tiny_model, "trainer.max_steps=2", *overrides)
         write_steps(cfg, steps, ranks=1)
         train(cfg)
         return final_weights(cfg.run_dir, 2)
@@ -236,8 +228,9 @@ def test_stale_sample_is_not_trained_on(model_path, tmp_path):
     gated = weights_after("gated", with_stale, "trainer.max_lag=0")
     without = weights_after("without", fresh, "trainer.max_lag=0")
     kept = weights_after("kept", with_stale, "trainer.max_lag=1")
-    assert max_diff(gated, without) < ATOL
-    assert max_diff(kept, without) > 10 * ATOL
+    initial = load_file(tiny_model / "model.safetensors")
+    assert update_error(gated, without, initial) < REL_TOL
+    assert update_error(kept, without, initial) > 100 * REL_TOL
 
     metrics = trainer_metrics(tmp_path / "gated")
     assert [m["dropped_samples"] for m in metrics] == [0, 1]
