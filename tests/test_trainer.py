@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,8 +30,9 @@ from pipeline_rl.checkpoint import latest_checkpoint
 from pipeline_rl.config import RunConfig, load_config, save_config
 from pipeline_rl.logprobs import packed_logprobs
 from pipeline_rl.packing import Sequence, pack_step, rollout_sequence
-from pipeline_rl.records import Rollout
+from pipeline_rl.records import Rollout, WeightUpdate
 from pipeline_rl.streams import Streams
+from pipeline_rl.weight_sync import WeightReceiver
 
 pytestmark = pytest.mark.deepspeed
 
@@ -108,8 +110,8 @@ def _forked_main(env: dict[str, str], argv: list[str], log_path: str, before_mai
     sys.stdout = sys.stderr = open(log_path, "a", buffering=1)
     os.dup2(sys.stdout.fileno(), 1)
     os.dup2(sys.stdout.fileno(), 2)
-    os.environ.update(env)
     os.environ.pop("PIPELINE_RL_WEIGHT_SYNC_ADDR", None)
+    os.environ.update(env)
     from pipeline_rl.trainer import main
 
     if before_main is not None:
@@ -117,7 +119,8 @@ def _forked_main(env: dict[str, str], argv: list[str], log_path: str, before_mai
     os._exit(main(argv))
 
 
-def start_ranks(run_dir: Path, ranks: int, before_main: Optional[Callable] = None) -> list[multiprocessing.Process]:
+def start_ranks(run_dir: Path, ranks: int, before_main: Optional[Callable] = None,
+                env: Optional[dict[str, str]] = None) -> list[multiprocessing.Process]:
     """Trainer ranks as real processes running pipeline_rl.trainer.main(), forked from the test
     process: it has already imported torch/DeepSpeed/transformers, so they start in about a
     second, and the test process itself never joins a process group. `before_main` runs in
@@ -130,7 +133,7 @@ def start_ranks(run_dir: Path, ranks: int, before_main: Optional[Callable] = Non
         argv = ["--run-dir", str(run_dir), "--index", str(rank)]
         proc = multiprocessing.get_context("fork").Process(
             target=_forked_main,
-            args=(rank_env(rank, ranks, port), argv, str(run_dir / f"trainer{rank}.log"), before_main))
+            args=({**rank_env(rank, ranks, port), **(env or {})}, argv, str(run_dir / f"trainer{rank}.log"), before_main))
         proc.start()
         procs.append(proc)
     return procs
@@ -173,6 +176,24 @@ def update_error(weights: dict[str, torch.Tensor], reference: dict[str, torch.Te
     return float(diff / update)
 
 
+def receive_weights(cfg: RunConfig, addr: str, versions: int, received: dict, errors: list) -> None:
+    """An actor's side of the weight broadcast: announcements from the "weights" stream, tensors
+    from WeightReceiver (rank 1 of 2)."""
+    streams = Streams.from_config(cfg)
+    reader = streams.reader("weights", WeightUpdate)
+    endpoint = WeightReceiver(addr, rank=1, world_size=2)
+    deadline = time.time() + 120
+    try:
+        while len(received) < versions and time.time() < deadline:
+            for entry in reader.read(timeout=0.5):
+                received[entry.record.version] = {k: v.clone() for k, v in endpoint.receive(entry.record)}
+    except Exception as e:
+        errors.append(repr(e))
+    finally:
+        endpoint.close()
+        streams.close()
+
+
 def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     steps = make_steps(tiny_model, steps=2, groups=4, seed=1)
     initial = load_file(tiny_model / "model.safetensors")
@@ -194,11 +215,16 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     assert update_error(final_weights(two.run_dir, 2), results["zero2"], initial) < REL_TOL
 
     # ZeRO-3: two ranks stopped by SIGTERM (as the launcher does) once both steps are trained;
-    # they save the final checkpoint and exit 0.
+    # they save the final checkpoint and exit 0. An actor's weight receiver runs in a thread
+    # here: rank 0 broadcasts the gathered weights after each step.
     three = trainer_config(tmp_path / "zero3_2ranks", tiny_model, "trainer.max_steps=50", "world.trainers=2",
                            *cases[1][1:])
     write_steps(three, steps, ranks=2)
-    procs = start_ranks(Path(three.run_dir), 2)
+    sync_addr = f"127.0.0.1:{free_port()}"
+    received, errors = {}, []
+    receiver = threading.Thread(target=receive_weights, args=(three, sync_addr, 2, received, errors), daemon=True)
+    receiver.start()
+    procs = start_ranks(Path(three.run_dir), 2, env={"PIPELINE_RL_WEIGHT_SYNC_ADDR": sync_addr})
     deadline = time.time() + 240
     while not any(m.get("version") == 2 for m in trainer_metrics(Path(three.run_dir))):
         assert time.time() < deadline and all(p.is_alive() for p in procs), \
@@ -207,7 +233,14 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)
     wait_all(procs, Path(three.run_dir), timeout=120)
-    assert update_error(final_weights(three.run_dir, 2), results["zero3"], initial) < REL_TOL
+    final = final_weights(three.run_dir, 2)
+    assert update_error(final, results["zero3"], initial) < REL_TOL
+    receiver.join(30)
+    assert not errors and sorted(received) == [1, 2], f"received versions {sorted(received)}, errors {errors}"
+    assert received[2].keys() == final.keys()
+    assert all(torch.equal(received[2][k], final[k]) for k in final)
+    assert not all(torch.equal(received[1][k], final[k]) for k in final)
+    assert all(m["weight_broadcast_s"] > 0 for m in trainer_metrics(Path(three.run_dir)))
     # Same data, different normalisation: the two references really differ.
     assert update_error(results["zero2"], results["zero3"], initial) > 100 * REL_TOL
 
