@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -16,7 +17,9 @@ class StatusLine:
     def __init__(self, total_steps: int, reader: Any):
         self.reader = reader
         self.latest: dict[str, dict[str, Any]] = {}
-        self.bar = tqdm(total=total_steps, desc="version", unit="step", mininterval=1.0, dynamic_ncols=True)
+        # In a log file (no terminal) one line every 30 s is enough.
+        self.bar = tqdm(total=total_steps, desc="version", unit="step", dynamic_ncols=True,
+                        mininterval=1.0 if sys.stderr.isatty() else 30.0)
         self._last_print = 0.0
 
     def _value(self, pool: str, key: str, default: Any = None) -> Any:

@@ -39,8 +39,8 @@ def last_values(records: list[dict]) -> dict[str, dict]:
 
 def actor_idle(latest: dict[str, dict]) -> float | None:
     """Share of each actor's uptime spent blocked on admission (waiting for newer weights)."""
-    fractions = [v["admission_wait_s"] / v["uptime_s"] for p, v in latest.items()
-                 if p.startswith("actor") and v.get("uptime_s") and "admission_wait_s" in v]
+    fractions = [v["admission_blocked_total_s"] / v["uptime_s"] for p, v in latest.items()
+                 if p.startswith("actor") and v.get("uptime_s") and "admission_blocked_total_s" in v]
     return sum(fractions) / len(fractions) if fractions else None
 
 
