@@ -166,6 +166,8 @@ class LLMClient:
             raise RuntimeError(f"the vLLM engine failed: {self._error!r}")
         if self._closed.is_set():
             raise RuntimeError("LLMClient is closed")
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"generate needs n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
         if not 0 < len(prompt_ids) < self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens: must be 1 to {self.max_model_len - 1} tokens "
                              f"(actor.llm.max_model_len = {self.max_model_len})")

@@ -15,7 +15,9 @@ another forward pass before the swap has run.
 Tied weights (a tied lm_head): reload updates the shared parameter in place, but on CPU the
 lm_head computes with a packed copy made at load time, which reload does not remake (vLLM
 logs "ParallelLMHead: Failed to load weights" and keeps the old packed copy). The hook
-re-runs the processing of every module whose weight is shared, so the copy is remade.
+re-runs the processing of every module whose weight is shared, so the copy is remade, and
+drops vLLM's warning for those modules and for modules without parameters (rotary
+embeddings): it would appear at every swap and is expected.
 
 On GPU, forward and reload run on the same (default) CUDA stream, so a reload queued after
 a forward pass's kernels runs after them.
@@ -79,6 +81,31 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for ms in owners.values() if len(ms) > 1 for m in ms if getattr(m, "quant_method", None) is not None]
 
 
+def _not_reloaded_classes(model: torch.nn.Module, tied: list[torch.nn.Module]) -> set[str]:
+    """Classes of modules a reload never loads by name: tied ones and those without parameters
+    (minus classes that also have ordinary weighted instances, whose warning would be real)."""
+    tied_ids = {id(m) for m in tied}
+    quiet, loud = set(), set()
+    for m in model.modules():
+        own = any(True for _ in m.parameters(recurse=False))
+        if id(m) in tied_ids or not any(True for _ in m.parameters()):
+            quiet.add(type(m).__name__)
+        elif own:
+            loud.add(type(m).__name__)
+    return quiet - loud
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's per-reload "Failed to load weights" warning for the given module classes."""
+
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.classes)
+
+
 class WeightSwapHook:
     """Gates `model_runner.execute_model` with `lock` and swaps weights between forward passes."""
 
@@ -100,7 +127,10 @@ class WeightSwapHook:
         self._optional = set(optional_names)
         self._broken: Optional[str] = None
         self._runner = model_runner
-        self._tied = _tied_modules(model_runner.get_model())
+        model = model_runner.get_model()
+        self._tied = _tied_modules(model)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _ExpectedReloadWarnings(_not_reloaded_classes(model, self._tied)))
         self._execute_model = model_runner.execute_model
         model_runner.execute_model = self._gated_execute_model
 
@@ -132,12 +162,14 @@ class WeightSwapHook:
 
     @contextlib.contextmanager
     def bypassed(self):
-        """Forward passes without the gate, for benchmarks that compare against plain vLLM."""
-        self._runner.execute_model = self._execute_model
-        try:
-            yield
-        finally:
-            self._runner.execute_model = self._gated_execute_model
+        """Forward passes without the per-pass gate, for benchmarks that compare against plain
+        vLLM; the lock is held for the whole block, so swaps wait until it ends."""
+        with self._turnstile, self.lock:
+            self._runner.execute_model = self._execute_model
+            try:
+                yield
+            finally:
+                self._runner.execute_model = self._gated_execute_model
 
     def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Raise ValueError unless the update has every parameter of the engine's model with
