@@ -20,8 +20,11 @@ Multi-turn rollouts (tools, environments, dialogues) use the same interface: a r
 list of turns flattened into one `completion_ids` after the prompt. Tokens the policy sampled
 have mask 1 and their logprobs and versions; tokens the environment inserted (a tool result,
 the next question) have mask 0, logprob 0.0 and version -1, and are not trained on. Each turn's
-own reward can go on that turn's last token in `token_rewards` (0.0 elsewhere); `reward` is
-the rollout's total. tests/multiturn_domain.py is a small example.
+own reward can go on that turn's last token in `token_rewards` (0.0 elsewhere). The
+preprocessor adds token_rewards as an undiscounted, unbaselined reward-to-go on top of the
+group-relative advantage of `reward` (pipeline_rl/advantages.py): keep `reward` for the
+episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
+tests/multiturn_domain.py is a small example.
 
 `load_domain(name)` accepts a built-in name ("arithmetic", "math") or "module:function".
 """
