@@ -165,9 +165,10 @@ class Actor:
                         blocked_since = blocked_since or time.monotonic()
                         break
                     blocked_since = self._unblock(blocked_since)
-                    problem = self.order[self.drawn]
+                    self.admission.start()
+                    task = asyncio.create_task(self.rollout(self.order[self.drawn], self.llm, self.cfg))
+                    tasks[task] = self.drawn
                     self.drawn += 1
-                    tasks[asyncio.create_task(self.rollout(problem, self.llm, self.cfg))] = self.admission.start()
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 else:
@@ -203,6 +204,7 @@ class Actor:
         return now if reopen else None
 
     def _finish(self, task: asyncio.Task, number: int) -> None:
+        """Write a finished group; `number` is its problem draw, unique over the run."""
         try:
             group = task.result()
             if not isinstance(group, RolloutGroup) or not group.rollouts:
@@ -217,7 +219,7 @@ class Actor:
             self.rollout_errors_total += 1
             self.consecutive_failures += 1
             self.last_rollout_error = f"{type(e).__name__}: {e}"[:500]
-            log.error("rollout of group %d failed: %s", number, self.last_rollout_error)
+            log.error("rollout of problem draw %d failed: %s", number, self.last_rollout_error)
             if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                 raise RuntimeError(f"{self.consecutive_failures} rollouts in a row failed, "
                                    f"the last with {self.last_rollout_error}") from e
