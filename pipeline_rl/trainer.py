@@ -178,7 +178,7 @@ class Trainer:
     def train(self, stop: Callable[[], bool]) -> int:
         cfg = self.cfg
         while self.version < cfg.trainer.max_steps:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             batch = self.collector.next_step(self.version, stop)
             wait_s = time.perf_counter() - t0
             gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag) for mb in batch or []]
@@ -193,10 +193,12 @@ class Trainer:
             t1 = time.perf_counter()
             values = self._step(batch, gates, dropped_tokens, dropped_samples)
             compute_s = time.perf_counter() - t1
+            # CPU time of reading + computing the step: unlike wall time, not inflated by other processes.
+            step_cpu_s = time.process_time() - cpu0
             self.version += 1
             self.dropped_total += int(dropped_samples)
             self.trained_position = self.reader.position()
-            values.update(wait_s=wait_s, compute_s=compute_s, dropped_total=self.dropped_total,
+            values.update(wait_s=wait_s, compute_s=compute_s, step_cpu_s=step_cpu_s, dropped_total=self.dropped_total,
                           samples_per_s=values["samples"] / (wait_s + compute_s),
                           tokens_per_s=values["tokens"] / (wait_s + compute_s),
                           compute_tokens_per_s=values["tokens"] / compute_s,
