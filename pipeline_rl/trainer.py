@@ -181,11 +181,11 @@ class Trainer:
             t0, cpu0 = time.perf_counter(), time.process_time()
             batch = self.collector.next_step(self.version, stop)
             wait_s = time.perf_counter() - t0
-            gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag) for mb in batch or []]
-            stopping, dropped_tokens, dropped_samples = self._all_reduce([
-                float(batch is None), sum(g.dropped_tokens for g in gates), sum(g.dropped_samples for g in gates)])
-            if stopping:
+            if self._stop_or_check(batch):
                 break
+            gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag) for mb in batch]
+            dropped_tokens, dropped_samples = self._all_reduce([sum(g.dropped_tokens for g in gates),
+                                                                sum(g.dropped_samples for g in gates)])
             for g in gates:
                 for lag in g.dropped_lags:
                     log.info("max_lag gate: dropped a sample of lag %d > %d at version %d", lag, cfg.trainer.max_lag,
@@ -202,7 +202,8 @@ class Trainer:
                           samples_per_s=values["samples"] / (wait_s + compute_s),
                           tokens_per_s=values["tokens"] / (wait_s + compute_s),
                           compute_tokens_per_s=values["tokens"] / compute_s,
-                          skipped_microbatches=self.collector.skipped, restarted_steps=self.collector.restarted)
+                          skipped_microbatches=self.collector.skipped, restarted_steps=self.collector.restarted,
+                          dead_letters=self.reader.dead_letters)
             if self.version % cfg.trainer.weight_update_interval == 0:
                 values.update(self._publish_weights())
             if cfg.trainer.checkpoint_every and self.version % cfg.trainer.checkpoint_every == 0:
@@ -212,6 +213,20 @@ class Trainer:
                 self.metrics.log(values, step=self.version)
         self.save()
         return self.version
+
+    def _stop_or_check(self, batch: Optional[list[MicroBatch]]) -> bool:
+        """True if any rank is stopping; otherwise check that all ranks hold the same step with
+        the same number of micro-batches (a mismatch would hang the collectives later)."""
+        step, count = (batch[0].step, batch[0].count) if batch else (-1, -1)
+        neg_stop, lo_step, neg_hi_step, lo_count, neg_hi_count = self._all_reduce(
+            [-float(batch is None), step, -step, count, -count], op=dist.ReduceOp.MIN)
+        if neg_stop < 0:
+            return True
+        if (lo_step, lo_count) != (-neg_hi_step, -neg_hi_count):
+            raise RuntimeError(f"trainer ranks disagree on the step: steps {lo_step:.0f}..{-neg_hi_step:.0f}, "
+                               f"micro-batches per rank {lo_count:.0f}..{-neg_hi_count:.0f} (rank {self.rank} has "
+                               f"step {step} with {count})")
+        return False
 
     def _step(self, batch: list[MicroBatch], gates, dropped_tokens: float, dropped_samples: float) -> dict:
         """Forward/backward over the step's micro-batches and one optimizer update; returns metrics."""
