@@ -270,3 +270,31 @@ def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     assert metrics[-1]["dropped_total"] == 1
     assert metrics[-1]["lag_hist"] == {"0": len(fresh[1]), "1": 1}
     assert trainer_metrics(tmp_path / "kept")[-1]["dropped_samples"] == 0
+
+
+def test_step_collector_skips_trained_steps_and_restarts_rewritten_ones(tmp_path):
+    """Without DeepSpeed: the collector over a real JSONL trainer stream."""
+    from pipeline_rl.records import MicroBatch
+    from pipeline_rl.trainer import StepCollector
+
+    def mb(step, index, count, tag=0):
+        return MicroBatch(step=step, index=index, count=count, input_ids=[tag], position_ids=[0], loss_mask=[0],
+                          advantages=[0.0], old_logprobs=[0.0], versions=[-1], seq_lengths=[1], sample_versions=[-1],
+                          group_ids=[""], rewards=[0.0], step_tokens=0, step_samples=0)
+
+    cfg = trainer_config(tmp_path, tmp_path)
+    streams = Streams.from_config(cfg)
+    writer = streams.writer("trainer")
+    # Step 0 was trained already; step 1's first copy is torn after index 0 and written again.
+    for record in [mb(0, 0, 2), mb(0, 1, 2), mb(1, 0, 2, tag=1), mb(1, 0, 2, tag=2), mb(1, 1, 2, tag=2),
+                   mb(2, 1, 2)]:
+        writer.write(record)
+    collector = StepCollector(streams.reader("trainer", MicroBatch), rank=0)
+    batch = collector.next_step(version=1, stop=lambda: False)
+    assert [(m.step, m.index, m.input_ids[0]) for m in batch] == [(1, 0, 2), (1, 1, 2)]
+    assert (collector.skipped, collector.restarted) == (2, 1)
+    # The step is complete after its last micro-batch: nothing beyond it was consumed.
+    with pytest.raises(ValueError, match=r"partition 0 offset \d+: micro-batch 1 of 2 of step 2, expected index 0"):
+        collector.next_step(version=2, stop=lambda: False)
+    assert collector.next_step(version=3, stop=lambda: True) is None
+    streams.close()
