@@ -42,6 +42,7 @@ from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.packing import PAD_GROUP_ID
 from pipeline_rl.records import MicroBatch
 from pipeline_rl.streams import Streams
+from pipeline_rl.weight_sync import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,6 @@ class Trainer:
         addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
         if rank == 0 and addr:
-            from pipeline_rl.weight_sync import WeightSender
-
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             self.sender = WeightSender(addr, world_size=1 + cfg.world.actors, backend=backend)
             self.weights_writer = self.streams.writer(WEIGHTS_TOPIC)
