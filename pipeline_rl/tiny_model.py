@@ -193,12 +193,19 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int) -
 
 
 def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Move a finished directory into place; the old one is removed only after the rename."""
-    old = None
-    if dest.exists():
-        old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+    """Move a finished directory into place; the old one is removed only after the rename.
+    If another build put its result there in between, that one stays."""
+    old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+    try:
         dest.rename(old)
-    tmp.rename(dest)
+    except FileNotFoundError:
+        old = None
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if not dest.exists():
+            raise
+        shutil.rmtree(tmp)
     if old is not None:
         shutil.rmtree(old)
 
@@ -207,10 +214,19 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _remove_leftovers(cache_dir: Path) -> None:
+    """Temporary directories of builds that were killed (their process is gone)."""
+    for path in cache_dir.glob("*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def build(cache_dir: Path, seed: int = 0) -> Path:
     """Build the data set and the tiny model under `cache_dir`; returns the model directory."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(cache_dir)
     torch.manual_seed(seed)
     train, test = make_problems(seed)
 
