@@ -7,8 +7,15 @@ actor i is rank i + 1.
 
 One update: the sender publishes its version under the store key "latest", announces a
 WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts each bucket
-as one flat buffer per dtype. Receivers read the announcement from the "weights" stream and
-take part in the broadcast.
+as one byte buffer (its tensors back to back). Receivers read the announcement from the
+"weights" stream and take part in the broadcast.
+
+Buffers are kept between updates of the same layout: the sender packs each bucket into one
+reused buffer (the size of the largest bucket), and a receiver receives into one buffer of
+the whole update and returns views into it. Those views are overwritten by the next
+receive(): the engine's reload copies them into its own weights before the receiver thread
+receives again (LLMClient's receiver thread receives, swaps, and only then reads the next
+announcement).
 
 The group is built lazily by the first transfer and rebuilt after a failure: the sender
 gives each group it builds a new name (store key "group"), and a receiver whose group has
@@ -22,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import defaultdict
 from datetime import timedelta
 from typing import Callable, Iterable, Optional
 
@@ -84,6 +90,50 @@ def _new_group(store: dist.Store, name: str, rank: int, world_size: int, backend
     raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
 
 
+_ALIGN = 64
+"""Each tensor starts at a multiple of this many bytes of its bucket, so a typed view of any
+dtype can be taken there."""
+
+
+class _Layout:
+    """Where each tensor of an update lies: bucket b is one byte buffer holding its tensors
+    back to back (each at an aligned offset). Sender and receivers derive it from the
+    announcement alone, so the wire format needs no more than the WeightUpdate record."""
+
+    def __init__(self, update: WeightUpdate):
+        self.key = (tuple(tuple(s) for s in update.shapes), tuple(update.dtypes), tuple(update.bucket_sizes))
+        self.shapes = [list(s) for s in update.shapes]
+        self.dtypes = [_dtype(d) for d in update.dtypes]
+        self.offsets: list[int] = []
+        """Byte offset of each tensor from the start of the update (all buckets back to back)."""
+        self.nbytes: list[int] = []
+        self.buckets: list[tuple[int, int, int, int]] = []
+        """Per bucket: first tensor, end tensor, first byte, end byte."""
+        pos = first = 0
+        for count in update.bucket_sizes:
+            start = pos
+            for i in range(first, first + count):
+                n = _numel(self.shapes[i]) * self.dtypes[i].itemsize
+                self.offsets.append(pos)
+                self.nbytes.append(n)
+                pos += -(-n // _ALIGN) * _ALIGN
+            self.buckets.append((first, first + count, start, pos))
+            first += count
+        self.total_bytes = pos
+        self.max_bucket_bytes = max((end - start for _, _, start, end in self.buckets), default=0)
+
+    def views(self, buffer: torch.Tensor, per_bucket: bool) -> list[torch.Tensor]:
+        """Typed views of every tensor in a uint8 `buffer` holding all buckets back to back, or
+        (per_bucket) holding one bucket at a time from its start."""
+        out = []
+        for first, end, start, _ in self.buckets:
+            base = start if per_bucket else 0
+            for i in range(first, end):
+                at = self.offsets[i] - base
+                out.append(buffer[at:at + self.nbytes[i]].view(self.dtypes[i]).view(self.shapes[i]))
+        return out
+
+
 class _Endpoint:
     def __init__(self, addr: str, rank: int, world_size: int, backend: str, timeout_s: float):
         if world_size < 2:
@@ -94,39 +144,31 @@ class _Endpoint:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._group = None
         self._group_name: Optional[str] = None
+        # Kept between updates while the layout stays the same (it does: the same model each
+        # time): neither a packing buffer nor receive memory is allocated (and page-faulted)
+        # per update.
+        self._layout: Optional[_Layout] = None
+        self._buffer: Optional[torch.Tensor] = None
+        self._views: list[torch.Tensor] = []
+
+    def _prepare(self, update: WeightUpdate) -> _Layout:
+        layout = _Layout(update)
+        if self._layout is None or layout.key != self._layout.key:
+            self._layout = self._buffer = None
+            self._views = []
+            size, per_bucket = self._buffer_size(layout)
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._views = layout.views(self._buffer, per_bucket)
+            self._layout = layout
+        return self._layout
+
+    def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
+        raise NotImplementedError
 
     def _broadcast(self, buffer: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self._group.broadcast([buffer], opts).wait(self.timeout)
-
-    def _transfer(self, update: WeightUpdate, tensors: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Broadcast each bucket as one flat buffer per dtype; the sender passes its tensors,
-        a receiver gets views into the received buffers."""
-        out: list[torch.Tensor] = []
-        start = 0
-        for count in update.bucket_sizes:
-            idx = range(start, start + count)
-            by_dtype: dict[str, list[int]] = defaultdict(list)
-            for i in idx:
-                by_dtype[update.dtypes[i]].append(i)
-            received: dict[int, torch.Tensor] = {}
-            for dtype_name in sorted(by_dtype):
-                members = by_dtype[dtype_name]
-                if tensors is not None:
-                    flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device) for i in members])
-                else:
-                    numel = sum(_numel(update.shapes[i]) for i in members)
-                    flat = torch.empty(numel, dtype=_dtype(dtype_name), device=self.device)
-                self._broadcast(flat)
-                offset = 0
-                for i in members:
-                    n = _numel(update.shapes[i])
-                    received[i] = flat[offset:offset + n].view(update.shapes[i])
-                    offset += n
-            out.extend(received[i] for i in idx)
-            start += count
-        return out
 
     def _drop_group(self) -> None:
         self._group = None
@@ -134,6 +176,8 @@ class _Endpoint:
 
     def close(self) -> None:
         self._drop_group()
+        self._layout = self._buffer = None
+        self._views = []
 
 
 def _numel(shape: list[int]) -> int:
@@ -174,11 +218,23 @@ class WeightSender(_Endpoint):
             announce(update)
             if self._group is None:
                 self._group = _new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
-            self._transfer(update, tensors)
+            self._send_buckets(update, tensors)
         except Exception:
             self._drop_group()
             raise
         return time.perf_counter() - start
+
+    def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
+        return layout.max_bucket_bytes, True
+
+    def _send_buckets(self, update: WeightUpdate, tensors: list[torch.Tensor]) -> None:
+        """Pack each bucket into the reused buffer (a copy_ per tensor, no allocation) and
+        broadcast it."""
+        layout = self._prepare(update)
+        for first, end, start, stop in layout.buckets:
+            for i in range(first, end):
+                self._views[i].copy_(tensors[i].detach())
+            self._broadcast(self._buffer[:stop - start])
 
     def close(self) -> None:
         super().close()
@@ -195,7 +251,9 @@ class WeightReceiver(_Endpoint):
         self._store: Optional[dist.TCPStore] = None
 
     def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
-        """Take part in the broadcast announced by `update`; returns (name, tensor) pairs.
+        """Take part in the broadcast announced by `update`; returns (name, tensor) pairs whose
+        tensors are views into the receive buffer, valid until the next receive() (copy them
+        to keep them).
         Raises StaleUpdate for an announcement whose transfer is over, ValueError for an
         inconsistent announcement, and RuntimeError/DistStoreError when the sender dies or
         stalls past the timeout."""
@@ -208,7 +266,7 @@ class WeightReceiver(_Endpoint):
             if name != self._group_name:
                 self._group = _new_group(self._store, name, self.rank, self.world_size, self.backend, self.timeout)
                 self._group_name = name
-            tensors = self._transfer(update, None)
+            tensors = self._receive_buckets(update)
         except StaleUpdate:
             raise
         except Exception:
@@ -216,6 +274,15 @@ class WeightReceiver(_Endpoint):
             self._store = None
             raise
         return list(zip(update.names, tensors))
+
+    def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
+        return layout.total_bytes, False
+
+    def _receive_buckets(self, update: WeightUpdate) -> list[torch.Tensor]:
+        layout = self._prepare(update)
+        for _, _, start, stop in layout.buckets:
+            self._broadcast(self._buffer[start:stop])
+        return list(self._views)
 
     def _store_get(self, key: str) -> bytes:
         if self._store is not None:

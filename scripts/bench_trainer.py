@@ -9,7 +9,7 @@
    100M-parameter fp32 tensor set. Goal: within 2x.
 3. Peak RSS of every process. MFU needs a GPU and is skipped on CPU.
 
-    python scripts/bench_trainer.py [--model DIR] [--steps 12]
+    python scripts/bench_trainer.py [--model DIR] [--steps 12] [--only training|broadcast]
 
 --model defaults to the tiny model in $PIPELINE_RL_CACHE (else <repo>/.cache); when it has
 not been built, a random Qwen2 of the same shape stands in.
@@ -218,10 +218,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", choices=("training", "broadcast"), default=None,
+                        help="run one part of the benchmark")
     args = parser.parse_args()
     torch.set_num_threads(1)
     scratch = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
     model_path = model_dir(args.model, scratch)
+    if args.only != "broadcast":
+        trainer_rss = training_bench(args, model_path, scratch)
+    if args.only != "training":
+        timings, rss = broadcast_bench(model_path)
+        for name, t in timings.items():
+            print(f"weight broadcast, {name} ({t['bytes'] / 2**20:.1f} MiB), best of {REPEATS}: "
+                  f"WeightSender {t['weight_sync_s']:.4f} s; raw gloo {t['raw_s']:.4f} s (reused buffer, ratio "
+                  f"{t['weight_sync_s'] / t['raw_s']:.2f}), {t['raw_fresh_s']:.4f} s (fresh buffers, ratio "
+                  f"{t['weight_sync_s'] / t['raw_fresh_s']:.2f}); goal ratio <= 2")
+    print("MFU: skipped (no GPU on this machine; it is measured for a ~0.5B model on a GPU)")
+    print(f"peak RSS MB: bench process {peak_rss_mb():.0f}"
+          + ("" if args.only == "broadcast" else f", trainer {trainer_rss:.0f}")
+          + ("" if args.only == "training" else f", broadcast sender {rss[0]:.0f}, broadcast receiver {rss[1]:.0f}"))
+
+
+def training_bench(args, model_path: Path, scratch: Path) -> float:
+    """Part 1: prints the throughput table; returns the trainer's peak RSS MB."""
     run_dir = scratch / "run"
     cfg = load_config("base", [f"run_dir={run_dir}", f"model.path={model_path}", f"trainer.max_steps={args.steps}",
                                "trainer.zero_stage=2", "trainer.checkpoint_every=0", "metrics.tensorboard=false",
@@ -252,16 +271,7 @@ def main() -> None:
         print(f"{name:20s}  {wall:15.0f}  {cpu:12.0f}")
     print(f"ratio trainer / bare  {rows[1][1] / rows[0][1]:15.3f}  {rows[1][2] / rows[0][2]:12.3f}   (goal >= 0.90; "
           f"trainer: DeepSpeed ZeRO-2, 1 rank, stream reads included; bare: mean of a run before and after)")
-
-    timings, rss = broadcast_bench(model_path)
-    for name, t in timings.items():
-        print(f"weight broadcast, {name} ({t['bytes'] / 2**20:.1f} MiB), best of {REPEATS}: "
-              f"WeightSender {t['weight_sync_s']:.4f} s; raw gloo {t['raw_s']:.4f} s (reused buffer, ratio "
-              f"{t['weight_sync_s'] / t['raw_s']:.2f}), {t['raw_fresh_s']:.4f} s (fresh buffers, ratio "
-              f"{t['weight_sync_s'] / t['raw_fresh_s']:.2f}); goal ratio <= 2")
-    print("MFU: skipped (no GPU on this machine; it is measured for a ~0.5B model on a GPU)")
-    print(f"peak RSS MB: bench process (bare loop) {peak_rss_mb():.0f}, trainer {trainer_rss:.0f}, "
-          f"broadcast sender {rss[0]:.0f}, broadcast receiver {rss[1]:.0f}")
+    return trainer_rss
 
 
 if __name__ == "__main__":
