@@ -6,13 +6,15 @@ default process group (DeepSpeed's) and vLLM's are never touched. Rank 0 is the 
 actor i is rank i + 1.
 
 One update: the sender publishes its version under the store key "latest", announces a
-WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts each bucket
-as one byte buffer (its tensors back to back). Receivers read the announcement from the
-"weights" stream and take part in the broadcast.
+WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts the bytes
+of each bucket. Receivers read the announcement from the "weights" stream and take part in
+the broadcast.
 
-Buffers are kept between updates of the same layout: the sender packs each bucket into one
-reused buffer (the size of the largest bucket), and a receiver receives into one buffer of
-the whole update and returns views into it. Those views are overwritten by the next
+Within a bucket, each run of small tensors goes as one packed message and each large tensor
+(>= 1 MiB) as a message of its own, sent from the sender's tensor without a copy. Buffers
+are kept between updates of the same layout: the sender packs into one reused buffer (the
+size of the largest packed run, at most a bucket), and a receiver receives into one buffer
+of the whole update and returns views into it. Those views are overwritten by the next
 receive(): the engine's reload copies them into its own weights before the receiver thread
 receives again (LLMClient's receiver thread receives, swaps, and only then reads the next
 announcement).
@@ -91,46 +93,71 @@ def _new_group(store: dist.Store, name: str, rank: int, world_size: int, backend
 
 
 _ALIGN = 64
-"""Each tensor starts at a multiple of this many bytes of its bucket, so a typed view of any
-dtype can be taken there."""
+"""Each tensor starts at a multiple of this many bytes, so a typed view of any dtype can be
+taken there."""
+
+_DIRECT_BYTES = 1 << 20
+"""A tensor this large is broadcast on its own, from the sender's own storage: packing it
+would cost a copy, while its broadcast already amortises the per-message latency."""
 
 
 class _Layout:
-    """Where each tensor of an update lies: bucket b is one byte buffer holding its tensors
-    back to back (each at an aligned offset). Sender and receivers derive it from the
-    announcement alone, so the wire format needs no more than the WeightUpdate record."""
+    """Where each tensor of an update lies in the receiver's buffer (all tensors back to back,
+    each at an aligned offset), and the messages that carry them: within each bucket, a run of
+    consecutive small tensors is packed into one message, and every large tensor is a message
+    of its own. Sender and receivers derive it from the announcement alone, so the wire format
+    needs no more than the WeightUpdate record."""
 
     def __init__(self, update: WeightUpdate):
         self.key = (tuple(tuple(s) for s in update.shapes), tuple(update.dtypes), tuple(update.bucket_sizes))
         self.shapes = [list(s) for s in update.shapes]
         self.dtypes = [_dtype(d) for d in update.dtypes]
         self.offsets: list[int] = []
-        """Byte offset of each tensor from the start of the update (all buckets back to back)."""
         self.nbytes: list[int] = []
-        self.buckets: list[tuple[int, int, int, int]] = []
-        """Per bucket: first tensor, end tensor, first byte, end byte."""
-        pos = first = 0
-        for count in update.bucket_sizes:
-            start = pos
-            for i in range(first, first + count):
-                n = _numel(self.shapes[i]) * self.dtypes[i].itemsize
-                self.offsets.append(pos)
-                self.nbytes.append(n)
-                pos += -(-n // _ALIGN) * _ALIGN
-            self.buckets.append((first, first + count, start, pos))
-            first += count
+        pos = 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            self.offsets.append(pos)
+            self.nbytes.append(_numel(shape) * dtype.itemsize)
+            pos += -(-self.nbytes[-1] // _ALIGN) * _ALIGN
         self.total_bytes = pos
-        self.max_bucket_bytes = max((end - start for _, _, start, end in self.buckets), default=0)
+        self.messages: list[tuple[int, int, list[int], bool]] = []
+        """Per message: first byte, end byte, its tensors, packed (False: one tensor sent as is)."""
+        first = 0
+        for count in update.bucket_sizes:
+            run: list[int] = []
+            for i in range(first, first + count):
+                if self.nbytes[i] >= _DIRECT_BYTES:
+                    self._add(run, packed=True)
+                    self._add([i], packed=False)
+                    run = []
+                else:
+                    run.append(i)
+            self._add(run, packed=True)
+            first += count
+        self.pack_bytes = max((stop - start for start, stop, _, packed in self.messages if packed), default=0)
 
-    def views(self, buffer: torch.Tensor, per_bucket: bool) -> list[torch.Tensor]:
-        """Typed views of every tensor in a uint8 `buffer` holding all buckets back to back, or
-        (per_bucket) holding one bucket at a time from its start."""
-        out = []
-        for first, end, start, _ in self.buckets:
-            base = start if per_bucket else 0
-            for i in range(first, end):
+    def _add(self, members: list[int], packed: bool) -> None:
+        if members:
+            start, stop = self.offsets[members[0]], self.offsets[members[-1]] + self.nbytes[members[-1]]
+            if stop > start:
+                self.messages.append((start, stop, members, packed))
+
+    def views(self, buffer: torch.Tensor, packed_only: bool) -> dict[int, torch.Tensor]:
+        """Typed views of the tensors in a uint8 `buffer`: every tensor where the receiver's
+        buffer has it, or (packed_only) the packed tensors where a pack buffer holding one
+        message at a time has them."""
+        out = {}
+        for start, _, members, packed in self.messages:
+            if packed_only and not packed:
+                continue
+            base = start if packed_only else 0
+            for i in members:
                 at = self.offsets[i] - base
-                out.append(buffer[at:at + self.nbytes[i]].view(self.dtypes[i]).view(self.shapes[i]))
+                out[i] = buffer[at:at + self.nbytes[i]].view(self.dtypes[i]).view(self.shapes[i])
+        if not packed_only:  # tensors with no bytes are in no message
+            for i, n in enumerate(self.nbytes):
+                if i not in out:
+                    out[i] = buffer[:0].view(self.dtypes[i]).view(self.shapes[i])
         return out
 
 
@@ -149,16 +176,16 @@ class _Endpoint:
         # per update.
         self._layout: Optional[_Layout] = None
         self._buffer: Optional[torch.Tensor] = None
-        self._views: list[torch.Tensor] = []
+        self._views: dict[int, torch.Tensor] = {}
 
     def _prepare(self, update: WeightUpdate) -> _Layout:
         layout = _Layout(update)
         if self._layout is None or layout.key != self._layout.key:
             self._layout = self._buffer = None
-            self._views = []
-            size, per_bucket = self._buffer_size(layout)
+            self._views = {}
+            size, packed_only = self._buffer_size(layout)
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._views = layout.views(self._buffer, per_bucket)
+            self._views = layout.views(self._buffer, packed_only)
             self._layout = layout
         return self._layout
 
@@ -177,7 +204,7 @@ class _Endpoint:
     def close(self) -> None:
         self._drop_group()
         self._layout = self._buffer = None
-        self._views = []
+        self._views = {}
 
 
 def _numel(shape: list[int]) -> int:
@@ -225,16 +252,20 @@ class WeightSender(_Endpoint):
         return time.perf_counter() - start
 
     def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
-        return layout.max_bucket_bytes, True
+        return layout.pack_bytes, True
 
     def _send_buckets(self, update: WeightUpdate, tensors: list[torch.Tensor]) -> None:
-        """Pack each bucket into the reused buffer (a copy_ per tensor, no allocation) and
-        broadcast it."""
+        """Pack each run of small tensors into the reused pack buffer (a copy_ per tensor, no
+        allocation) and broadcast it; broadcast each large tensor from its own storage."""
         layout = self._prepare(update)
-        for first, end, start, stop in layout.buckets:
-            for i in range(first, end):
-                self._views[i].copy_(tensors[i].detach())
-            self._broadcast(self._buffer[:stop - start])
+        for start, stop, members, packed in layout.messages:
+            if packed:
+                for i in members:
+                    self._views[i].copy_(tensors[i].detach())
+                self._broadcast(self._buffer[:stop - start])
+            else:
+                tensor = tensors[members[0]].detach().to(self.device).contiguous()
+                self._broadcast(tensor.reshape(-1).view(torch.uint8))
 
     def close(self) -> None:
         super().close()
@@ -280,9 +311,9 @@ class WeightReceiver(_Endpoint):
 
     def _receive_buckets(self, update: WeightUpdate) -> list[torch.Tensor]:
         layout = self._prepare(update)
-        for _, _, start, stop in layout.buckets:
+        for start, stop, _, _ in layout.messages:
             self._broadcast(self._buffer[start:stop])
-        return list(self._views)
+        return [self._views[i] for i in range(len(layout.nbytes))]
 
     def _store_get(self, key: str) -> bytes:
         if self._store is not None:

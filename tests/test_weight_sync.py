@@ -162,6 +162,32 @@ def test_buckets_are_consecutive_and_bounded():
         WeightReceiver("127.0.0.1:1", rank=0, world_size=2)
 
 
+def test_mixed_tensors_arrive_intact_in_reused_buffers():
+    """Packed small tensors and large ones sent from their own storage (>= 1 MiB), several
+    dtypes, 0-d, empty and non-contiguous tensors; the second update reuses the buffers."""
+    import threading
+
+    from conftest import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    for version in (1, 2):
+        g = torch.Generator().manual_seed(version)
+        weights = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn((), generator=g).to(torch.bfloat16)),
+                   ("c", torch.empty(0, 4, dtype=torch.float16)), ("big", torch.randn(600, 600, generator=g)),
+                   ("t", torch.randn(40, 30, generator=g).t()), ("d", torch.randn(7, generator=g).double())]
+        announced, got = [], []  # the receiver thread starts once announce has the record
+        thread = threading.Thread(target=lambda: got.append(receiver.receive(announced[0])))
+        sender.send(version, weights, lambda u: (announced.append(u), thread.start()), bucket_mb=1)
+        thread.join(10)
+        assert [n for n, _ in got[0]] == [n for n, _ in weights]
+        for (_, sent), (_, received) in zip(weights, got[0]):
+            assert received.dtype == sent.dtype and torch.equal(received, sent)
+    sender.close()
+    receiver.close()
+
+
 def test_broadcast_changes_engine_outputs_and_versions(setup, tiny_model):
     client, sender, streams = setup.client, setup.sender, setup.streams
     before = greedy(client)
