@@ -214,8 +214,7 @@ class Actor:
             group.actor = self.index
             self.writer.write(group, partition=self.index)
         except Exception as e:
-            # The group will not land in any step: take it out of the admission count.
-            self.admission.started -= 1
+            self.admission.abandon()
             self.rollout_errors_total += 1
             self.consecutive_failures += 1
             self.last_rollout_error = f"{type(e).__name__}: {e}"[:500]

@@ -13,6 +13,11 @@ and otherwise waits for newer weights. That bounds what an actor has generated a
 trainer by (max_lag + 1) * share groups, the trainer's lag gate rarely has to drop anything,
 and a stalled trainer stalls its actors instead of letting them fill the streams.
 
+The landing step is a prediction: it assumes the actors produce at similar rates (the
+preprocessor takes groups as they arrive) and a share that divides groups_per_step (an
+uneven share can land one step later). A much slower actor's groups land later than
+predicted; the trainer's own lag gate drops whatever ends up beyond max_lag.
+
 `max_lag = 0` is conventional synchronous RL: generate one step's groups with the current
 policy, wait for the update, repeat. Versions advance only when the trainer publishes weights
 (every `weight_update_interval` steps), so the bound used is at least interval - 1; anything
@@ -54,6 +59,10 @@ class Admission:
         group = self.started
         self.started += 1
         return group
+
+    def abandon(self) -> None:
+        """A started group will not land in any step (its rollout failed): it no longer counts."""
+        self.started -= 1
 
     def first_group_of(self, step: int) -> int:
         """The smallest group number that lands in `step` or later."""

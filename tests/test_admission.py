@@ -114,6 +114,13 @@ def test_resume_starts_at_the_checkpoint_step():
     assert not adm.may_start(10)
 
 
+def test_abandoned_group_frees_its_place():
+    adm = Admission(4, 1, max_lag=0)
+    assert admit_all(adm, 0) == [0, 1, 2, 3]
+    adm.abandon()
+    assert adm.may_start(0) and adm.start() == 3 and not adm.may_start(0)
+
+
 def test_bad_settings_are_rejected():
     for args in itertools.product((0, 16), (0, 1), (-1, 2)):
         if args != (16, 1, 2):
