@@ -36,8 +36,15 @@ TEST_PROBLEMS = 500
 TARGET_ACCURACY = 0.3
 """Exact T=1 accuracy the softened model is set to."""
 GREEDY_TARGET = 0.95
-"""Pretraining stops early once greedy held-out accuracy reaches this."""
-MAX_STEPS = 1100
+"""Pretraining stops once greedy held-out accuracy reaches this."""
+LEARNED = 0.5
+"""Greedy accuracy that shows the model has found how to add: the learning rate decays from here."""
+DECAY_STEPS = 300
+"""Steps of cosine decay after LEARNED is reached (a constant rate oscillates)."""
+MAX_STEPS = 3000
+"""Give up (raise) if the model has not learned by then: some seeds sit longer on the plateau
+before the model starts to add (about 400-1200 steps), none should take this long."""
+EVAL_EVERY = 50
 BATCH = 64
 LR = 2e-3
 WARMUP_STEPS = 100
@@ -161,42 +168,63 @@ def sampled_accuracy(model, tokenizer, problems: list[dict], seed: int, max_new_
     return correct / len(problems)
 
 
-def _lr_factor(step: int) -> float:
-    """Linear warm-up, then cosine decay to zero at MAX_STEPS (a constant rate oscillates)."""
-    if step < WARMUP_STEPS:
-        return (step + 1) / WARMUP_STEPS
-    return 0.5 * (1 + math.cos(math.pi * (step - WARMUP_STEPS) / (MAX_STEPS - WARMUP_STEPS)))
+class _Schedule:
+    """Linear warm-up, constant until the model has learned (`learned_at`), then cosine decay
+    to zero over DECAY_STEPS."""
+
+    def __init__(self) -> None:
+        self.learned_at: int | None = None
+
+    def __call__(self, step: int) -> float:
+        if step < WARMUP_STEPS:
+            return (step + 1) / WARMUP_STEPS
+        if self.learned_at is None:
+            return 1.0
+        done = min(1.0, (step - self.learned_at) / DECAY_STEPS)
+        return 0.5 * (1 + math.cos(math.pi * done))
 
 
 def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int) -> dict:
-    """Train on train-set text until greedy test accuracy reaches GREEDY_TARGET (or MAX_STEPS),
-    then soften the logits to the TARGET_ACCURACY exact T=1 accuracy."""
+    """Train on train-set text until greedy test accuracy reaches GREEDY_TARGET or the decay
+    after LEARNED is over, then soften the logits to the TARGET_ACCURACY exact T=1 accuracy."""
     start = time.time()
     rng = random.Random(seed)
     train_batches = _Batcher(tokenizer, train)
     test_ids, test_labels = _Batcher(tokenizer, test).tensors(list(range(len(test))))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=WEIGHT_DECAY)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
+    schedule = _Schedule()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
     greedy = 0.0
     step = 0
-    while step < MAX_STEPS and greedy < GREEDY_TARGET:
+    while greedy < GREEDY_TARGET:
+        if schedule.learned_at is not None and step >= schedule.learned_at + DECAY_STEPS:
+            break
+        if step >= MAX_STEPS:
+            raise RuntimeError(f"the tiny model (seed {seed}) did not learn to add in {MAX_STEPS} steps "
+                               f"(greedy held-out accuracy {greedy:.3f}); try another --seed")
         ids, labels = train_batches.tensors([rng.randrange(len(train)) for _ in range(BATCH)])
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
-        sched.step()
         step += 1
-        if step % 50 == 0 and step >= MAX_STEPS // 2:
+        if step % EVAL_EVERY == 0:
             model.eval()
             _, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
             model.train()
+            if greedy >= LEARNED and schedule.learned_at is None:
+                schedule.learned_at = step
+        sched.step()
     model.eval()
     exact_before, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
+    if exact_before < TARGET_ACCURACY:
+        raise RuntimeError(f"the tiny model (seed {seed}) reached only {exact_before:.3f} exact T=1 accuracy "
+                           f"(greedy {greedy:.3f}) in {step} steps; try another --seed")
     scale = soften(model, test_ids, test_labels, TARGET_ACCURACY)
     exact, greedy_after = _teacher_forced_accuracy(model, test_ids, test_labels)
     return {
-        "steps": step, "train_seconds": round(time.time() - start, 1), "target_accuracy": TARGET_ACCURACY,
+        "steps": step, "learned_at_step": schedule.learned_at, "train_seconds": round(time.time() - start, 1),
+        "target_accuracy": TARGET_ACCURACY,
         "test_accuracy_greedy": round(greedy, 4), "test_accuracy_exact_t1_before_softening": round(exact_before, 4),
         "softening_scale": round(scale, 4), "test_accuracy_exact_t1": round(exact, 4),
         "test_accuracy_sampled_t1": sampled_accuracy(model, tokenizer, test, seed),
