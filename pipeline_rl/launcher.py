@@ -27,6 +27,8 @@ from pipeline_rl.supervisor import ChildFailed, Supervisor, describe_exit, last_
 CONTROL_TOPIC = "control"
 TRAINER_STOP_GRACE_S = 120.0
 """How long trainers may take to write their final checkpoint on a normal stop."""
+NODES_LEAVE_TIMEOUT_S = 30.0
+"""How long node 0 keeps its Redis up for the other nodes to stop and say so."""
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -211,10 +213,26 @@ class Launcher:
         trainers = {s.name for s in self.local if s.pool == "trainer"}
         self.supervisor.stop(first=trainers if graceful else None, grace_s=TRAINER_STOP_GRACE_S if graceful else 6.0)
         if self.streams is not None:
+            if self.node.rank > 0:
+                self.control_writer.write(Control(event="left", source=f"node{self.node.rank}"))
             self.control_writer.flush()
+            if self.node.rank == 0 and self.services.children:
+                self._wait_for_nodes_to_leave()
         self.services.stop()
         if self.streams is not None:
             self.streams.close()
+
+    def _wait_for_nodes_to_leave(self) -> None:
+        """Processes on other nodes need Redis to stop cleanly: keep it up until they have left."""
+        waiting = {f"node{r}" for r in range(1, self.node.nodes)}
+        deadline = time.time() + NODES_LEAVE_TIMEOUT_S
+        while waiting and time.time() < deadline:
+            for entry in self.control_reader.read(timeout=0.5):
+                if entry.record.event == "left":
+                    waiting.discard(entry.record.source)
+        if waiting:
+            print(f"{', '.join(sorted(waiting))} did not report leaving within {NODES_LEAVE_TIMEOUT_S:.0f} s; "
+                  "stopping Redis anyway", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:

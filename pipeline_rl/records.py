@@ -118,7 +118,8 @@ class Control:
     """Run-wide events between the launchers of several nodes (stop, failure)."""
 
     event: str
-    """stop (the run is over) or failed (a process failed; `source` names it)."""
+    """stop (the run is over), failed (a process failed; `source` names it), or left (a node's
+    launcher has stopped its processes)."""
     source: str
     reason: str = ""
     kind: str = "control"

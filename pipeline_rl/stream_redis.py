@@ -66,6 +66,10 @@ class Backoff:
         self.failures = 0
 
 
+CLOSE_TIMEOUT_S = 5.0
+"""How long close() keeps retrying a lost Redis before it gives up (and logs what was lost)."""
+
+
 class RedisWriter(Writer):
     def __init__(self, client: redis.Redis, namespace: str, topic: str, partitions: int, maxlen: int):
         super().__init__(topic, partitions)
@@ -83,6 +87,8 @@ class RedisWriter(Writer):
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         self._backoff = Backoff(f"writer of topic {topic!r}")
+        self._give_up_at: Optional[float] = None
+        """Set by close(): a process that is stopping retries a lost Redis only this long."""
 
     def write_raw(self, payload: bytes, partition: int = 0) -> None:
         self._check_partition(partition)
@@ -122,7 +128,11 @@ class RedisWriter(Writer):
                 self._backoff.succeeded()
                 return
             except _LOST as e:
-                time.sleep(self._backoff.failed(e))
+                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                    log.error("writer of topic %r: closing with Redis unreachable; %d records were not delivered",
+                              self.topic, len(batch))
+                    return
+                time.sleep(self._backoff.failed(e, cap=CLOSE_TIMEOUT_S / 4 if self._give_up_at else RETRY_MAX_S))
 
     def _flush_loop(self) -> None:
         """Send what an idle writer left in its buffer."""
@@ -146,11 +156,12 @@ class RedisWriter(Writer):
                 return
 
     def close(self) -> None:
+        self._give_up_at = time.monotonic() + CLOSE_TIMEOUT_S
         self.flush()
         self._closed = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
             self._thread = None
 
 

@@ -27,20 +27,45 @@ QUICK = [
 ]
 
 
+def ports() -> list[str]:
+    """Ports of the run's own process groups: tests never share them."""
+    return [f"world.trainer_port={free_port()}", f"world.weight_sync_port={free_port()}"]
+
+
 def launch(run_dir: Path, *overrides: str, env: dict | None = None, wait: bool = True, timeout: float = 300):
-    argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", *QUICK, *overrides]
+    argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", *QUICK, *ports(), *overrides]
     proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
         return proc
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
     return proc.returncode, out
 
 
-def run_processes(run_dir: Path) -> list[int]:
-    """PIDs of live processes started for this run directory (none may survive a run)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if str(run_dir) in line and "pipeline_rl." in line]
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C a launcher a failed test leaves behind (it then stops its own processes)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_processes(run_dir: Path) -> dict[int, str]:
+    """Live processes started for this run directory (none may survive a run): pid -> command."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run_dir) in args and "pipeline_rl." in args:
+            found[int(cmdline.parent.name)] = args
+    return found
 
 
 def stream_records(run_dir: Path, topic: str) -> list[dict]:
@@ -75,25 +100,28 @@ def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
     dropped = steps[-1]["values"].get("dropped_total", 0)
     assert dropped == sum(n for lag, n in lags.items() if lag > 2), "dropped samples are not all counted"
     assert (run_dir / "plots" / "reward.png").exists() and (run_dir / "plots" / "lag_histogram.png").exists()
-    assert run_processes(run_dir) == []
+    assert run_processes(run_dir) == {}
 
 
 def test_kill_9_of_one_process_stops_the_run(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "trainer.max_steps=1000", wait=False)
-    deadline = time.time() + 180
-    while time.time() < deadline and not list((run_dir / "streams" / "actor").glob("*.jsonl")):
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.stdout.read()
-    victim = [pid for pid in run_processes(run_dir) if "pipeline_rl.preprocessor" in Path(f"/proc/{pid}/cmdline").read_text()]
-    assert victim, "no preprocessor process found"
-    os.kill(victim[0], signal.SIGKILL)
-    killed_at = time.time()
-    out, _ = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not list((run_dir / "streams" / "actor").glob("*.jsonl")):
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read()
+        victim = [pid for pid, args in run_processes(run_dir).items() if "pipeline_rl.preprocessor" in args]
+        assert victim, f"no preprocessor process among {run_processes(run_dir)}"
+        os.kill(victim[0], signal.SIGKILL)
+        killed_at = time.time()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
     assert time.time() - killed_at < 10.0 + 2.0  # 10 s promise, 2 s for Python start-up slack
     assert proc.returncode != 0
     assert "preprocessor0" in out and "SIGKILL" in out
-    assert run_processes(run_dir) == []
+    assert run_processes(run_dir) == {}
 
 
 def test_resume_continues_from_checkpoint_without_double_training(tmp_path, tiny_model):
@@ -117,13 +145,16 @@ def test_resume_continues_from_checkpoint_without_double_training(tmp_path, tiny
 def test_two_nodes_on_loopback_with_redis(tmp_path, tiny_model):
     port = free_port()
     common = ["world.nodes=2", "streams.backend=redis", "streams.redis.start_server=true",
-              f"streams.redis.port={port}", f"world.weight_sync_port={free_port()}",
-              f"world.trainer_port={free_port()}", "trainer.max_steps=3", "name=two_nodes"]
+              f"streams.redis.port={port}", "trainer.max_steps=3", "name=two_nodes", *ports()]
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     node0 = launch(tmp_path / "node0", *common, env={**env, "RANK": "0"}, wait=False)
     node1 = launch(tmp_path / "node1", *common, env={**env, "RANK": "1"}, wait=False)
-    out0, _ = node0.communicate(timeout=300)
-    out1, _ = node1.communicate(timeout=60)
+    try:
+        out0, _ = node0.communicate(timeout=300)
+        out1, _ = node1.communicate(timeout=60)
+    finally:
+        stop(node1)
+        stop(node0)
     assert node0.returncode == 0, out0
     assert node1.returncode == 0, out1
     assert "started trainer0, preprocessor0" in out0 and "started actor0" in out1
