@@ -48,7 +48,8 @@ class StatusLine:
             "lag": self._value("actor", "lag_mean"),
             "dropped": self._value("trainer", "dropped_total"),
         }
-        self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in fields.items() if v is not None})
+        self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in fields.items() if v is not None},
+                             refresh=False)
 
     def close(self) -> None:
         self.bar.close()

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.vllm
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Another model of the same shapes: each matrix plus noise of its own scale."""
+    """Another model of the same shapes: each matrix plus noise of its own scale, each vector
+    (norms, biases) scaled by random factors (the tiny model's softened final norm included)."""
     g = torch.Generator().manual_seed(seed)
-    return {name: t + torch.randn(t.shape, generator=g) * t.std() if t.dim() > 1 else t.clone()
-            for name, t in weights.items()}
+    return {name: t + torch.randn(t.shape, generator=g) * t.std() if t.dim() > 1
+            else t * (1 + 0.5 * torch.randn(t.shape, generator=g)) for name, t in weights.items()}
 
 
 def hf_model(model_dir, weights: dict[str, torch.Tensor]):
