@@ -31,24 +31,22 @@ least checkpoint version x share, see admission.py).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import logging
 import os
 import random
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipeline_rl.admission import Admission, effective_max_lag
-from pipeline_rl.config import RunConfig, load_saved_config
+from pipeline_rl.config import RunConfig
 from pipeline_rl.datasets import load_problems
 from pipeline_rl.domains import load_domain
 from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.process import run_pool_process
 from pipeline_rl.records import RolloutGroup, WeightUpdate
 from pipeline_rl.streams import PositionStore, Streams
 
@@ -152,14 +150,14 @@ class Actor:
 
     # -- the loop -------------------------------------------------------------------------
 
-    async def run(self, stop: threading.Event) -> None:
+    async def run(self, stop: Callable[[], bool]) -> None:
         tasks: dict[asyncio.Task, int] = {}
         eval_task: Optional[asyncio.Task] = None
         next_eval = time.monotonic() if self.eval_problems else float("inf")
         next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
         blocked_since: Optional[float] = None
         try:
-            while not stop.is_set():
+            while not stop():
                 while len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()
@@ -307,33 +305,19 @@ class Actor:
         self.streams.close()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="An actor of a pipeline_rl run.")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--index", required=True, type=int)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format=f"%(asctime)s actor{args.index} %(levelname)s %(message)s")
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    actor = None
+def serve(cfg: RunConfig, index: int, stop: Callable[[], bool]) -> str:
+    if not 0 <= index < cfg.world.actors:
+        raise ValueError(f"--index {index} is not below world.actors={cfg.world.actors}")
+    actor = Actor(cfg, index)
     try:
-        cfg = load_saved_config(args.run_dir / "config.yaml")
-        cfg.run_dir = str(args.run_dir)
-        if not 0 <= args.index < cfg.world.actors:
-            raise ValueError(f"--index {args.index} is not below world.actors={cfg.world.actors}")
-        actor = Actor(cfg, args.index)
-        asyncio.run(actor.run(stopping))
-    except Exception as e:
-        log.exception("actor%d failed", args.index)
-        print(f"actor{args.index} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        asyncio.run(actor.run(stop))
     finally:
-        if actor is not None:
-            actor.close()
-    log.info("stopped after writing %d groups", actor.written)
-    return 0
+        actor.close()
+    return f"stopped after writing {actor.written} groups"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_pool_process("actor", serve, argv)
 
 
 if __name__ == "__main__":

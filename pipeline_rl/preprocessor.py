@@ -32,18 +32,16 @@ After `trainer.max_steps` steps preprocessor 0 stops reading and waits to be sto
 
 from __future__ import annotations
 
-import argparse
 import logging
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from pipeline_rl.advantages import all_zero, group_advantages
-from pipeline_rl.config import RunConfig, load_saved_config
+from pipeline_rl.config import RunConfig
 from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.process import run_pool_process
 from pipeline_rl.packing import is_padding, pack_step, rollout_sequence
 from pipeline_rl.records import DeadLetter, RolloutGroup, encode
 from pipeline_rl.scorers import SCORER_DEAD_TOPIC, Scorer, load_scorers
@@ -261,25 +259,7 @@ def _run_scoring_only(cfg: RunConfig, index: int, actor: Optional[Reader], scori
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one preprocessor of a pipeline_rl run.")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--index", required=True, type=int)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format=f"%(asctime)s preprocessor{args.index} %(levelname)s %(message)s")
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
-    try:
-        cfg = load_saved_config(args.run_dir / "config.yaml")
-        cfg.run_dir = str(args.run_dir)
-        next_step = run(cfg, args.index, stopping.is_set)
-    except Exception as e:
-        log.exception("preprocessor%d failed", args.index)
-        print(f"preprocessor{args.index} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    log.info("stopped at step %d", next_step)
-    return 0
+    return run_pool_process("preprocessor", lambda cfg, index, stop: f"stopped at step {run(cfg, index, stop)}", argv)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,9 @@ write a checkpoint (pipeline_rl/checkpoint.py) and a restart resumes from it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,11 +31,12 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from pipeline_rl import checkpoint
-from pipeline_rl.config import RunConfig, load_saved_config
+from pipeline_rl.config import RunConfig
 from pipeline_rl.lag_gate import apply_lag_gate
 from pipeline_rl.logprobs import packed_logprobs
 from pipeline_rl.loss import STAT_KEYS, policy_loss, summarize
 from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.process import run_pool_process
 from pipeline_rl.packing import PAD_GROUP_ID
 from pipeline_rl.records import MicroBatch
 from pipeline_rl.streams import Streams
@@ -229,7 +227,6 @@ class Trainer:
 
     def _step(self, batch: list[MicroBatch], gates, dropped_tokens: float, dropped_samples: float) -> dict:
         """Forward/backward over the step's micro-batches and one optimizer update; returns metrics."""
-        cfg = self.cfg
         step_tokens = batch[0].step_tokens - dropped_tokens
         step_samples = batch[0].step_samples - dropped_samples
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
@@ -354,23 +351,7 @@ def run(cfg: RunConfig, rank: int, stop: Optional[Callable[[], bool]] = None) ->
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="A trainer rank of a pipeline_rl run.")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--index", required=True, type=int, help="trainer rank")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer{args.index} %(levelname)s %(message)s")
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    try:
-        cfg = load_saved_config(args.run_dir / "config.yaml")
-        version = run(cfg, args.index, stopping.is_set)
-    except Exception as e:
-        log.exception("trainer%d failed", args.index)
-        print(f"trainer{args.index}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    log.info("done at version %d", version)
-    return 0
+    return run_pool_process("trainer", lambda cfg, rank, stop: f"done at version {run(cfg, rank, stop)}", argv)
 
 
 if __name__ == "__main__":
