@@ -62,7 +62,8 @@ class WorldConfig:
     actors: int = 1
     """Actor processes (each owns one vLLM engine)."""
     actor_gpus: int = 1
-    """GPUs per actor engine (vLLM tensor parallel size); ignored on CPU."""
+    """GPUs per actor engine (vLLM tensor parallel size); ignored on CPU. Only 1 for now: the
+    weight-swap hook runs in the engine's own process, which tensor parallelism splits."""
     preprocessors: int = 1
     """Preprocessor processes."""
     preprocessor_gpus: int = 0
@@ -424,6 +425,9 @@ def validate(cfg: RunConfig) -> None:
     for i, scorer in enumerate(cfg.preprocess.scorers):
         if ":" not in scorer.cls:
             raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
+    if cfg.world.gpus_per_node and cfg.world.actor_gpus != 1:
+        raise ConfigError(f"bad value for 'world.actor_gpus': {cfg.world.actor_gpus}; only 1 is supported "
+                          "(the in-flight weight swap does not reach tensor-parallel workers yet)")
     if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
         raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")
 

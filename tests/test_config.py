@@ -48,6 +48,7 @@ def test_extends_chain_and_overrides():
         (["trainer.zero_stage=5"], "'trainer.zero_stage'"),
         (["world.actors=0"], "'world.actors': 0, must be >= 1"),
         (["world.nodes=2"], "'streams.backend' must be redis"),
+        (["world.gpus_per_node=8", "world.actor_gpus=2"], "bad value for 'world.actor_gpus': 2; only 1"),
         (["trainer.loss.kl_coef=0.1"], "needs a reference scorer"),
         (["noequals"], "not of the form key=value"),
     ],
