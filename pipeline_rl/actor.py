@@ -145,6 +145,8 @@ class Actor:
         self.reward_errors_total = self.rollout_errors_total = self.consecutive_failures = 0
         self.last_reward_error = self.last_rollout_error = ""
         self.blocked_total_s = 0.0
+        self.idle_total_s = 0.0
+        """Time with no group in flight: the engine had nothing to generate."""
         self.swaps_seen = 0
         self._saved_at = 0.0
 
@@ -171,7 +173,9 @@ class Actor:
                     done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 else:
                     done = set()
+                    idle_from = time.monotonic()
                     await asyncio.sleep(POLL_S)
+                    self.idle_total_s += time.monotonic() - idle_from
                 for task in done:
                     self._finish(task, tasks.pop(task))
                 now = time.monotonic()
@@ -271,6 +275,7 @@ class Actor:
             "admission_blocked_s": w.blocked_s,
             "admission_blocked_frac": w.blocked_s / elapsed,
             "admission_blocked_total_s": self.blocked_total_s,
+            "idle_total_s": self.idle_total_s,
             "groups_started_total": self.admission.started,
             "groups_written_total": self.written,
             "groups_in_flight": in_flight,

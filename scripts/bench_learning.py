@@ -38,9 +38,9 @@ def last_values(records: list[dict]) -> dict[str, dict]:
 
 
 def actor_idle(latest: dict[str, dict]) -> float | None:
-    """Share of each actor's uptime spent blocked on admission (waiting for newer weights)."""
-    fractions = [v["admission_blocked_total_s"] / v["uptime_s"] for p, v in latest.items()
-                 if p.startswith("actor") and v.get("uptime_s") and "admission_blocked_total_s" in v]
+    """Share of each actor's uptime with no group in flight (blocked on admission, nothing to generate)."""
+    fractions = [v["idle_total_s"] / v["uptime_s"] for p, v in latest.items()
+                 if p.startswith("actor") and v.get("uptime_s") and "idle_total_s" in v]
     return sum(fractions) / len(fractions) if fractions else None
 
 
