@@ -79,3 +79,17 @@ def tiny_model() -> Path:
     if not (path / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--cache", str(CACHE)], check=True)
     return path
+
+
+# Tests that fork trainer ranks from the test process (test_trainer, test_checkpoint) or load
+# models with transformers next to an engine run first: once an in-process vLLM engine has run in
+# this process, forked children and later loads were seen to get unloaded (meta) weights.
+FIRST = ("test_trainer.py", "test_checkpoint.py", "test_vllm_hook.py", "test_weight_sync.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)
