@@ -139,7 +139,7 @@ class Launcher:
 
         self.streams = Streams.from_config(self.cfg)
         self.control_writer = self.streams.writer(CONTROL_TOPIC)
-        self.control_reader = self.streams.reader(CONTROL_TOPIC, Control, position=self._stream_end(CONTROL_TOPIC))
+        self.control_reader = self.streams.reader(CONTROL_TOPIC, Control, position=self._end_of(CONTROL_TOPIC, Control))
         for spec in self.local:
             argv = [sys.executable, "-m", f"pipeline_rl.{spec.pool}", "--run-dir", str(self.run_dir), "--index", str(spec.index)]
             self.supervisor.spawn(spec.name, argv, child_env(self.cfg, self.node, spec, self.specs),
@@ -147,9 +147,9 @@ class Launcher:
         print(f"node {self.node.rank}/{self.node.nodes}: started {', '.join(s.name for s in self.local)}; "
               f"logs in {self.run_dir / 'logs'}", flush=True)
 
-    def _stream_end(self, topic: str):
-        """Start the control reader after anything an earlier run of this directory left."""
-        reader = self.streams.reader(topic, Control)
+    def _end_of(self, topic: str, record_type: type):
+        """Position after everything an earlier run of this directory left in `topic`."""
+        reader = self.streams.reader(topic, record_type)
         while reader.read(timeout=0.0, max_count=4096):
             pass
         return reader.position()
@@ -159,7 +159,7 @@ class Launcher:
         if self.node.rank == 0:
             from pipeline_rl.status import StatusLine
 
-            status = StatusLine(self.cfg.trainer.max_steps, self.streams.reader("metrics", Metrics, position=self._metrics_end()))
+            status = StatusLine(self.cfg.trainer.max_steps, self.streams.reader("metrics", Metrics, position=self._end_of("metrics", Metrics)))
         start = time.time()
         try:
             while True:
@@ -186,12 +186,6 @@ class Launcher:
         finally:
             if status is not None:
                 status.close()
-
-    def _metrics_end(self):
-        reader = self.streams.reader("metrics", Metrics)
-        while reader.read(timeout=0.0, max_count=4096):
-            pass
-        return reader.position()
 
     def _fail(self, failure: ChildFailed) -> int:
         child = failure.child
