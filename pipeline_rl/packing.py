@@ -7,6 +7,9 @@ dealt to ranks, largest first, each to the rank with the fewest tokens so far am
 that have fewer than ceil(micro-batches / ranks); ranks left short get padding micro-batches
 so that every rank runs the same number of forward/backward passes per step.
 
+With shared prompts (`share_prompt`, pipeline_rl/logprobs.py), a group's rollouts form
+blocks of one prompt followed by completions; a block is packed whole, like one sequence.
+
 A sequence longer than `seq_length` is truncated to its first `seq_length` tokens (the
 completion's tail loses its loss tokens) and flagged `truncated`, for the caller to count
 and report: one over-long rollout should not stop a run.
@@ -18,6 +21,7 @@ the step's denominators.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -44,6 +48,9 @@ class Sequence:
     sample_version: int
     """Oldest policy version among the trained tokens (-1 if it has none)."""
     truncated: bool = False
+    prefix: int = 0
+    """> 0: this sequence holds only its completion and attends to the first `prefix` tokens
+    (the prompt) of its block's head, the nearest earlier sequence with prefix 0."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -81,6 +88,42 @@ def rollout_sequence(rollout: Rollout, advantages: list[float], group_id: str, s
     return seq
 
 
+def share_prompt(group: list[Sequence], prompt_length: int, seq_length: int) -> list[Sequence]:
+    """One group's sequences (all with the same `prompt_length`-token prompt, laid out by
+    rollout_sequence) as blocks of at most `seq_length` tokens: each block's first sequence
+    keeps the prompt, the next ones keep only their completion (prefix = prompt_length)."""
+    out: list[Sequence] = []
+    used = 0
+    for s in group:
+        rest = len(s) - prompt_length
+        if out and 0 < rest and used + rest <= seq_length:
+            follower = copy.copy(s)
+            for name in ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs"):
+                value = getattr(s, name)
+                if value is not None:
+                    setattr(follower, name, value[prompt_length:])
+            follower.prefix = prompt_length
+            out.append(follower)
+            used += rest
+        else:
+            out.append(s)
+            used = len(s)
+    return out
+
+
+def blocks(sequences: list[Sequence]) -> list[list[Sequence]]:
+    """Sequences grouped into the units packing keeps together: a head and its followers."""
+    out: list[list[Sequence]] = []
+    for i, s in enumerate(sequences):
+        if s.prefix == 0:
+            out.append([s])
+        elif out:
+            out[-1].append(s)
+        else:
+            raise ValueError(f"sequence {i} (group {s.group_id}) shares a prompt but no head sequence precedes it")
+    return out
+
+
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Indices of `lengths` grouped into bins of total <= capacity, longest items first.
     Every length must be <= capacity."""
@@ -115,14 +158,18 @@ def deal(sizes: list[int], ranks: int) -> list[list[int]]:
 
 def _micro_batch(seqs: list[Sequence], step: int, index: int, count: int, step_tokens: int, step_samples: int,
                  with_ref: bool) -> MicroBatch:
+    shared = any(s.prefix for s in seqs)
     mb = MicroBatch(
         step=step, index=index, count=count, input_ids=[], position_ids=[], loss_mask=[], advantages=[],
         old_logprobs=[], versions=[], seq_lengths=[], sample_versions=[], group_ids=[], rewards=[],
         step_tokens=step_tokens, step_samples=step_samples, ref_logprobs=[] if with_ref else None,
+        prefix_lengths=[] if shared else None,
     )
     for s in seqs:
         mb.input_ids += s.input_ids
-        mb.position_ids += range(len(s))
+        mb.position_ids += range(s.prefix, s.prefix + len(s))
+        if shared:
+            mb.prefix_lengths.append(s.prefix)
         mb.loss_mask += s.loss_mask
         mb.advantages += s.advantages
         mb.old_logprobs += s.old_logprobs
@@ -154,7 +201,9 @@ def pack_step(sequences: list[Sequence], step: int, ranks: int, seq_length: int)
             raise ValueError(f"step {step}: groups {sorted(set(missing))} lack ref_logprobs while others have them")
     step_tokens = sum(s.loss_tokens for s in sequences)
     step_samples = sum(1 for s in sequences if s.loss_tokens > 0)
-    bins = [[sequences[i] for i in b] for b in first_fit_decreasing([len(s) for s in sequences], seq_length)]
+    units = blocks(sequences)
+    bins = [[s for i in b for s in units[i]]
+            for b in first_fit_decreasing([sum(len(s) for s in u) for u in units], seq_length)]
     dealt = deal([sum(len(s) for s in b) for b in bins], ranks)
     count = max(1, max(len(d) for d in dealt))
     out = []

@@ -42,7 +42,7 @@ from pipeline_rl.advantages import all_zero, group_advantages
 from pipeline_rl.config import RunConfig
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.process import run_pool_process
-from pipeline_rl.packing import is_padding, pack_step, rollout_sequence
+from pipeline_rl.packing import is_padding, pack_step, rollout_sequence, share_prompt
 from pipeline_rl.records import DeadLetter, RolloutGroup, encode
 from pipeline_rl.scorers import SCORER_DEAD_TOPIC, Scorer, load_scorers
 from pipeline_rl.streams import Entry, PositionStore, Reader, Streams, partitions_for
@@ -137,6 +137,7 @@ class StepAssembler:
         seq_length = self.cfg.preprocess.seq_length
         sequences = []
         for group, advantages in self.pending:
+            seqs = []
             for rollout, adv in zip(group.rollouts, advantages):
                 seq = rollout_sequence(rollout, adv, group.group_id, seq_length)
                 if seq.truncated:
@@ -144,7 +145,11 @@ class StepAssembler:
                     log.warning("group %s (problem %s): a sequence of %d tokens was truncated to "
                                 "preprocess.seq_length=%d", group.group_id, group.problem_id,
                                 len(rollout.prompt_ids) + len(rollout.completion_ids), seq_length)
-                sequences.append(seq)
+                seqs.append(seq)
+            prompt = group.rollouts[0].prompt_ids
+            if self.cfg.preprocess.share_prompts and all(r.prompt_ids == prompt for r in group.rollouts):
+                seqs = share_prompt(seqs, len(prompt), seq_length)
+            sequences += seqs
         per_rank = pack_step(sequences, self.next_step, self.cfg.world.trainers, seq_length)
         count = len(per_rank[0])
         for index in range(count):

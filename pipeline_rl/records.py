@@ -88,6 +88,9 @@ class MicroBatch:
     """Sequences in the whole step over all ranks (sequence-normalisation denominator)."""
     ref_logprobs: Optional[list[float]] = None
     """Reference-model logprobs per token, when a reference scorer ran."""
+    prefix_lengths: Optional[list[int]] = None
+    """Per sequence, with shared prompts: tokens of its block's head it attends to first (0 for
+    a head; see pipeline_rl/logprobs.py). None: every sequence stands alone."""
     kind: str = "micro_batch"
 
 
@@ -283,8 +286,8 @@ def _build(cls: type, data: Any) -> Any:
         _check_lengths(cls, data)
         if cls is MicroBatch:
             n = len(data["seq_lengths"])
-            for name in _PER_SEQUENCE:
-                if len(data[name]) != n:
+            for name in _PER_SEQUENCE + ("prefix_lengths",):
+                if data.get(name) is not None and len(data[name]) != n:
                     raise _FieldError([name], f"length {len(data[name])} != number of sequences {n}")
             try:
                 total = sum(data["seq_lengths"])

@@ -274,7 +274,8 @@ class Trainer:
         position_ids = torch.tensor([mb.position_ids], device=dev)
         seq_index = torch.repeat_interleave(torch.arange(len(mb.seq_lengths), device=dev),
                                             torch.tensor(mb.seq_lengths, device=dev))
-        logprobs, entropy = packed_logprobs(self.engine, input_ids, position_ids, self.cfg.actor.temperature)
+        logprobs, entropy = packed_logprobs(self.engine, input_ids, position_ids, self.cfg.actor.temperature,
+                                            mb.seq_lengths, mb.prefix_lengths)
         ref = None if mb.ref_logprobs is None else torch.tensor(mb.ref_logprobs, device=dev)
         return policy_loss(
             logprobs, entropy, torch.tensor(mb.old_logprobs, device=dev), torch.tensor(mb.advantages, device=dev),

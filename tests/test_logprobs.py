@@ -70,3 +70,82 @@ def test_temperature_scales_logits_and_gradients_flow():
 def test_rejects_batched_input():
     with pytest.raises(ValueError, match=r"\[1, T\]"):
         packed_logprobs(random_qwen2("sdpa"), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), 1.0)
+
+
+def shared_layout(prompt: list[int], completions: list[list[int]]):
+    """A block: the head holds prompt + first completion, the followers only their completion."""
+    seqs = [prompt + completions[0]] + completions[1:]
+    prefix = [0] + [len(prompt)] * (len(completions) - 1)
+    positions = list(range(len(seqs[0]))) + [p for c in completions[1:] for p in range(len(prompt), len(prompt) + len(c))]
+    return seqs, prefix, positions
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_equals_each_rollout_alone(attn):
+    """Two groups packed as prompt + completions give each completion token the logprob and
+    entropy it has in its own prompt + completion sequence, and standalone sequences mixed in
+    are unaffected."""
+    model = random_qwen2(attn)
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    groups = [(rand(5), [rand(3), rand(1), rand(4)]), (rand(2), [rand(2), rand(3)])]
+    lone = rand(6)
+    seqs, prefix, positions, expected_lp, expected_ent = [], [], [], [], []
+    for prompt, completions in groups:
+        s, p, pos = shared_layout(prompt, completions)
+        seqs += s
+        prefix += p
+        positions += pos
+        for i, c in enumerate(completions):
+            lp, ent = alone(model, prompt + c, 0.8)
+            keep = slice(0, None) if i == 0 else slice(len(prompt), None)
+            expected_lp.append(lp[keep])
+            expected_ent.append(ent[keep])
+        if groups.index((prompt, completions)) == 0:
+            seqs.append(lone)
+            prefix.append(0)
+            positions += range(len(lone))
+            lp, ent = alone(model, lone, 0.8)
+            expected_lp.append(lp)
+            expected_ent.append(ent)
+    input_ids = torch.tensor([sum(seqs, [])])
+    with torch.no_grad():
+        lp, ent = packed_logprobs(model, input_ids, torch.tensor([positions]), 0.8, [len(s) for s in seqs], prefix)
+    torch.testing.assert_close(lp, torch.cat(expected_lp), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, torch.cat(expected_ent), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_gradients_match_separate_sequences():
+    """The gradient of a loss on the completion tokens is the same in the shared layout as with
+    each rollout packed as prompt + completion: the prompt is computed once but serves all."""
+    prompt, completions = [7, 8, 9, 10], [[11, 12], [13], [14, 15, 16]]
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 2.0])
+
+    def grad(shared: bool) -> torch.Tensor:
+        model = random_qwen2("sdpa")
+        if shared:
+            seqs, prefix, positions = shared_layout(prompt, completions)
+            lp, _ = packed_logprobs(model, torch.tensor([sum(seqs, [])]), torch.tensor([positions]), 1.0,
+                                    [len(s) for s in seqs], prefix)
+            completion_lp = lp[len(prompt):]
+        else:
+            seqs = [prompt + c for c in completions]
+            lp, _ = packed_logprobs(model, torch.tensor([sum(seqs, [])]),
+                                    torch.tensor([sum((list(range(len(s))) for s in seqs), [])]), 1.0)
+            parts, start = [], 0
+            for s in seqs:
+                parts.append(lp[start + len(prompt):start + len(s)])
+                start += len(s)
+            completion_lp = torch.cat(parts)
+        (completion_lp * weights).sum().backward()
+        return model.model.embed_tokens.weight.grad.clone()
+
+    torch.testing.assert_close(grad(True), grad(False), atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_layout_errors_name_the_sequence():
+    model = random_qwen2("sdpa")
+    with pytest.raises(ValueError, match="sequence 0: prefix length 2"):
+        packed_logprobs(model, torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]]), 1.0, [3], [2])
+    with pytest.raises(ValueError, match="position_ids"):
+        packed_logprobs(model, torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 1, 2, 0]]), 1.0, [3, 1], [0, 2])

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeline_rl.packing import (
-    PAD_TOKEN_ID, deal, first_fit_decreasing, is_padding, pack_step, rollout_sequence,
+    PAD_TOKEN_ID, deal, first_fit_decreasing, is_padding, pack_step, rollout_sequence, share_prompt,
 )
 from pipeline_rl.records import MicroBatch, Rollout, decode, encode
 
@@ -146,3 +146,39 @@ def test_ref_logprobs_carried_and_required_everywhere():
     mixed = with_ref + [rollout_sequence(make_rollout(2, 3), [1.0] * 3, "bare", 64)]
     with pytest.raises(ValueError, match="bare"):
         pack_step(mixed, 0, 2, 10)
+
+
+def test_share_prompt_blocks_and_positions():
+    """A group of four rollouts with a 5-token prompt: blocks of at most 12 tokens, each head
+    keeps the prompt, followers keep their completion and continue the positions from 5."""
+    group = [rollout_sequence(make_rollout(5, c, start=10), [1.0] * c, "g", 64) for c in (3, 2, 4, 1)]
+    shared = share_prompt(group, 5, seq_length=12)
+    assert [s.prefix for s in shared] == [0, 5, 0, 5]  # 8+2 fit in 12; 4 does not, so a new head
+    assert [len(s) for s in shared] == [8, 2, 9, 1]
+    assert shared[1].input_ids == group[1].input_ids[5:] and shared[1].loss_mask == [1, 1]
+    (mb,) = pack_step(shared, step=0, ranks=1, seq_length=32)[0]
+    assert mb.prefix_lengths == [0, 5, 0, 5]
+    assert mb.position_ids == list(range(8)) + [5, 6] + list(range(9)) + [5]
+    assert mb.step_samples == 4 and mb.step_tokens == 10
+    assert decode(encode(mb), MicroBatch) == mb
+
+
+def test_pack_step_keeps_a_block_together():
+    """First-fit packs a head and its followers as one unit: they land in the same micro-batch."""
+    blocks = [share_prompt([rollout_sequence(make_rollout(4, 2, start=100 * g), [1.0] * 2, f"g{g}", 64)
+                            for _ in range(3)], 4, 64) for g in range(5)]
+    per_rank = pack_step([s for b in blocks for s in b], step=0, ranks=2, seq_length=20)
+    for batches in per_rank:
+        for mb in batches:
+            if is_padding(mb):
+                continue
+            assert mb.prefix_lengths[0] == 0
+            heads = [i for i, p in enumerate(mb.prefix_lengths) if p == 0]
+            assert all(len(set(mb.group_ids[h:h + 3])) == 1 for h in heads)
+            assert len(mb.input_ids) == 10 * len(heads)
+
+
+def test_followers_without_a_head_are_rejected():
+    group = share_prompt([rollout_sequence(make_rollout(4, 2), [1.0] * 2, "g", 64) for _ in range(2)], 4, 64)
+    with pytest.raises(ValueError, match="no head"):
+        pack_step(group[1:], step=0, ranks=1, seq_length=64)
