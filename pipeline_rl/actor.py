@@ -56,8 +56,9 @@ ACTOR_TOPIC = "actor"
 WEIGHTS_TOPIC = "weights"
 WEIGHT_SYNC_ADDR_ENV = "PIPELINE_RL_WEIGHT_SYNC_ADDR"
 MAX_CONSECUTIVE_FAILURES = 50
-POLL_S = 0.05
-"""How often the loop looks for finished groups, a new version and the stop flag."""
+POLL_S = 0.01
+"""How often the loop looks for finished groups, a new version and the stop flag (short: in sync
+mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
 

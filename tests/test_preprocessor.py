@@ -209,3 +209,46 @@ def test_two_preprocessors_with_reference_scorer(tmp_path):
         for gid, ids, adv, mask, ref in seqs:
             assert ref is not None and len(ref) == len(ids)
             assert all(lp < 0 for lp, m in zip(ref, mask) if m)
+
+
+def test_shared_prompts_lay_out_every_rollout(tmp_path):
+    """With preprocess.share_prompts a group becomes one prompt followed by its completions, and
+    each rollout's prompt + completion (and its advantages) can be read back from the step."""
+    cfg = make_cfg(tmp_path, actors=1, trainers=1)
+    cfg.preprocess.share_prompts = True
+    cfg.trainer.max_steps = 2
+    streams = Streams.from_config(cfg)
+    writer = streams.writer(ACTOR_TOPIC, partitions=1)
+    groups = []
+    for i in range(6):
+        g = make_group(i)
+        for r in g.rollouts:
+            r.prompt_ids = [5, 6, 7, i]
+        g.actor = 0
+        writer.write(g, partition=0)
+        groups.append(g)
+    streams.close()
+    deadline = time.time() + 60
+    assert run(cfg, 0, lambda: saved_step(cfg) >= 2 or time.time() > deadline) == 2
+    (batches,) = read_micro_batches(cfg)
+    rebuilt = defaultdict(list)
+    # A micro-batch of heads only (each group's block filled its row) carries no prefix lengths.
+    assert any(mb.prefix_lengths for mb in batches)
+    for mb in batches:
+        prefixes = mb.prefix_lengths or [0] * len(mb.seq_lengths)
+        start, prompt = 0, None
+        for n, p, gid in zip(mb.seq_lengths, prefixes, mb.group_ids):
+            ids, adv = mb.input_ids[start:start + n], mb.advantages[start:start + n]
+            assert mb.position_ids[start:start + n] == list(range(p, p + n))
+            if p == 0:
+                prompt = ids[:4]
+                rebuilt[gid].append((ids, adv[4:]))
+            else:
+                rebuilt[gid].append((prompt + ids, adv))
+            start += n
+    kept = [g for g in groups if not all_zero(group_advantages(g, cfg.preprocess.advantage))]
+    assert sorted(rebuilt) == sorted(g.group_id for g in kept)
+    for g in kept:
+        expected = [(r.prompt_ids + r.completion_ids, a)
+                    for r, a in zip(g.rollouts, group_advantages(g, cfg.preprocess.advantage))]
+        assert sorted(rebuilt[g.group_id]) == sorted(expected)
