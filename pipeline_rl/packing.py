@@ -31,6 +31,8 @@ from pipeline_rl.records import MicroBatch, Rollout
 PAD_TOKEN_ID = 0
 """Any id the vocabulary has will do: the token is masked out and attends only to itself."""
 PAD_GROUP_ID = ""
+TOKEN_FIELDS = ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs")
+"""Sequence fields with one value per token."""
 
 
 @dataclass
@@ -79,7 +81,7 @@ def rollout_sequence(rollout: Rollout, advantages: list[float], group_id: str, s
     )
     if len(seq) > seq_length:
         seq.truncated = True
-        for name in ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs"):
+        for name in TOKEN_FIELDS:
             value = getattr(seq, name)
             if value is not None:
                 setattr(seq, name, value[:seq_length])
@@ -98,7 +100,7 @@ def share_prompt(group: list[Sequence], prompt_length: int, seq_length: int) -> 
         rest = len(s) - prompt_length
         if out and 0 < rest and used + rest <= seq_length:
             follower = copy.copy(s)
-            for name in ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs"):
+            for name in TOKEN_FIELDS:
                 value = getattr(s, name)
                 if value is not None:
                     setattr(follower, name, value[prompt_length:])
