@@ -159,7 +159,9 @@ class Launcher:
         if self.node.rank == 0:
             from pipeline_rl.status import StatusLine
 
-            status = StatusLine(self.cfg.trainer.max_steps, self.streams.reader("metrics", Metrics, position=self._end_of("metrics", Metrics)))
+            status = StatusLine(self.cfg.trainer.max_steps,
+                                self.streams.reader("metrics", Metrics, position=self._end_of("metrics", Metrics)),
+                                self.cfg.max_time_s)
         start = time.time()
         try:
             while True:

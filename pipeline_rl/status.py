@@ -1,4 +1,5 @@
-"""The launcher's live status line: a progress bar over trainer steps, fed by the metrics stream."""
+"""The launcher's live status line, fed by the metrics stream: a progress bar over the run's
+time limit when it has one (the CPU demo), else over trainer steps."""
 
 from __future__ import annotations
 
@@ -14,12 +15,18 @@ from pipeline_rl.records import Metrics
 class StatusLine:
     """Keeps the latest value of each metric per pool and shows the ones people watch."""
 
-    def __init__(self, total_steps: int, reader: Any):
+    def __init__(self, total_steps: int, reader: Any, max_time_s: float = 0.0):
         self.reader = reader
         self.latest: dict[str, dict[str, Any]] = {}
+        self.by_time = max_time_s > 0
+        self.start = time.monotonic()
         # In a log file (no terminal) one line every 30 s is enough.
-        self.bar = tqdm(total=total_steps, desc="version", unit="step", dynamic_ncols=True,
-                        mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        mininterval = 1.0 if sys.stderr.isatty() else 30.0
+        if self.by_time:
+            self.bar = tqdm(total=int(max_time_s), desc="time limit", dynamic_ncols=True, mininterval=mininterval,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
+        else:
+            self.bar = tqdm(total=total_steps, desc="version", unit="step", dynamic_ncols=True, mininterval=mininterval)
         self._last_print = 0.0
 
     def _value(self, pool: str, key: str, default: Any = None) -> Any:
@@ -35,12 +42,14 @@ class StatusLine:
             record: Metrics = entry.record
             self.latest.setdefault(record.process, {}).update(record.values)
         version = int(self._value("trainer", "version", 0))
-        if version > self.bar.n:
-            self.bar.update(version - self.bar.n)
+        done = min(int(time.monotonic() - self.start), self.bar.total) if self.by_time else version
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
         if time.time() - self._last_print < 1.0:
             return
         self._last_print = time.time()
         fields = {
+            "version": version if self.by_time else None,
             "samples/s": self._value("trainer", "samples_per_s"),
             "tok/s(actor)": self._value("actor", "tokens_per_s"),
             "reward": self._value("actor", "reward_mean"),
