@@ -52,7 +52,10 @@ def write_plots(run_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, key in (("train", TRAIN_REWARD), ("held-out", EVAL_REWARD)):
         for process, (xs, ys) in _series(records, key, t0).items():
-            ax.plot(xs, ys, marker="." if label == "held-out" else None, label=f"{label} ({process})")
+            # The actors see every rollout; the trainer's reward_mean covers only the samples it
+            # trained on (groups of equal rewards are filtered out), a biased and noisy view.
+            if process.startswith("actor"):
+                ax.plot(xs, ys, marker="." if label == "held-out" else None, label=f"{label} ({process})")
     ax.set(xlabel="wall time (s)", ylabel="mean reward", title="Reward vs wall time", ylim=(-0.02, 1.02))
     ax.grid(alpha=0.3)
     ax.legend()
