@@ -43,10 +43,11 @@ def shared_prefix_layout(seq_lengths: list[int], prefix_lengths: list[int],
     starts = torch.cumsum(lengths, 0) - lengths
     index = torch.arange(n)
     head = torch.cummax(torch.where(prefix == 0, index, -1), 0).values
-    for i in range(n):
-        if prefix[i] < 0 or (prefix[i] > 0 and (head[i] < 0 or prefix[i] >= lengths[head[i]])):
-            raise ValueError(f"sequence {i}: prefix length {int(prefix[i])} needs an earlier head sequence "
-                             f"(prefix 0) longer than it")
+    bad = (prefix < 0) | ((prefix > 0) & ((head < 0) | (prefix >= lengths[head.clamp(min=0)])))
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"sequence {i}: prefix length {int(prefix[i])} needs an earlier head sequence "
+                         f"(prefix 0) longer than it")
     seq = torch.repeat_interleave(index, lengths)
     offset = torch.arange(total) - starts[seq]
     if not torch.equal(position_ids.reshape(-1).cpu(), prefix[seq] + offset):

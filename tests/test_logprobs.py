@@ -91,7 +91,7 @@ def test_shared_prompt_equals_each_rollout_alone(attn):
     groups = [(rand(5), [rand(3), rand(1), rand(4)]), (rand(2), [rand(2), rand(3)])]
     lone = rand(6)
     seqs, prefix, positions, expected_lp, expected_ent = [], [], [], [], []
-    for prompt, completions in groups:
+    for g_index, (prompt, completions) in enumerate(groups):
         s, p, pos = shared_layout(prompt, completions)
         seqs += s
         prefix += p
@@ -101,7 +101,7 @@ def test_shared_prompt_equals_each_rollout_alone(attn):
             keep = slice(0, None) if i == 0 else slice(len(prompt), None)
             expected_lp.append(lp[keep])
             expected_ent.append(ent[keep])
-        if groups.index((prompt, completions)) == 0:
+        if g_index == 0:
             seqs.append(lone)
             prefix.append(0)
             positions += range(len(lone))
