@@ -1,8 +1,9 @@
-"""Start a pipeline_rl run: `python launch.py conf=tiny [key.sub=value ...] [--fresh]`."""
+"""Start a pipeline_rl run from a checkout: `python launch.py conf=tiny [key=value ...] [--fresh]`.
 
-import sys
+The installed package gives the same command as `pipeline-rl`.
+"""
 
-from pipeline_rl.launcher import main
+from pipeline_rl.launch.launcher import cli
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli()

@@ -31,15 +31,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipeline_rl.records import WeightUpdate
+from pipeline_rl.streams.records import WeightUpdate
 
 log = logging.getLogger(__name__)
+
+
+def backend_for(gpus_per_node: int) -> str:
+    """The one backend of the weight-update group, decided from the world (the same on the
+    sender and every receiver, or they could never form the group): NCCL between GPUs, else gloo."""
+    return "nccl" if gpus_per_node > 0 else "gloo"
 
 
 class StaleUpdate(Exception):
@@ -153,9 +160,9 @@ class _Layout:
             base = start if packed_only else 0
             for i in members:
                 at = self.offsets[i] - base
-                out[i] = buffer[at:at + self.nbytes[i]].view(self.dtypes[i]).view(self.shapes[i])
+                out[i] = buffer[at : at + self.nbytes[i]].view(self.dtypes[i]).view(self.shapes[i])
         if not packed_only:  # tensors with no bytes are in no message
-            for i, n in enumerate(self.nbytes):
+            for i in range(len(self.nbytes)):
                 if i not in out:
                     out[i] = buffer[:0].view(self.dtypes[i]).view(self.shapes[i])
         return out
@@ -169,30 +176,33 @@ class _Endpoint:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._group = None
-        self._group_name: Optional[str] = None
+        # A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs omit its collectives.
+        self._group: Any = None
+        self._group_name: str | None = None
         # Kept between updates while the layout stays the same (it does: the same model each
         # time): neither a packing buffer nor receive memory is allocated (and page-faulted)
         # per update.
-        self._layout: Optional[_Layout] = None
-        self._buffer: Optional[torch.Tensor] = None
+        self._layout: _Layout | None = None
+        self._buffer: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
 
-    def _prepare(self, update: WeightUpdate) -> _Layout:
+    def _prepare(self, update: WeightUpdate) -> tuple[_Layout, torch.Tensor]:
+        """The update's layout and the buffer kept for it (allocated when the layout changes)."""
         layout = _Layout(update)
-        if self._layout is None or layout.key != self._layout.key:
+        if self._layout is None or self._buffer is None or layout.key != self._layout.key:
             self._layout = self._buffer = None
             self._views = {}
             size, packed_only = self._buffer_size(layout)
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._views = layout.views(self._buffer, packed_only)
             self._layout = layout
-        return self._layout
+        return self._layout, self._buffer
 
     def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
         raise NotImplementedError
 
     def _broadcast(self, buffer: torch.Tensor) -> None:
+        assert self._group is not None, "broadcast before the group was built"
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self._group.broadcast([buffer], opts).wait(self.timeout)
@@ -219,11 +229,17 @@ class WeightSender(_Endpoint):
 
     def __init__(self, addr: str, world_size: int, backend: str = "gloo", timeout_s: float = 120):
         super().__init__(addr, 0, world_size, backend, timeout_s)
-        self._store = dist.TCPStore(self.host, self.port, world_size, is_master=True,
-                                    timeout=self.timeout, wait_for_workers=False)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            self.host, self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
+        )
 
-    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             announce: Callable[[WeightUpdate], None], bucket_mb: int) -> float:
+    def send(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        announce: Callable[[WeightUpdate], None],
+        bucket_mb: int,
+    ) -> float:
         """Announce `version` and broadcast it to every receiver; returns the seconds taken.
         Raises when a receiver is missing or dies (after at most the timeout); the next send
         then builds a fresh group."""
@@ -233,10 +249,14 @@ class WeightSender(_Endpoint):
             names.append(name)
             tensors.append(tensor)
         update = WeightUpdate(
-            version=version, names=names, shapes=[list(t.shape) for t in tensors],
+            version=version,
+            names=names,
+            shapes=[list(t.shape) for t in tensors],
             dtypes=[_dtype_name(t.dtype) for t in tensors],
             bucket_sizes=plan_buckets([t.numel() * t.element_size() for t in tensors], bucket_mb),
         )
+        if self._store is None:
+            raise RuntimeError("WeightSender.send after close()")
         try:
             if self._group is None:
                 self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
@@ -244,6 +264,7 @@ class WeightSender(_Endpoint):
             self._store.set("latest", str(version))
             announce(update)
             if self._group is None:
+                assert self._group_name is not None
                 self._group = _new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
             self._send_buckets(update, tensors)
         except Exception:
@@ -257,12 +278,12 @@ class WeightSender(_Endpoint):
     def _send_buckets(self, update: WeightUpdate, tensors: list[torch.Tensor]) -> None:
         """Pack each run of small tensors into the reused pack buffer (a copy_ per tensor, no
         allocation) and broadcast it; broadcast each large tensor from its own storage."""
-        layout = self._prepare(update)
+        layout, buffer = self._prepare(update)
         for start, stop, members, packed in layout.messages:
             if packed:
                 for i in members:
                     self._views[i].copy_(tensors[i].detach())
-                self._broadcast(self._buffer[:stop - start])
+                self._broadcast(buffer[: stop - start])
             else:
                 tensor = tensors[members[0]].detach().to(self.device).contiguous()
                 self._broadcast(tensor.reshape(-1).view(torch.uint8))
@@ -279,7 +300,7 @@ class WeightReceiver(_Endpoint):
         if not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
         super().__init__(addr, rank, world_size, backend, timeout_s)
-        self._store: Optional[dist.TCPStore] = None
+        self._store: dist.TCPStore | None = None
 
     def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
         """Take part in the broadcast announced by `update`; returns (name, tensor) pairs whose
@@ -293,8 +314,9 @@ class WeightReceiver(_Endpoint):
             latest = int(self._store_get("latest"))
             if update.version < latest:
                 raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {latest}")
-            name = self._store.get("group").decode()
+            name = self._store_get("group").decode()
             if name != self._group_name:
+                assert self._store is not None  # _store_get connected it
                 self._group = _new_group(self._store, name, self.rank, self.world_size, self.backend, self.timeout)
                 self._group_name = name
             tensors = self._receive_buckets(update)
@@ -310,9 +332,9 @@ class WeightReceiver(_Endpoint):
         return layout.total_bytes, False
 
     def _receive_buckets(self, update: WeightUpdate) -> list[torch.Tensor]:
-        layout = self._prepare(update)
+        layout, buffer = self._prepare(update)
         for start, stop, _, _ in layout.messages:
-            self._broadcast(self._buffer[start:stop])
+            self._broadcast(buffer[start:stop])
         return [self._views[i] for i in range(len(layout.nbytes))]
 
     def _store_get(self, key: str) -> bytes:
@@ -333,8 +355,9 @@ class WeightReceiver(_Endpoint):
 def _check_announcement(update: WeightUpdate) -> None:
     n = len(update.names)
     if len(update.shapes) != n or len(update.dtypes) != n:
-        raise ValueError(f"weight update {update.version}: {n} names, {len(update.shapes)} shapes, "
-                         f"{len(update.dtypes)} dtypes")
+        raise ValueError(
+            f"weight update {update.version}: {n} names, {len(update.shapes)} shapes, {len(update.dtypes)} dtypes"
+        )
     if sum(update.bucket_sizes) != n or any(c < 1 for c in update.bucket_sizes):
         raise ValueError(f"weight update {update.version}: bucket sizes {update.bucket_sizes} do not cover {n} tensors")
     for name in update.dtypes:

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -59,10 +60,10 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from pipeline_rl.streams import Streams
+    from pipeline_rl.streams import open_streams
     from pipeline_rl.weight_sync import WeightSender
 
-    streams = Streams.from_config(run_config(run_dir))
+    streams = open_streams(run_config(run_dir))
     writer = streams.writer("weights")
 
     def announce(update):
@@ -88,13 +89,13 @@ class Updater:
     """Asks the sender for a new version every `every` seconds of phase (3); the clock runs
     only while started, so short rounds still get one update per `every` seconds."""
 
-    def __init__(self, sender: subprocess.Popen, every: float):
-        self.sender, self.every = sender, every
+    def __init__(self, stdin: IO[str], stdout: IO[str], every: float):
+        self.stdin, self.stdout, self.every = stdin, stdout, every
         self.version = 0
         self.send_s: list[float] = []
         self._due = every / 4
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._stop.clear()
@@ -109,21 +110,24 @@ class Updater:
                 return
             self._due = self.every
             self.version += 1
-            self.sender.stdin.write(f"send {self.version}\n")
-            self.sender.stdin.flush()
-            reply = self.sender.stdout.readline().split()
+            self.stdin.write(f"send {self.version}\n")
+            self.stdin.flush()
+            reply = self.stdout.readline().split()
             if not reply or reply[0] != "sent":
                 raise RuntimeError(f"sender failed: {reply}")
             self.send_s.append(float(reply[2]))
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=os.path.join(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache"), "tiny_model"))
+    parser.add_argument(
+        "--model", default=os.path.join(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache"), "tiny_model")
+    )
     parser.add_argument("--seconds", type=float, default=15.0, help="time per phase")
     parser.add_argument("--loads-per-round", type=int, default=2, help="loads per phase in one round")
     parser.add_argument("--update-every", type=float, default=2.0)
@@ -136,10 +140,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from pipeline_rl.llm_client import LLMClient, engine_args
-    from pipeline_rl.records import WeightUpdate
-    from pipeline_rl.streams import Streams
-    from pipeline_rl.vllm_hook import WeightSwapHook
+    from pipeline_rl.actor.llm_client import LLMClient, engine_args
+    from pipeline_rl.actor.vllm_hook import WeightSwapHook
+    from pipeline_rl.streams import open_streams
+    from pipeline_rl.streams.records import WeightUpdate
     from pipeline_rl.weight_sync import WeightReceiver
 
     run_dir = tempfile.mkdtemp(prefix="bench_actor_")
@@ -147,33 +151,41 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
-    sender = subprocess.Popen([sys.executable, __file__, "--sender", addr, args.model, run_dir],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    sender = subprocess.Popen(
+        [sys.executable, __file__, "--sender", addr, args.model, run_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert sender.stdin is not None and sender.stdout is not None  # both are PIPE
     start = time.perf_counter()
     llm = LLM(**engine_args(cfg, args.model))
     print(f"engine start-up: {time.perf_counter() - start:.1f} s")
     hook = WeightSwapHook.install(llm.llm_engine, args.model, version=0)
     client = LLMClient(llm.llm_engine, hook, llm.get_tokenizer())
-    streams = Streams.from_config(cfg)
-    client.start_receiver(WeightReceiver(addr, rank=1, world_size=2, timeout_s=60),
-                          streams.reader("weights", WeightUpdate))
+    streams = open_streams(cfg)
+    client.start_receiver(
+        WeightReceiver(addr, rank=1, world_size=2, timeout_s=60), streams.reader("weights", WeightUpdate)
+    )
     assert sender.stdout.readline().strip() == "ready"
-    updater = Updater(sender, args.update_every)
+    updater = Updater(sender.stdin, sender.stdout, args.update_every)
 
     tok = client.tokenizer
     prompts = [tok.encode(f"{i} + {3 * i % 97} =") for i in range(PROMPTS)]
-    plain_params = SamplingParams(n=N, max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0, flat_logprobs=True,
-                                  ignore_eos=True)
+    plain_params = SamplingParams(
+        n=N, max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0, flat_logprobs=True, ignore_eos=True
+    )
 
     def plain_rep() -> int:
         with hook.bypassed():
-            outs = llm.generate([tokens_input(p) for p in prompts], plain_params, use_tqdm=False)
+            outs = llm.generate([tokens_input(p) for p in prompts], plain_params, use_tqdm=False)  # pyright: ignore[reportArgumentType]  (generate takes these at run time; its annotation does not list them)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     def client_rep() -> int:
         async def run():
             return await asyncio.gather(*(client.generate(p, N, NEW_TOKENS, 1.0, ignore_eos=True) for p in prompts))
+
         return sum(len(c.token_ids) for g in asyncio.run(run()) for c in g)
 
     def timed(rep) -> tuple[int, float]:
@@ -181,7 +193,8 @@ def main() -> None:
         tokens = sum(rep() for _ in range(args.loads_per_round))
         return tokens, time.perf_counter() - t0
 
-    plain_rep(), client_rep()  # warm-up
+    plain_rep()  # warm-up
+    client_rep()
     totals = {1: [0, 0.0], 2: [0, 0.0], 3: [0, 0.0]}
     ratios: dict[str, list[float]] = {"2/1": [], "3/2": []}
     step_times: list[float] = []
@@ -220,19 +233,33 @@ def main() -> None:
     loads = [s.load_s * 1e3 for s in swaps]
     step50 = percentile(step_times, 0.5) * 1e3
     print()
-    print(f"load: {PROMPTS} prompts x n={N} x {NEW_TOKENS} tokens, {r} rounds of {args.loads_per_round} loads "
-          f"per phase, model {args.model}")
+    print(
+        f"load: {PROMPTS} prompts x n={N} x {NEW_TOKENS} tokens, {r} rounds of {args.loads_per_round} loads "
+        f"per phase, model {args.model}"
+    )
     print(f"(1) plain vLLM generate:       {rate[1]:8.0f} tok/s")
-    print(f"(2) LLMClient + hook:          {rate[2]:8.0f} tok/s   (2)/(1) = {rate[2] / rate[1]:.3f}, "
-          f"median of rounds {percentile(ratios['2/1'], 0.5):.3f}  (goal >= 0.97)")
-    print(f"(3) + update every {args.update_every:g} s:      {rate[3]:8.0f} tok/s   (3)/(2) = {rate[3] / rate[2]:.3f}, "
-          f"median of rounds {percentile(ratios['3/2'], 0.5):.3f}  (goal >= 0.95)")
-    print(f"updates sent {updater.version}, swapped {hook.swap_count}, failures {client.stats()['swap_failures']}, "
-          f"final version {client.version}")
-    print(f"sender send() time:  p50 {percentile(updater.send_s, 0.5) * 1e3:6.1f} ms  p99 {percentile(updater.send_s, 0.99) * 1e3:6.1f} ms")
-    print(f"swap lock wait:      p50 {percentile(waits, 0.5):6.2f} ms  p99 {percentile(waits, 0.99):6.2f} ms  max {max(waits, default=float('nan')):6.2f} ms")
+    print(
+        f"(2) LLMClient + hook:          {rate[2]:8.0f} tok/s   (2)/(1) = {rate[2] / rate[1]:.3f}, "
+        f"median of rounds {percentile(ratios['2/1'], 0.5):.3f}  (goal >= 0.97)"
+    )
+    print(
+        f"(3) + update every {args.update_every:g} s:      {rate[3]:8.0f} tok/s   (3)/(2) = {rate[3] / rate[2]:.3f}, "
+        f"median of rounds {percentile(ratios['3/2'], 0.5):.3f}  (goal >= 0.95)"
+    )
+    print(
+        f"updates sent {updater.version}, swapped {hook.swap_count}, failures {client.stats()['swap_failures']}, "
+        f"final version {client.version}"
+    )
+    print(
+        f"sender send() time:  p50 {percentile(updater.send_s, 0.5) * 1e3:6.1f} ms  p99 {percentile(updater.send_s, 0.99) * 1e3:6.1f} ms"
+    )
+    print(
+        f"swap lock wait:      p50 {percentile(waits, 0.5):6.2f} ms  p99 {percentile(waits, 0.99):6.2f} ms  max {max(waits, default=float('nan')):6.2f} ms"
+    )
     print(f"swap load:           p50 {percentile(loads, 0.5):6.2f} ms  p99 {percentile(loads, 0.99):6.2f} ms")
-    print(f"engine step (2):     p50 {step50:6.2f} ms  -> p99 lock wait / step p50 = {percentile(waits, 0.99) / step50:.2f} (goal <= 1)")
+    print(
+        f"engine step (2):     p50 {step50:6.2f} ms  -> p99 lock wait / step p50 = {percentile(waits, 0.99) / step50:.2f} (goal <= 1)"
+    )
     print(f"peak RSS: actor (engine) process {peak_rss_mib():.0f} MiB, sender process {sender_rss} MiB")
     client.close()
     streams.close()

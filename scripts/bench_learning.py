@@ -39,8 +39,11 @@ def last_values(records: list[dict]) -> dict[str, dict]:
 
 def actor_idle(latest: dict[str, dict]) -> float | None:
     """Share of each actor's uptime with no group in flight (blocked on admission, nothing to generate)."""
-    fractions = [v["idle_total_s"] / v["uptime_s"] for p, v in latest.items()
-                 if p.startswith("actor") and v.get("uptime_s") and "idle_total_s" in v]
+    fractions = [
+        v["idle_total_s"] / v["uptime_s"]
+        for p, v in latest.items()
+        if p.startswith("actor") and v.get("uptime_s") and "idle_total_s" in v
+    ]
     return sum(fractions) / len(fractions) if fractions else None
 
 
@@ -53,15 +56,27 @@ def trainer_idle(records: list[dict]) -> float | None:
 
 def versions_per_s(records: list[dict]) -> float | None:
     """Policy versions (optimizer steps) per second of trainer rank 0's run."""
-    steps = [(r["time"], r["values"]["version"]) for r in records
-             if r["process"] == "trainer0" and "compute_s" in r["values"]]
+    steps = [
+        (r["time"], r["values"]["version"])
+        for r in records
+        if r["process"] == "trainer0" and "compute_s" in r["values"]
+    ]
     return (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]) if len(steps) > 1 else None
 
 
 def run(mode: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
     run_dir = out / mode
-    argv = [sys.executable, "launch.py", "conf=tiny", f"actor.mode={mode}", f"run_dir={run_dir}",
-            f"name=bench_{mode}", f"max_time_s={budget_s}", "--fresh", *overrides]
+    argv = [
+        sys.executable,
+        "launch.py",
+        "conf=tiny",
+        f"actor.mode={mode}",
+        f"run_dir={run_dir}",
+        f"name=bench_{mode}",
+        f"max_time_s={budget_s}",
+        "--fresh",
+        *overrides,
+    ]
     print(f"[{mode}] {' '.join(argv[1:])}", flush=True)
     start = time.time()
     code = subprocess.run(argv, cwd=ROOT).returncode
@@ -79,7 +94,8 @@ def summarize(mode: str, run_dir: Path, wall_s: float) -> dict:
         "wall_s": wall_s,
         "reach": {t: time_to_reach(records, t0, t) for t in THRESHOLDS},
         "final_eval": max((r["values"]["eval/reward"], r["time"]) for r in records if "eval/reward" in r["values"])[0]
-        if any("eval/reward" in r["values"] for r in records) else None,
+        if any("eval/reward" in r["values"] for r in records)
+        else None,
         "eval_span_s": max((r["time"] - t0 for r in records if "eval/reward" in r["values"]), default=0.0),
         "versions_per_s": versions_per_s(records),
         "actor_idle": actor_idle(latest),
@@ -96,9 +112,11 @@ def report(results: list[dict]) -> None:
     print("\n=== bench_learning: held-out mean reward (T=1) on the tiny arithmetic demo ===")
     for r in results:
         reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s')}" for t in THRESHOLDS)
-        print(f"{r['mode']:>5}: time to reach {reach}; best eval {fmt(r['final_eval'], '.3f')}; "
-              f"actor idle {fmt(r['actor_idle'], '.2f')}, trainer idle {fmt(r['trainer_idle'], '.2f')}; "
-              f"{fmt(r['versions_per_s'], '.2f')} versions/s")
+        print(
+            f"{r['mode']:>5}: time to reach {reach}; best eval {fmt(r['final_eval'], '.3f')}; "
+            f"actor idle {fmt(r['actor_idle'], '.2f')}, trainer idle {fmt(r['trainer_idle'], '.2f')}; "
+            f"{fmt(r['versions_per_s'], '.2f')} versions/s"
+        )
         print(f"       peak RSS MB: {', '.join(f'{p}={v:.0f}' for p, v in sorted(r['peak_rss_mb'].items()))}")
     pipe, sync = results
     for t in THRESHOLDS:
@@ -107,8 +125,10 @@ def report(results: list[dict]) -> None:
             print(f"speed-up to {t}: {s / a:.2f}x (sync {s:.0f} s / pipelined {a:.0f} s)")
         elif a:
             # Sync ran the whole budget without reaching t: the ratio is at least budget / pipelined.
-            print(f"speed-up to {t}: > {sync['eval_span_s'] / a:.2f}x (sync not reached in {sync['eval_span_s']:.0f} s "
-                  f"of evaluations / pipelined {a:.0f} s)")
+            print(
+                f"speed-up to {t}: > {sync['eval_span_s'] / a:.2f}x (sync not reached in {sync['eval_span_s']:.0f} s "
+                f"of evaluations / pipelined {a:.0f} s)"
+            )
         else:
             print(f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s')}, sync {fmt(s, '.0f', ' s')})")
 

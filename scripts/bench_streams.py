@@ -25,10 +25,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeline_rl.config import load_config, load_saved_config, save_config
-from pipeline_rl.records import Rollout, RolloutGroup, decode, encode
-from pipeline_rl.streams import Streams
+from pipeline_rl.streams import open_streams
+from pipeline_rl.streams.records import Rollout, RolloutGroup, decode, encode
 
 TOPIC = "bench"
 RAW_BATCH_RECORDS, RAW_BATCH_BYTES = 256, 4 << 20
@@ -37,12 +38,21 @@ RAW_MAXLEN = 100000  # same trimming as the layer's default (streams.redis.maxle
 
 def make_group(target_bytes: int) -> RolloutGroup:
     """A RolloutGroup of 4 rollouts whose encoding is about `target_bytes` long."""
+
     def build(tokens: int) -> RolloutGroup:
-        rollouts = [Rollout(prompt_ids=list(range(1000, 1000 + 16)),
-                            completion_ids=[(97 * i + r) % 32000 for i in range(tokens)],
-                            logprobs=[-0.1234567 * ((i % 7) + 1) for i in range(tokens)],
-                            versions=[3] * tokens, reward=1.0, finish_reason="stop") for r in range(4)]
+        rollouts = [
+            Rollout(
+                prompt_ids=list(range(1000, 1000 + 16)),
+                completion_ids=[(97 * i + r) % 32000 for i in range(tokens)],
+                logprobs=[-0.1234567 * ((i % 7) + 1) for i in range(tokens)],
+                versions=[3] * tokens,
+                reward=1.0,
+                finish_reason="stop",
+            )
+            for r in range(4)
+        ]
         return RolloutGroup(problem_id="p", group_id="g", rollouts=rollouts)
+
     per_token = (len(encode(build(200))) - len(encode(build(0)))) / 200
     return build(max(0, round((target_bytes - len(encode(build(0)))) / per_token)))
 
@@ -84,9 +94,10 @@ def redis_client(port: int):
 
 # ---- roles, each run in its own process; results go to a JSON file ----
 
+
 def role_writer(args) -> dict:
     record = make_group(args.size)
-    streams = Streams.from_config(load_saved_config(Path(args.run_dir) / "config.yaml"))
+    streams = open_streams(load_saved_config(Path(args.run_dir) / "config.yaml"))
     writer = streams.writer(TOPIC)
     t0, cpu0 = time.time(), cpu_s()
     for _ in range(args.count):
@@ -97,7 +108,7 @@ def role_writer(args) -> dict:
 
 
 def role_reader(args) -> dict:
-    streams = Streams.from_config(load_saved_config(Path(args.run_dir) / "config.yaml"))
+    streams = open_streams(load_saved_config(Path(args.run_dir) / "config.yaml"))
     reader = streams.reader(TOPIC, RolloutGroup)
     Path(args.ready).touch()
     cpu0, got = cpu_s(), 0
@@ -117,7 +128,7 @@ def role_raw_writer(args) -> dict:
     per_batch = max(1, min(RAW_BATCH_RECORDS, RAW_BATCH_BYTES // len(payload)))
     t0, cpu0 = time.time(), cpu_s()
     pipe = client.pipeline(transaction=False)
-    for i in range(args.count):
+    for _ in range(args.count):
         pipe.xadd(args.key, {b"data": payload}, maxlen=RAW_MAXLEN, approximate=True)
         if len(pipe) >= per_batch:
             pipe.execute()
@@ -130,7 +141,7 @@ def role_raw_reader(args) -> dict:
     Path(args.ready).touch()
     cpu0, last, got = cpu_s(), "0-0", 0
     while got < args.count:
-        reply = client.xread({args.key: last}, count=256, block=30000)
+        reply: Any = client.xread({args.key: last}, count=256, block=30000)
         if not reply:
             raise SystemExit(f"raw reader: no entry for 30 s after {got} of {args.count}")
         items = reply[0][1]
@@ -144,6 +155,7 @@ ROLES = {"writer": role_writer, "reader": role_reader, "raw-writer": role_raw_wr
 
 # ---- driver ----
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -155,8 +167,11 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
     if binary is None:
         raise SystemExit("redis-server is not on PATH")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 10
     while time.time() < deadline:
         try:
@@ -179,11 +194,30 @@ def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict
     case_dir = workdir / f"{kind}-{size}"
     case_dir.mkdir(parents=True)
     ready = case_dir / "ready"
-    common = ["--size", str(size), "--count", str(count), "--port", str(port), "--ready", str(ready),
-              "--run-dir", str(case_dir / "run"), "--key", f"bench:raw:{size}"]
+    common = [
+        "--size",
+        str(size),
+        "--count",
+        str(count),
+        "--port",
+        str(port),
+        "--ready",
+        str(ready),
+        "--run-dir",
+        str(case_dir / "run"),
+        "--key",
+        f"bench:raw:{size}",
+    ]
     if kind != "raw":
-        cfg = load_config("base", [f"run_dir={case_dir / 'run'}", f"name=bench{size}", f"streams.backend={kind}",
-                                   f"streams.redis.port={port}"])
+        cfg = load_config(
+            "base",
+            [
+                f"run_dir={case_dir / 'run'}",
+                f"name=bench{size}",
+                f"streams.backend={kind}",
+                f"streams.redis.port={port}",
+            ],
+        )
         save_config(cfg, case_dir / "run" / "config.yaml")
     prefix = "raw-" if kind == "raw" else ""
     reader, reader_out = spawn(prefix + "reader", common, case_dir)
@@ -199,10 +233,17 @@ def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict
     seconds = r["t_end"] - w["t0"]
     redis_client(port).flushall()
     shutil.rmtree(case_dir / "run", ignore_errors=True)
-    return {"records_s": count / seconds, "mb_s": w["bytes"] / seconds / 1e6, "seconds": seconds,
-            "record_bytes": w["bytes"] // count, "writer_rss": w["rss_mb"], "reader_rss": r["rss_mb"],
-            "writer_cpu_us": w["cpu_s"] / count * 1e6, "reader_cpu_us": r["cpu_s"] / count * 1e6,
-            "dead": r["dead_letters"]}
+    return {
+        "records_s": count / seconds,
+        "mb_s": w["bytes"] / seconds / 1e6,
+        "seconds": seconds,
+        "record_bytes": w["bytes"] // count,
+        "writer_rss": w["rss_mb"],
+        "reader_rss": r["rss_mb"],
+        "writer_cpu_us": w["cpu_s"] / count * 1e6,
+        "reader_cpu_us": r["cpu_s"] / count * 1e6,
+        "dead": r["dead_letters"],
+    }
 
 
 def main() -> None:
@@ -224,8 +265,11 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_streams_"))
     server, port = start_redis(workdir)
-    cases = [(kind, size, count) for size, count in ((1024, args.count_1k), (65536, args.count_64k))
-             for kind in ("jsonl", "redis", "raw")]
+    cases = [
+        (kind, size, count)
+        for size, count in ((1024, args.count_1k), (65536, args.count_64k))
+        for kind in ("jsonl", "redis", "raw")
+    ]
     best: dict[tuple, dict] = {}
     try:
         # The machine is shared: run every case `rounds` times, interleaved, and keep the best.
@@ -243,21 +287,28 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"best of {args.rounds} rounds; MB/s of encoded payload; CPU time per record and peak RSS per process")
-    print(f"{'case':<16}{'record':>9}{'records/s':>12}{'MB/s':>9}{'writer CPU':>12}{'reader CPU':>12}"
-          f"{'writer RSS':>12}{'reader RSS':>12}")
+    print(
+        f"{'case':<16}{'record':>9}{'records/s':>12}{'MB/s':>9}{'writer CPU':>12}{'reader CPU':>12}"
+        f"{'writer RSS':>12}{'reader RSS':>12}"
+    )
     for kind, size, _ in cases:
         res = best[kind, size]
         name = "raw redis-py" if kind == "raw" else f"{kind} layer"
-        print(f"{name:<16}{res['record_bytes']:>8}B{res['records_s']:>12,.0f}{res['mb_s']:>9.1f}"
-              f"{res['writer_cpu_us']:>10.0f}us{res['reader_cpu_us']:>10.0f}us"
-              f"{res['writer_rss']:>10.0f}MB{res['reader_rss']:>10.0f}MB")
+        print(
+            f"{name:<16}{res['record_bytes']:>8}B{res['records_s']:>12,.0f}{res['mb_s']:>9.1f}"
+            f"{res['writer_cpu_us']:>10.0f}us{res['reader_cpu_us']:>10.0f}us"
+            f"{res['writer_rss']:>10.0f}MB{res['reader_rss']:>10.0f}MB"
+        )
     print(f"redis-server peak RSS: {redis_rss:.0f} MB")
     for size in (1024, 65536):
         ratio = best["redis", size]["records_s"] / best["raw", size]["records_s"]
         enc, dec = codec_us(size)
-        print(f"~{size // 1024} KB: redis layer / raw redis-py = {ratio:.2f} (goal >= 0.50); "
-              f"jsonl layer {best['jsonl', size]['mb_s']:.0f} MB/s" + (" (goal >= 100)" if size > 1024 else "")
-              + f"; codec per record (raw does none): encode {enc:.0f} us, decode {dec:.0f} us")
+        print(
+            f"~{size // 1024} KB: redis layer / raw redis-py = {ratio:.2f} (goal >= 0.50); "
+            f"jsonl layer {best['jsonl', size]['mb_s']:.0f} MB/s"
+            + (" (goal >= 100)" if size > 1024 else "")
+            + f"; codec per record (raw does none): encode {enc:.0f} us, decode {dec:.0f} us"
+        )
 
 
 def redis_peak_rss_mb(pid: int) -> float:

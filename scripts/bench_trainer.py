@@ -1,7 +1,7 @@
 """Trainer benchmark, side by side in one run (CPU, about 2 minutes):
 
 1. Training throughput on packed micro-batches: the real trainer (`python -m
-   pipeline_rl.trainer`, 1 rank, DeepSpeed ZeRO-2 on gloo, micro-batches read from the JSONL
+   pipeline_rl.trainer.trainer`, 1 rank, DeepSpeed ZeRO-2 on gloo, micro-batches read from the JSONL
    trainer stream) vs a bare torch loop (same model, same packed forward, same loss, AdamW,
    gradient clipping) on the same batches. Goal: ratio >= 0.90.
 2. Weight broadcast, sender + 1 receiver process: WeightSender/WeightReceiver (announcement,
@@ -33,7 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -42,11 +44,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from pipeline_rl.config import load_config, save_config  # noqa: E402
-from pipeline_rl.logprobs import packed_logprobs  # noqa: E402
-from pipeline_rl.loss import policy_loss  # noqa: E402
-from pipeline_rl.packing import pack_step, rollout_sequence  # noqa: E402
-from pipeline_rl.records import Rollout, WeightUpdate, decode, encode  # noqa: E402
-from pipeline_rl.streams import Streams  # noqa: E402
+from pipeline_rl.preprocess.packing import pack_step, rollout_sequence  # noqa: E402
+from pipeline_rl.streams import open_streams  # noqa: E402
+from pipeline_rl.streams.records import Rollout, WeightUpdate, decode, encode  # noqa: E402
+from pipeline_rl.trainer.logprobs import packed_logprobs  # noqa: E402
+from pipeline_rl.trainer.loss import policy_loss  # noqa: E402
+from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV  # noqa: E402
 
 SEQ_LENGTH = 1024
 GROUPS_PER_STEP = 16
@@ -73,8 +76,15 @@ def model_dir(arg: str | None, scratch: Path) -> Path:
 
     print(f"(no model at {path}: using a random Qwen2 of the tiny model's shape)")
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     Qwen2ForCausalLM(config).save_pretrained(scratch / "model")
     return scratch / "model"
 
@@ -90,9 +100,14 @@ def make_steps(steps: int, vocab: int, seed: int = 0):
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(12, 24))]
             for _ in range(ATTEMPTS):
                 n = rng.randint(8, 48)
-                rollout = Rollout(prompt_ids=prompt, completion_ids=[rng.randrange(vocab) for _ in range(n)],
-                                  logprobs=[-rng.uniform(0.5, 6.0) for _ in range(n)], versions=[s] * n,
-                                  reward=float(rng.random() < 0.5), finish_reason="stop")
+                rollout = Rollout(
+                    prompt_ids=prompt,
+                    completion_ids=[rng.randrange(vocab) for _ in range(n)],
+                    logprobs=[-rng.uniform(0.5, 6.0) for _ in range(n)],
+                    versions=[s] * n,
+                    reward=float(rng.random() < 0.5),
+                    finish_reason="stop",
+                )
                 seqs.append(rollout_sequence(rollout, [rng.gauss(0, 1)] * n, f"{s}-{g}", SEQ_LENGTH))
         out.append(pack_step(seqs, s, 1, SEQ_LENGTH)[0])
     return out
@@ -114,9 +129,17 @@ def bare_loop(model_path: Path, steps, cfg) -> tuple[float, float, int]:
             ids = torch.tensor([mb.input_ids])
             logprobs, entropy = packed_logprobs(model, ids, torch.tensor([mb.position_ids]), cfg.actor.temperature)
             seq_index = torch.repeat_interleave(torch.arange(len(mb.seq_lengths)), torch.tensor(mb.seq_lengths))
-            loss, _ = policy_loss(logprobs, entropy, torch.tensor(mb.old_logprobs), torch.tensor(mb.advantages),
-                                  torch.tensor(mb.loss_mask), seq_index, cfg.trainer.loss, mb.step_tokens,
-                                  mb.step_samples)
+            loss, _ = policy_loss(
+                logprobs,
+                entropy,
+                torch.tensor(mb.old_logprobs),
+                torch.tensor(mb.advantages),
+                torch.tensor(mb.loss_mask),
+                seq_index,
+                cfg.trainer.loss,
+                mb.step_tokens,
+                mb.step_samples,
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
         optimizer.step()
@@ -131,18 +154,34 @@ def bare_loop(model_path: Path, steps, cfg) -> tuple[float, float, int]:
 def real_trainer(cfg, run_dir: Path) -> tuple[float, float, int, float]:
     """The trainer as the launcher runs it; returns (wall seconds, CPU seconds, tokens, peak RSS
     MB) over all steps but the first, from its metrics (reading/decoding data + computing)."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    env.pop("PIPELINE_RL_WEIGHT_SYNC_ADDR", None)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+    )
+    env.pop(WEIGHT_SYNC_ADDR_ENV, None)
     with open(run_dir / "trainer0.log", "wb") as log:
-        code = subprocess.run([sys.executable, "-m", "pipeline_rl.trainer", "--run-dir", str(run_dir), "--index", "0"],
-                              cwd=ROOT, env=env, stdout=log, stderr=log).returncode
+        code = subprocess.run(
+            [sys.executable, "-m", "pipeline_rl.trainer", "--run-dir", str(run_dir), "--index", "0"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=log,
+        ).returncode
     if code != 0:
         raise SystemExit(f"trainer failed ({code}); see {run_dir / 'trainer0.log'}")
     records = [json.loads(line)["values"] for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
     timed = records[1:]
-    return (sum(r["wait_s"] + r["compute_s"] for r in timed), sum(r["step_cpu_s"] for r in timed),
-            int(sum(r["tokens"] for r in timed)), max(r["peak_rss_mb"] for r in records))
+    return (
+        sum(r["wait_s"] + r["compute_s"] for r in timed),
+        sum(r["step_cpu_s"] for r in timed),
+        int(sum(r["tokens"] for r in timed)),
+        max(r["peak_rss_mb"] for r in records),
+    )
 
 
 def tensor_sets(model_path: Path) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -159,17 +198,21 @@ def tensor_sets(model_path: Path) -> dict[str, list[tuple[str, torch.Tensor]]]:
     return {"tiny model": tiny, "100M synthetic": synthetic}
 
 
-def _broadcast_worker(rank: int, model_path: str, sync_addr: str, raw_port: int, bucket_mb: int, queue,
-                      results) -> None:
+def _broadcast_worker(
+    rank: int, model_path: str, sync_addr: str, raw_port: int, bucket_mb: int, queue, results
+) -> None:
     import torch.distributed as dist
 
     from pipeline_rl.weight_sync import WeightReceiver, WeightSender
 
     torch.set_num_threads(1)
     sets = tensor_sets(Path(model_path))
+    timeout = timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", raw_port, 2, is_master=rank == 0)
-    raw_group = dist.ProcessGroupGloo(store, rank, 2)
-    endpoint = WeightSender(sync_addr, 2) if rank == 0 else WeightReceiver(sync_addr, 1, 2)
+    # A c10d backend object; torch's stubs omit its collectives.
+    raw_group: Any = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    sender = WeightSender(sync_addr, 2) if rank == 0 else None
+    receiver = WeightReceiver(sync_addr, 1, 2) if rank != 0 else None
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
 
@@ -193,17 +236,23 @@ def _broadcast_worker(rank: int, model_path: str, sync_addr: str, raw_port: int,
             buffer = torch.cat([t.reshape(-1) for _, t in named]) if rank == 0 else torch.empty(nbytes // 4)
             fresh.append(raw_broadcast(buffer) + (time.perf_counter() - start))
             raw_group.barrier().wait()
-            if rank == 0:
+            if sender is not None:
                 start = time.perf_counter()
-                endpoint.send(version + 100 * len(out), named, announce=lambda u: queue.put(encode(u)),
-                              bucket_mb=bucket_mb)
+                sender.send(
+                    version + 100 * len(out), named, announce=lambda u: queue.put(encode(u)), bucket_mb=bucket_mb
+                )
                 synced.append(time.perf_counter() - start)
             else:
-                received = endpoint.receive(decode(queue.get(), WeightUpdate))
+                assert receiver is not None
+                received = receiver.receive(decode(queue.get(), WeightUpdate))
                 assert all(torch.equal(t, r) for (_, t), (_, r) in zip(named, received)), "received weights differ"
-        out[name] = {"bytes": nbytes, "raw_s": min(raw), "raw_fresh_s": min(fresh),
-                     "weight_sync_s": min(synced) if synced else None,
-                     "round_ratio": statistics.median(s / r for s, r in zip(synced, raw)) if synced else None}
+        out[name] = {
+            "bytes": nbytes,
+            "raw_s": min(raw),
+            "raw_fresh_s": min(fresh),
+            "weight_sync_s": min(synced) if synced else None,
+            "round_ratio": statistics.median(s / r for s, r in zip(synced, raw)) if synced else None,
+        }
     results.put((rank, out, peak_rss_mb()))
     raw_group.barrier().wait()
 
@@ -223,13 +272,16 @@ def broadcast_bench(model_path: Path, bucket_mb: int) -> tuple[dict, dict[int, f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--only", choices=("training", "broadcast"), default=None,
-                        help="run one part of the benchmark")
-    parser.add_argument("--bucket-mb", type=int, default=256,
-                        help="WeightSender bucket size (trainer.weight_bucket_mb; default as in the config)")
+    parser.add_argument("--only", choices=("training", "broadcast"), default=None, help="run one part of the benchmark")
+    parser.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=256,
+        help="WeightSender bucket size (trainer.weight_bucket_mb; default as in the config)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     scratch = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
@@ -239,35 +291,51 @@ def main() -> None:
     if args.only != "training":
         timings, rss = broadcast_bench(model_path, args.bucket_mb)
         for name, t in timings.items():
-            print(f"weight broadcast, {name} ({t['bytes'] / 2**20:.1f} MiB, {args.bucket_mb} MiB buckets), best of {REPEATS}: "
-                  f"WeightSender {t['weight_sync_s']:.4f} s; raw gloo {t['raw_s']:.4f} s (reused buffer, ratio "
-                  f"{t['weight_sync_s'] / t['raw_s']:.2f}), {t['raw_fresh_s']:.4f} s (fresh buffers, ratio "
-                  f"{t['weight_sync_s'] / t['raw_fresh_s']:.2f}); median over rounds of WeightSender / raw "
-                  f"(reused) {t['round_ratio']:.2f}; goal ratio <= 2")
+            print(
+                f"weight broadcast, {name} ({t['bytes'] / 2**20:.1f} MiB, {args.bucket_mb} MiB buckets), best of {REPEATS}: "
+                f"WeightSender {t['weight_sync_s']:.4f} s; raw gloo {t['raw_s']:.4f} s (reused buffer, ratio "
+                f"{t['weight_sync_s'] / t['raw_s']:.2f}), {t['raw_fresh_s']:.4f} s (fresh buffers, ratio "
+                f"{t['weight_sync_s'] / t['raw_fresh_s']:.2f}); median over rounds of WeightSender / raw "
+                f"(reused) {t['round_ratio']:.2f}; goal ratio <= 2"
+            )
     print("MFU: skipped (no GPU on this machine; it is measured for a ~0.5B model on a GPU)")
-    print(f"peak RSS MB: bench process {peak_rss_mb():.0f}"
-          + ("" if args.only == "broadcast" else f", trainer {trainer_rss:.0f}")
-          + ("" if args.only == "training" else f", broadcast sender {rss[0]:.0f}, broadcast receiver {rss[1]:.0f}"))
+    print(
+        f"peak RSS MB: bench process {peak_rss_mb():.0f}"
+        + ("" if args.only == "broadcast" else f", trainer {trainer_rss:.0f}")
+        + ("" if args.only == "training" else f", broadcast sender {rss[0]:.0f}, broadcast receiver {rss[1]:.0f}")
+    )
 
 
 def training_bench(args, model_path: Path, scratch: Path) -> float:
     """Part 1: prints the throughput table; returns the trainer's peak RSS MB."""
     run_dir = scratch / "run"
-    cfg = load_config("base", [f"run_dir={run_dir}", f"model.path={model_path}", f"trainer.max_steps={args.steps}",
-                               "trainer.zero_stage=2", "trainer.checkpoint_every=0", "metrics.tensorboard=false",
-                               f"preprocess.seq_length={SEQ_LENGTH}", "trainer.optimizer.lr=1e-4"])
+    cfg = load_config(
+        "base",
+        [
+            f"run_dir={run_dir}",
+            f"model.path={model_path}",
+            f"trainer.max_steps={args.steps}",
+            "trainer.zero_stage=2",
+            "trainer.checkpoint_every=0",
+            "metrics.tensorboard=false",
+            f"preprocess.seq_length={SEQ_LENGTH}",
+            "trainer.optimizer.lr=1e-4",
+        ],
+    )
     save_config(cfg, run_dir / "config.yaml")
     vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
     steps = make_steps(args.steps, vocab)
-    streams = Streams.from_config(cfg)
+    streams = open_streams(cfg)
     writer = streams.writer("trainer")
     for micro_batches in steps:
         for mb in micro_batches:
             writer.write(mb, partition=0)
     streams.close()
     per_step = sum(len(mb.input_ids) for mb in steps[0])
-    print(f"model {model_path}; {args.steps} steps of {len(steps[0])} packed micro-batches "
-          f"(<= {SEQ_LENGTH} tokens, {per_step} tokens in step 0); first step excluded from timings")
+    print(
+        f"model {model_path}; {args.steps} steps of {len(steps[0])} packed micro-batches "
+        f"(<= {SEQ_LENGTH} tokens, {per_step} tokens in step 0); first step excluded from timings"
+    )
 
     # The bare loop runs before and after the trainer, and CPU time is reported beside wall
     # time: other processes on a shared machine inflate wall time, not CPU time.
@@ -275,13 +343,17 @@ def training_bench(args, model_path: Path, scratch: Path) -> float:
     trainer_s, trainer_cpu_s, trainer_tokens, trainer_rss = real_trainer(cfg, run_dir)
     after = bare_loop(model_path, steps, cfg)
     bare_s, bare_cpu_s, bare_tokens = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2, before[2]
-    rows = [("bare torch loop", bare_tokens / bare_s, bare_tokens / bare_cpu_s),
-            ("pipeline_rl trainer", trainer_tokens / trainer_s, trainer_tokens / trainer_cpu_s)]
+    rows = [
+        ("bare torch loop", bare_tokens / bare_s, bare_tokens / bare_cpu_s),
+        ("pipeline_rl trainer", trainer_tokens / trainer_s, trainer_tokens / trainer_cpu_s),
+    ]
     print("                      tokens/s (wall)  tokens/CPU-s")
     for name, wall, cpu in rows:
         print(f"{name:20s}  {wall:15.0f}  {cpu:12.0f}")
-    print(f"ratio trainer / bare  {rows[1][1] / rows[0][1]:15.3f}  {rows[1][2] / rows[0][2]:12.3f}   (goal >= 0.90; "
-          f"trainer: DeepSpeed ZeRO-2, 1 rank, stream reads included; bare: mean of a run before and after)")
+    print(
+        f"ratio trainer / bare  {rows[1][1] / rows[0][1]:15.3f}  {rows[1][2] / rows[0][2]:12.3f}   (goal >= 0.90; "
+        f"trainer: DeepSpeed ZeRO-2, 1 rank, stream reads included; bare: mean of a run before and after)"
+    )
     return trainer_rss
 
 

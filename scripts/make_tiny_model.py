@@ -1,4 +1,4 @@
-"""Build the tiny arithmetic model and its data set (see pipeline_rl/tiny_model.py).
+"""Build the tiny arithmetic model and its data set (see pipeline_rl/demo/tiny_model.py).
 
     python scripts/make_tiny_model.py [--cache DIR] [--seed N]
 
@@ -21,14 +21,14 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache")))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     import torch
 
-    from pipeline_rl.tiny_model import build
+    from pipeline_rl.demo.tiny_model import build
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     start = time.time()

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from pipeline_rl.plots import write_plots
+from pipeline_rl.launch.plots import write_plots
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

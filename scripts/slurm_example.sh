@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Example SLURM job: one launch.py per node; every node computes the same placement.
-# Submit with: sbatch scripts/slurm_example.sh   (adjust the resources to your config's world)
+# The node count comes from the job, so one script serves every config:
+#   sbatch --nodes=2 scripts/slurm_example.sh            # CONF=math_7b (the default)
+#   CONF=math_32b sbatch --nodes=4 scripts/slurm_example.sh
+# Check the binding first: python launch.py conf=math_32b world.nodes=4 --dry-run
 #SBATCH --job-name=pipeline_rl
-#SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=64
@@ -11,5 +13,6 @@ set -euo pipefail
 CONF=${CONF:-math_7b}
 # Node 0's address, taken from SLURM's own node list (no host-name conventions assumed).
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# launch.py reads SLURM_NNODES / SLURM_NODEID on each node.
-srun --kill-on-bad-exit=1 bash -c "source .venv/bin/activate && python launch.py conf=$CONF $*"
+# launch.py reads SLURM_NODEID on each node; SLURM's CUDA_VISIBLE_DEVICES, when set, is split
+# among the node's processes, not replaced.
+srun --kill-on-bad-exit=1 bash -c "source .venv/bin/activate && python launch.py conf=$CONF world.nodes=$SLURM_NNODES $*"

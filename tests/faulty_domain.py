@@ -4,7 +4,7 @@ Evaluation (one attempt per problem) is left alone."""
 
 from __future__ import annotations
 
-from pipeline_rl.domains import arithmetic
+from pipeline_rl.actor.domains import arithmetic
 
 FAILING = 2
 _calls = 0

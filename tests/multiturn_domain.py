@@ -1,4 +1,4 @@
-"""A two-turn arithmetic domain: the example of a multi-turn rollout (see pipeline_rl/domains).
+"""A two-turn arithmetic domain: the example of a multi-turn rollout (see pipeline_rl/actor/domains).
 
 Turn 1: the policy answers the problem ("Q: 37+48=" -> "85"). The environment then asks the
 same sum with the operands swapped ("\\nQ: 48+37=", mask 0), and turn 2 answers that. The
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import re
 
-from pipeline_rl.domains.arithmetic import score
-from pipeline_rl.records import Rollout, RolloutGroup
+from pipeline_rl.actor.domains.arithmetic import score
+from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 
 def follow_up(prompt: str) -> str:
@@ -22,8 +22,9 @@ def follow_up(prompt: str) -> str:
 
 async def _second_turn(llm, cfg, prompt_ids, first, env_ids, answer) -> Rollout:
     context = prompt_ids + first.token_ids + env_ids
-    (second,) = await llm.generate(context, n=1, max_tokens=cfg.actor.max_new_tokens,
-                                   temperature=cfg.actor.temperature, top_p=cfg.actor.top_p)
+    (second,) = await llm.generate(
+        context, n=1, max_tokens=cfg.actor.max_new_tokens, temperature=cfg.actor.temperature, top_p=cfg.actor.top_p
+    )
     r1 = score(first.text, first.finish_reason, answer)
     r2 = score(second.text, second.finish_reason, answer)
     turn_rewards = [0.0] * len(first.token_ids) + [0.0] * len(env_ids) + [0.0] * len(second.token_ids)
@@ -47,7 +48,14 @@ async def _second_turn(llm, cfg, prompt_ids, first, env_ids, answer) -> Rollout:
 async def rollout(problem: dict, llm, cfg) -> RolloutGroup:
     prompt_ids = llm.tokenizer.encode(problem["prompt"])
     env_ids = llm.tokenizer.encode(follow_up(problem["prompt"]), add_special_tokens=False)
-    firsts = await llm.generate(prompt_ids, n=cfg.actor.attempts, max_tokens=cfg.actor.max_new_tokens,
-                                temperature=cfg.actor.temperature, top_p=cfg.actor.top_p)
-    rollouts = await asyncio.gather(*(_second_turn(llm, cfg, prompt_ids, f, env_ids, problem["answer"]) for f in firsts))
+    firsts = await llm.generate(
+        prompt_ids,
+        n=cfg.actor.attempts,
+        max_tokens=cfg.actor.max_new_tokens,
+        temperature=cfg.actor.temperature,
+        top_p=cfg.actor.top_p,
+    )
+    rollouts = await asyncio.gather(
+        *(_second_turn(llm, cfg, prompt_ids, f, env_ids, problem["answer"]) for f in firsts)
+    )
     return RolloutGroup(problem_id=problem["id"], group_id="", rollouts=list(rollouts))

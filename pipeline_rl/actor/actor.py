@@ -1,0 +1,388 @@
+"""The actor process: `python -m pipeline_rl.actor --run-dir RUN_DIR --index I`.
+
+One in-process vLLM engine (pipeline_rl/actor/llm_client.py) and an asyncio loop that runs the
+domain's rollout (pipeline_rl/actor/domains) for up to `actor.max_groups_in_flight` problems at
+once; continuous batching puts all their requests into the same forward passes. Each finished
+group goes to partition I of the "actor" stream. A group starts only when admission control
+(pipeline_rl/actor/admission.py) allows it, so a slow or stalled trainer slows the actor down instead
+of letting it run ahead; the time spent waiting is reported.
+
+Problems: the training set is shuffled once per epoch with the run's seed, and actor I takes
+every n-th problem of each epoch's order, so the actors cover it without overlap. Actor 0 also
+evaluates every `actor.eval_every_s` seconds (and once at start) on the first
+`actor.eval_problems` held-out problems, one sample each at the sampling temperature, and logs
+"eval/reward" with the version it evaluated; evaluation groups are never written to the stream.
+
+Weights: the engine starts from the latest checkpoint's Hugging Face model (at that version)
+or from model.path (version 0). With env PIPELINE_RL_WEIGHT_SYNC_ADDR set (the launcher sets
+it), the actor joins the weight-update group as rank I+1 of 1 + world.actors and swaps in
+every version the trainer announces on the "weights" stream. Without it the actor keeps its
+starting weights (for tests and generation-only runs).
+
+Failures: a reward check that fails is counted and shown with its last error text (the
+rollout gets the failure reward); a rollout that raises is logged, counted and skipped. The
+actor exits non-zero when MAX_CONSECUTIVE_FAILURES rollouts in a row fail (a dead engine, a
+broken domain). SIGTERM/SIGINT stop it cleanly (exit 0).
+
+Lost groups: a group that no step will take (its rollout raised here; or a preprocessor's
+scorer failed on it, or its record could not be decoded, reported on the "lost" stream)
+gives its admission slot back, so the actor makes another group instead of waiting for one
+that never lands. Counted by cause in `groups_lost/*` metrics and the status line.
+
+Resume: RUN_DIR/positions/actorI.json holds how many groups the actor has written, how many
+problems it has drawn, and how many of its groups were reported lost (with its position in
+the "lost" stream); a restarted actor goes on from there (and counts groups from at least
+checkpoint version x share, see admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline_rl.actor.admission import Admission, effective_max_lag
+from pipeline_rl.actor.datasets import load_problems
+from pipeline_rl.actor.domains import load_domain
+from pipeline_rl.config import RunConfig
+from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.streams import PositionStore, open_streams
+from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
+from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
+
+log = logging.getLogger("pipeline_rl.actor.actor")
+
+MAX_CONSECUTIVE_FAILURES = 50
+POLL_S = 0.01
+"""How often the loop looks for finished groups, a new version and the stop flag (short: in sync
+mode every step waits here for the new version)."""
+SAVE_EVERY_S = 1.0
+"""Most often the position file is rewritten (it is fsynced)."""
+
+
+class ProblemOrder:
+    """Actor `index`'s problems: every epoch a fresh shuffle (seeded by seed and epoch) of all
+    problems, of which this actor takes every `actors`-th one."""
+
+    def __init__(self, problems: list[dict], seed: int, index: int, actors: int):
+        self.problems, self.seed, self.index, self.actors = problems, seed, index, actors
+        self.per_epoch = len(range(index, len(problems), actors))
+        if self.per_epoch == 0:
+            raise ValueError(f"{len(problems)} problems are too few for {actors} actors")
+        self._epoch, self._order = -1, []
+
+    def __getitem__(self, n: int) -> dict:
+        epoch, i = divmod(n, self.per_epoch)
+        if epoch != self._epoch:
+            order = list(range(len(self.problems)))
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+            self._epoch, self._order = epoch, order[self.index :: self.actors]
+        return self.problems[self._order[i]]
+
+
+def oldest_version(versions: list[int]) -> int | None:
+    policy = [v for v in versions if v >= 0]  # -1 marks environment tokens
+    return min(policy) if policy else None
+
+
+class Window:
+    """What happened since the last metrics record."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.groups = self.rollouts = self.tokens = self.reward_errors = 0
+        self.rewards: list[float] = []
+        self.lags: list[int] = []
+        self.blocked_s = 0.0
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig, index: int):
+        from pipeline_rl.actor.llm_client import LLMClient
+        from pipeline_rl.trainer.checkpoint import latest_checkpoint
+
+        self.cfg, self.index = cfg, index
+        self.name = f"actor{index}"
+        run_dir = Path(cfg.run_dir)
+        data = cfg.actor.dataset
+        self.order = ProblemOrder(load_problems(data.loader, data.train), cfg.seed, index, cfg.world.actors)
+        self.eval_problems: list[dict] = []
+        if index == 0 and cfg.actor.eval_every_s > 0:
+            self.eval_problems = load_problems(data.loader, data.test)[: cfg.actor.eval_problems]
+        self.eval_cfg = copy.deepcopy(cfg)
+        self.eval_cfg.actor.attempts = 1
+        self.rollout = load_domain(cfg.actor.domain)
+
+        found = latest_checkpoint(run_dir)
+        model_path, version = (str(found[0]), found[1]) if found else (cfg.model.path, 0)
+        log.info("starting the engine from %s at version %d", model_path, version)
+        self.llm = LLMClient.create(cfg, model_path, version)
+        self.streams = open_streams(cfg)
+        self.writer = self.streams.writer(Topic.ACTOR, partitions=cfg.world.actors)
+        self.receiver = None
+        addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
+        if addr:
+            from pipeline_rl.weight_sync import WeightReceiver, backend_for
+
+            backend = backend_for(cfg.world.gpus_per_node)
+            self.receiver = WeightReceiver(addr, rank=index + 1, world_size=1 + cfg.world.actors, backend=backend)
+            self.llm.start_receiver(self.receiver, self.streams.reader(Topic.WEIGHTS, WeightUpdate))
+        else:
+            log.warning("%s is not set: no weight updates, the actor keeps version %d", WEIGHT_SYNC_ADDR_ENV, version)
+
+        self.position = PositionStore(run_dir / "positions" / f"{self.name}.json")
+        saved = self.position.load() or {}
+        max_lag = effective_max_lag(cfg.trainer.max_lag, cfg.trainer.weight_update_interval, cfg.actor.mode == "sync")
+        self.admission = Admission(cfg.trainer.groups_per_step, cfg.world.actors, max_lag)
+        # Groups the preprocessors reported lost give their admission slots back (see admission.py).
+        self.lost_reader = self.streams.reader(
+            Topic.LOST, GroupsLost, partitions=(index,), position=saved.get("lost_position")
+        )
+        self.lost_total = int(saved.get("lost", 0))
+        self.lost_by_cause: Counter[str] = Counter()
+        self._lost_ids: set[str] = set()
+        self.admission.started = max(saved.get("written", 0) - self.lost_total, self.admission.first_group_of(version))
+        self.written = self.admission.started + self.lost_total
+        self.drawn = saved.get("problems", 0)
+        self.incarnation = f"{int(time.time() * 1000):x}"
+        self.metrics = MetricsLogger(cfg, self.name, self.streams)
+
+        self.window = Window()
+        self.reward_errors_total = self.rollout_errors_total = self.consecutive_failures = 0
+        self.last_reward_error = self.last_rollout_error = ""
+        self.blocked_total_s = 0.0
+        self.idle_total_s = 0.0
+        """Time with no group in flight: the engine had nothing to generate."""
+        self.swaps_seen = 0
+        self._saved_at = 0.0
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self, stop: Callable[[], bool]) -> None:
+        tasks: dict[asyncio.Task, int] = {}
+        eval_task: asyncio.Task | None = None
+        next_eval = time.monotonic() if self.eval_problems else float("inf")
+        next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
+        blocked_since: float | None = None
+        try:
+            while not stop():
+                while len(tasks) < self.cfg.actor.max_groups_in_flight:
+                    if not self.admission.may_start(self.llm.version):
+                        blocked_since = blocked_since or time.monotonic()
+                        break
+                    blocked_since = self._unblock(blocked_since)
+                    self.admission.start()
+                    task = asyncio.create_task(self.rollout(self.order[self.drawn], self.llm, self.cfg))
+                    tasks[task] = self.drawn
+                    self.drawn += 1
+                if tasks:
+                    done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    done = set()
+                    idle_from = time.monotonic()
+                    await asyncio.sleep(POLL_S)
+                    self.idle_total_s += time.monotonic() - idle_from
+                for task in done:
+                    self._finish(task, tasks.pop(task))
+                self._take_lost()
+                now = time.monotonic()
+                if now >= next_eval and (eval_task is None or eval_task.done()):
+                    eval_task = asyncio.create_task(self._evaluate())
+                    next_eval = now + self.cfg.actor.eval_every_s
+                if now >= next_metrics:
+                    blocked_since = self._unblock(blocked_since, reopen=True)
+                    self._log_metrics(len(tasks))
+                    next_metrics = now + self.cfg.actor.metrics_every_s
+                self._save(force=False)
+        finally:
+            for task in list(tasks) + ([eval_task] if eval_task else []):
+                task.cancel()
+            await asyncio.gather(*tasks, *([eval_task] if eval_task else []), return_exceptions=True)
+            self._unblock(blocked_since)
+            self._take_lost()
+            self.writer.flush()
+            self._save(force=True)
+            self._log_metrics(0)
+
+    def _take_lost(self) -> None:
+        """Give back the admission slot of every group a preprocessor reported lost."""
+        for entry in self.lost_reader.read(timeout=0.0):
+            report: GroupsLost = entry.record
+            new = [i for i in report.ids if i not in self._lost_ids]
+            self._lost_ids.update(new)
+            for _ in new:
+                self.admission.abandon()
+            self.lost_total += len(new)
+            self.lost_by_cause[report.cause] += len(new)
+            if new:
+                log.warning("%d group(s) lost (%s): %s", len(new), report.cause, report.error)
+
+    def _unblock(self, since: float | None, reopen: bool = False) -> float | None:
+        """Add a blocked stretch to the counters; with `reopen` it goes on from now."""
+        if since is None:
+            return None
+        now = time.monotonic()
+        self.window.blocked_s += now - since
+        self.blocked_total_s += now - since
+        return now if reopen else None
+
+    def _finish(self, task: asyncio.Task, number: int) -> None:
+        """Write a finished group; `number` is its problem draw, unique over the run."""
+        try:
+            group = task.result()
+            if not isinstance(group, RolloutGroup) or not group.rollouts:
+                raise TypeError(
+                    f"domain {self.cfg.actor.domain!r} returned {type(group).__name__} "
+                    f"without rollouts, expected a RolloutGroup"
+                )
+            group.group_id = f"{self.name}-{self.incarnation}-{number}"
+            group.actor = self.index
+            self.writer.write(group, partition=self.index)
+        except Exception as e:
+            self.admission.abandon()
+            self.rollout_errors_total += 1
+            self.consecutive_failures += 1
+            self.last_rollout_error = f"{type(e).__name__}: {e}"[:500]
+            log.error("rollout of problem draw %d failed: %s", number, self.last_rollout_error)
+            if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                raise RuntimeError(
+                    f"{self.consecutive_failures} rollouts in a row failed, the last with {self.last_rollout_error}"
+                ) from e
+            return
+        self.consecutive_failures = 0
+        self.written += 1
+        w, version = self.window, self.llm.version
+        w.groups += 1
+        for rollout in group.rollouts:
+            w.rollouts += 1
+            w.rewards.append(rollout.reward)
+            w.tokens += sum(rollout.mask) if rollout.mask is not None else len(rollout.completion_ids)
+            oldest = oldest_version(rollout.versions)
+            if oldest is not None:
+                w.lags.append(version - oldest)
+            error = rollout.metadata.get("reward_error")
+            if error:
+                w.reward_errors += 1
+                self.reward_errors_total += 1
+                self.last_reward_error = str(error)
+
+    async def _evaluate(self) -> None:
+        version, start = self.llm.version, time.monotonic()
+        results = await asyncio.gather(
+            *(self.rollout(p, self.llm, self.eval_cfg) for p in self.eval_problems), return_exceptions=True
+        )
+        rewards = [r.reward for g in results if isinstance(g, RolloutGroup) for r in g.rollouts]
+        errors = [g for g in results if not isinstance(g, RolloutGroup)]
+        if errors:
+            log.error("evaluation: %d of %d problems failed, e.g. %r", len(errors), len(results), errors[0])
+        if rewards:
+            self.metrics.log(
+                {
+                    "eval/reward": sum(rewards) / len(rewards),
+                    "eval/version": version,
+                    "eval/version_end": self.llm.version,
+                    "eval/problems": len(rewards),
+                    "eval/errors": len(errors),
+                    "eval/seconds": time.monotonic() - start,
+                },
+                step=version,
+            )
+            log.info(
+                "eval at version %d: reward %.3f on %d problems", version, sum(rewards) / len(rewards), len(rewards)
+            )
+
+    def _log_metrics(self, in_flight: int) -> None:
+        w, now = self.window, time.monotonic()
+        elapsed = max(now - w.start, 1e-9)
+        stats = self.llm.stats()
+        new_swaps = int(stats["swaps"]) - self.swaps_seen
+        self.swaps_seen = int(stats["swaps"])
+        recent = list(self.llm.hook.swaps)[-new_swaps:] if new_swaps else []
+        pauses = [s.lock_wait_s + s.load_s for s in recent]
+        values = {
+            "version": self.llm.version,
+            "tokens_per_s": w.tokens / elapsed,
+            "rollouts_per_s": w.rollouts / elapsed,
+            "groups_per_s": w.groups / elapsed,
+            "reward_mean": sum(w.rewards) / len(w.rewards) if w.rewards else None,
+            "lag_mean": sum(w.lags) / len(w.lags) if w.lags else None,
+            "lag_max": max(w.lags) if w.lags else None,
+            "admission_blocked_s": w.blocked_s,
+            "admission_blocked_frac": w.blocked_s / elapsed,
+            "admission_blocked_total_s": self.blocked_total_s,
+            "idle_total_s": self.idle_total_s,
+            "groups_started_total": self.admission.started,
+            "groups_written_total": self.written,
+            "groups_in_flight": in_flight,
+            "waiting_on": self._waiting_on(in_flight),
+            "swaps": new_swaps,
+            "swaps_total": stats["swaps"],
+            "swap_pause_max_s": max(pauses) if pauses else None,
+            "swap_pause_mean_s": sum(pauses) / len(pauses) if pauses else None,
+            "swap_lock_wait_p50_s": stats["lock_wait_p50_s"],
+            "swap_load_p50_s": stats["load_p50_s"],
+            "swap_failures_total": stats["swap_failures"],
+            "weight_updates_skipped_total": stats["updates_skipped"],
+            "reward_errors": w.reward_errors,
+            "reward_errors_total": self.reward_errors_total,
+            "last_reward_error": self.last_reward_error,
+            "rollout_errors_total": self.rollout_errors_total,
+            "groups_lost_total": self.lost_total + self.rollout_errors_total,
+            # By cause: rollout (the domain raised), scorer, decode (reported by the preprocessors).
+            "groups_lost/rollout_total": self.rollout_errors_total,
+            **{f"groups_lost/{cause}_total": n for cause, n in sorted(self.lost_by_cause.items())},
+            "last_rollout_error": self.last_rollout_error,
+        }
+        self.metrics.log({k: v for k, v in values.items() if v is not None}, step=self.llm.version)
+        self.window = Window()
+
+    def _waiting_on(self, in_flight: int) -> str:
+        if self.admission.may_start(self.llm.version):
+            return f"generation ({in_flight} groups in flight)"
+        step = self.admission.step_of(self.admission.started)
+        return (
+            f"admission: next group lands in step {step}, needs a policy version >= "
+            f"{step - self.admission.max_lag} (has {self.llm.version}; {in_flight} groups in flight)"
+        )
+
+    def _save(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._saved_at >= SAVE_EVERY_S:
+            self.position.save(
+                {
+                    "written": self.written,
+                    "problems": self.drawn,
+                    "lost": self.lost_total,
+                    "lost_position": self.lost_reader.position(),
+                }
+            )
+            self._saved_at = now
+
+    def close(self) -> None:
+        self.llm.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        self.metrics.close()
+        self.streams.close()
+
+
+def serve(cfg: RunConfig, index: int, stop: Callable[[], bool]) -> str:
+    if not 0 <= index < cfg.world.actors:
+        raise ValueError(f"--index {index} is not below world.actors={cfg.world.actors}")
+    actor = Actor(cfg, index)
+    try:
+        asyncio.run(actor.run(stop))
+    finally:
+        actor.close()
+    return f"stopped after writing {actor.written} groups"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_pool_process("actor", serve, argv)

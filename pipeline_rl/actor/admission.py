@@ -1,0 +1,75 @@
+"""Admission control: an actor starts a rollout group only if it will not be too stale to train.
+
+A trainer step takes exactly `groups_per_step` groups (pipeline_rl/preprocess/preprocessor.py), so with
+n actors each actor contributes a share of groups_per_step / n groups per step, and the g-th
+group an actor starts (0-based, counted over the whole run) lands in trainer step about
+floor(g / share). Its tokens come from a policy version >= the actor's version v when it
+starts, so it is trained at most floor(g / share) - v versions behind. An actor therefore
+starts group g only while
+
+    floor(g / share) - v <= max_lag
+
+and otherwise waits for newer weights. That bounds what an actor has generated ahead of the
+trainer by (max_lag + 1) * share groups, the trainer's lag gate rarely has to drop anything,
+and a stalled trainer stalls its actors instead of letting them fill the streams.
+
+The landing step is a prediction: it assumes the actors produce at similar rates (the
+preprocessor takes groups as they arrive) and a share that divides groups_per_step (an
+uneven share can land one step later). A much slower actor's groups land later than
+predicted; the trainer's own lag gate drops whatever ends up beyond max_lag.
+
+`max_lag = 0` is conventional synchronous RL: generate one step's groups with the current
+policy, wait for the update, repeat. Versions advance only when the trainer publishes weights
+(every `weight_update_interval` steps), so the bound used is at least interval - 1; anything
+less would wait for a version that is never sent.
+
+Resume: the count goes on from what the actor had started before (saved in its position
+file), and at least from checkpoint version x share, the first group the resumed trainer needs.
+"""
+
+from __future__ import annotations
+
+
+def effective_max_lag(max_lag: int, weight_update_interval: int, sync: bool) -> int:
+    """The bound an actor admits by: 0 in sync mode, never below interval - 1."""
+    return max(0 if sync else max_lag, weight_update_interval - 1)
+
+
+class Admission:
+    def __init__(self, groups_per_step: int, actors: int, max_lag: int, started: int = 0):
+        if groups_per_step < 1 or actors < 1 or max_lag < 0 or started < 0:
+            raise ValueError(
+                f"bad admission settings: groups_per_step={groups_per_step}, actors={actors}, "
+                f"max_lag={max_lag}, started={started}"
+            )
+        self.groups_per_step = groups_per_step
+        self.actors = actors
+        self.max_lag = max_lag
+        self.started = started
+        """Groups this actor has started over the run: the next one is group `started`."""
+
+    def step_of(self, group: int) -> int:
+        """Trainer step that group number `group` of this actor lands in: floor(g / share)."""
+        return group * self.actors // self.groups_per_step
+
+    def may_start(self, version: int) -> bool:
+        """Whether the next group may start while the actor's policy is `version`."""
+        return self.step_of(self.started) - version <= self.max_lag
+
+    def start(self) -> int:
+        """Count a started group; returns its number."""
+        group = self.started
+        self.started += 1
+        return group
+
+    def abandon(self) -> None:
+        """A started group will not land in any step (its rollout failed): it no longer counts."""
+        self.started -= 1
+
+    def first_group_of(self, step: int) -> int:
+        """The smallest group number that lands in `step` or later."""
+        return -(-step * self.groups_per_step // self.actors)
+
+    def ahead_limit(self, version: int) -> int:
+        """Total groups this actor may have started while its policy is `version`."""
+        return self.first_group_of(version + self.max_lag + 1)

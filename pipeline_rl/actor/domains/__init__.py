@@ -1,0 +1,75 @@
+"""Rollout plug-ins ("domains"): how one problem becomes one scored RolloutGroup.
+
+A domain is an async function
+
+    async def rollout(problem: dict, llm: LLMClient, cfg: RunConfig) -> RolloutGroup
+
+`problem` is one row of the data set (pipeline_rl/actor/datasets.py: "id", "prompt", "answer" and
+any extra keys). The function samples with `llm.generate(...)` (usually
+n=cfg.actor.attempts) and returns a RolloutGroup whose rollouts have their rewards filled in.
+Each Rollout carries the prompt's token ids and, per completion token, the id, the sampled
+logprob and the policy version as returned in the Completion. The actor then sets the group's
+`group_id` and `actor` fields, so a domain may leave them at their defaults.
+
+A check that could hang or is expensive (parsing model output) belongs in a
+`pipeline_rl.actor.rewards.RewardPool`, which enforces actor.reward_timeout_s. A reward that
+failed is reported, not raised: the rollout gets the failure reward and the error text goes
+into `rollout.metadata["reward_error"]`, which the actor counts and shows in its metrics.
+
+Multi-turn rollouts (tools, environments, dialogues) use the same interface: a rollout is a
+list of turns flattened into one `completion_ids` after the prompt. Tokens the policy sampled
+have mask 1 and their logprobs and versions; tokens the environment inserted (a tool result,
+the next question) have mask 0, logprob 0.0 and version -1, and are not trained on. Each turn's
+own reward can go on that turn's last token in `token_rewards` (0.0 elsewhere). The
+preprocessor adds token_rewards as an undiscounted, unbaselined reward-to-go on top of the
+group-relative advantage of `reward` (pipeline_rl/preprocess/advantages.py): keep `reward` for the
+episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
+tests/multiturn_domain.py is a small example.
+
+`load_domain(name)` accepts a built-in name ("arithmetic", "math") or "module:function".
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from pipeline_rl.plugins import load_plugin
+from pipeline_rl.streams.records import Rollout
+
+BUILTIN = {
+    "arithmetic": "pipeline_rl.actor.domains.arithmetic:rollout",
+    "math": "pipeline_rl.actor.domains.math:rollout",
+}
+
+RolloutFn = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def load_domain(name: str) -> RolloutFn:
+    """The rollout function of a built-in domain or of an import path `module:function`."""
+    return load_plugin(
+        name,
+        "actor.domain",
+        "an async function (async def rollout(problem, llm, cfg))",
+        builtins=BUILTIN,
+        check=inspect.iscoroutinefunction,
+    )
+
+
+def make_rollout(
+    prompt_ids: list[int], completion: Any, reward: float, error: str | None = None, **metadata: Any
+) -> Rollout:
+    """A single-turn Rollout from an LLMClient Completion; `error` (a failed reward check) is
+    kept in metadata["reward_error"]."""
+    if error is not None:
+        metadata["reward_error"] = error
+    return Rollout(
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(completion.token_ids),
+        logprobs=list(completion.logprobs),
+        versions=list(completion.versions),
+        reward=float(reward),
+        finish_reason=completion.finish_reason,
+        metadata=metadata,
+    )

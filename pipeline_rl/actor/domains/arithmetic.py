@@ -1,0 +1,30 @@
+"""Arithmetic (the tiny model's task): reward 1 when the completion, up to its EOS, is exactly
+the answer ("85" for "Q: 37+48="), else 0. A completion cut off before EOS gets 0."""
+
+from __future__ import annotations
+
+from pipeline_rl.actor.domains import make_rollout
+from pipeline_rl.actor.rewards import call_checked
+from pipeline_rl.config import RunConfig
+from pipeline_rl.streams.records import RolloutGroup
+
+
+def score(text: str, finish_reason: str, answer: str) -> float:
+    # vLLM's text stops before the EOS token; "stop" means the EOS was sampled.
+    return 1.0 if finish_reason == "stop" and text.strip() == answer else 0.0
+
+
+async def rollout(problem: dict, llm, cfg: RunConfig) -> RolloutGroup:
+    prompt_ids = llm.tokenizer.encode(problem["prompt"])
+    completions = await llm.generate(
+        prompt_ids,
+        n=cfg.actor.attempts,
+        max_tokens=cfg.actor.max_new_tokens,
+        temperature=cfg.actor.temperature,
+        top_p=cfg.actor.top_p,
+    )
+    rollouts = []
+    for completion in completions:
+        result = call_checked(score, completion.text, completion.finish_reason, problem["answer"])
+        rollouts.append(make_rollout(prompt_ids, completion, result.value or 0.0, result.error))
+    return RolloutGroup(problem_id=problem["id"], group_id="", rollouts=rollouts)

@@ -1,0 +1,383 @@
+"""LLMClient: one in-process vLLM engine, driven step by step, for asyncio rollouts.
+
+`generate` hands its requests to an engine thread that adds them between engine steps and
+steps the engine while it has work; vLLM's continuous batching puts the requests of all
+rollouts into the same forward passes. Finished groups resolve their asyncio future.
+
+Per-token versions: right before the first forward pass with new weights (the hook's
+`on_new_version`, under its lock), the engine thread notes for every live request how many
+tokens it has so far; those came from earlier forward passes, with the old weights, and the
+rest come from the new ones. So a completion that spans a swap carries exactly where the swap
+happened, and the engine only reports finished requests (no per-step output objects, which
+cost ~10% throughput on the tiny model).
+
+The engine runs in its own thread so that the event loop (rewards, environments) and the
+forward passes overlap; the loop and the engine thread share only a queue and futures.
+
+Logprobs are the sampled tokens' logprobs at the sampling temperature: the engine runs with
+logprobs_mode="processed_logprobs" (after temperature, and after top-p/top-k when those are
+set; the trainer computes them at the temperature, so top_p < 1 makes them differ).
+Async scheduling is off: with it, a step's outputs would come from the previous forward
+pass and the version tags would be one step off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipeline_rl.actor.vllm_hook import WeightSwapHook
+from pipeline_rl.config import RunConfig
+from pipeline_rl.streams.api import Reader
+from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
+
+if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this module is
+    from vllm import LLMEngine
+    from vllm.tokenizers import TokenizerLike
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of each sampled token at the sampling temperature."""
+    versions: list[int]
+    """Policy version of the forward pass that produced each token."""
+    finish_reason: str
+    """stop, length, or abort."""
+    text: str
+
+
+@dataclass
+class _Request:
+    """One sequence being generated (owned by the engine thread)."""
+
+    group: _Group
+    index: int
+    segments: list[tuple[int, int]]
+    """(index of the first token, version): the version from that token on."""
+    engine_id: str = ""
+    """vLLM's internal request id (the scheduler's key)."""
+
+    def versions(self, n: int) -> list[int]:
+        versions = [self.segments[0][1]] * n
+        for start, version in self.segments[1:]:
+            versions[start:] = [version] * max(0, n - start)
+        return versions
+
+
+@dataclass
+class _Group:
+    """The n sequences of one `generate` call and the future they resolve."""
+
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    completions: list[Completion | None]
+    remaining: int
+
+
+def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _post(group: _Group, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a group's future from the engine thread (a closed loop has no one waiting)."""
+    try:
+        group.loop.call_soon_threadsafe(_resolve, group.future, result, error)
+    except RuntimeError:
+        pass
+
+
+def _percentiles(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return 0.0, 0.0, 0.0
+    s = sorted(values)
+    return s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.99))], s[-1]
+
+
+def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
+    """vLLM engine arguments of an actor (also used by scripts/bench_actor.py)."""
+    llm = cfg.actor.llm
+    args: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=cfg.model.dtype,
+        seed=cfg.seed,
+        enforce_eager=llm.enforce_eager,
+        max_model_len=llm.max_model_len,
+        max_num_seqs=llm.max_num_seqs,
+        logprobs_mode="processed_logprobs",
+        async_scheduling=False,
+        disable_log_stats=True,
+    )
+    if cfg.world.gpus_per_node > 0:
+        # GPU: vLLM sizes the KV cache from this fraction. Tensor parallel workers live in
+        # other processes, which the in-process hook cannot reach: install() then refuses.
+        args.update(gpu_memory_utilization=llm.gpu_memory_utilization, tensor_parallel_size=cfg.world.actor_gpus)
+    else:
+        args.update(kv_cache_memory_bytes=int(llm.kv_cache_gib * 2**30))
+    return args
+
+
+class LLMClient:
+    def __init__(self, engine: LLMEngine, hook: WeightSwapHook, tokenizer: TokenizerLike):
+        self.engine = engine
+        self.hook = hook
+        self.tokenizer = tokenizer
+        self.tokens_generated = 0
+        self.update_failures = 0
+        self.updates_skipped = 0
+        self.step_times: deque[float] = deque(maxlen=10000)
+        self._ids = itertools.count()
+        self._requests: dict[str, _Request] = {}
+        self._incoming: list[tuple[str, list[int], Any, _Request]] = []
+        self._aborts: list[str] = []
+        self._cv = threading.Condition()
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), which vLLM's annotation
+        # types as the general EngineCoreClient.
+        self._scheduler = engine.engine_core.engine_core.scheduler  # pyright: ignore[reportAttributeAccessIssue]
+        self.max_model_len = engine.vllm_config.model_config.max_model_len
+        hook.on_new_version = self._mark_new_version
+        self._thread = threading.Thread(target=self._run_engine, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def create(cls, cfg: RunConfig, model_path: str, version: int) -> LLMClient:
+        """Start an in-process engine for `model_path` (weights of policy `version`) and hook it."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import EngineArgs, LLMEngine
+
+        engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
+        hook = WeightSwapHook.install(engine, model_path, version)
+        return cls(engine, hook, engine.get_tokenizer())
+
+    @property
+    def version(self) -> int:
+        return self.hook.version
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """Sample `n` completions of `prompt_ids`; each token carries its logprob and version."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._error is not None:
+            raise RuntimeError(f"the vLLM engine failed: {self._error!r}")
+        if self._closed.is_set():
+            raise RuntimeError("LLMClient is closed")
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"generate needs n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
+        if not 0 < len(prompt_ids) < self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens: must be 1 to {self.max_model_len - 1} tokens "
+                f"(actor.llm.max_model_len = {self.max_model_len})"
+            )
+        params = SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            logprobs=0,
+            flat_logprobs=True,
+            ignore_eos=ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        loop = asyncio.get_running_loop()
+        group = _Group(loop.create_future(), loop, [None] * n, n)
+        ids = [str(next(self._ids)) for _ in range(n)]
+        with self._cv:
+            for i, rid in enumerate(ids):
+                self._incoming.append((rid, list(prompt_ids), params, _Request(group, i, [])))
+            self._cv.notify()
+        try:
+            return await group.future
+        except asyncio.CancelledError:
+            with self._cv:
+                self._aborts.extend(ids)
+                self._cv.notify()
+            raise
+
+    def _run_engine(self) -> None:
+        from vllm.inputs.engine import tokens_input
+
+        try:
+            while True:
+                with self._cv:
+                    while not (self._incoming or self._aborts or self._requests or self._closed.is_set()):
+                        self._cv.wait()
+                    if self._closed.is_set():
+                        break
+                    incoming, self._incoming = self._incoming, []
+                    aborts, self._aborts = self._aborts, []
+                for rid, prompt_ids, params, request in incoming:
+                    request.segments.append((0, self.hook.version))
+                    # Prefix-cache blocks are keyed by the policy version that admitted the request:
+                    # a new request never reuses prompt KV computed by older weights (a group's
+                    # samples still share theirs). Requests in flight keep their own KV by design.
+                    prompt = tokens_input(prompt_ids, cache_salt=f"policy-v{self.hook.version}")
+                    try:
+                        request.engine_id = self.engine.add_request(rid, prompt, params)
+                    except Exception as e:
+                        _post(request.group, None, e)
+                        continue
+                    self._requests[rid] = request
+                aborts = [rid for rid in aborts if self._requests.pop(rid, None) is not None]
+                if aborts:
+                    self.engine.abort_request(aborts)
+                if self._requests:
+                    self._step()
+        except BaseException as e:
+            log.exception("vLLM engine thread failed")
+            self._error = e
+            self._fail_pending(RuntimeError(f"the vLLM engine failed: {e!r}"))
+            return
+        self._fail_pending(RuntimeError("LLMClient closed"))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        with self._cv:
+            pending = list(self._requests.values()) + [r for *_, r in self._incoming]
+            self._requests.clear()
+            self._incoming.clear()
+        for request in pending:
+            _post(request.group, None, error)
+
+    def _mark_new_version(self, version: int) -> None:
+        for request in self._requests.values():
+            state = self._scheduler.requests.get(request.engine_id)
+            request.segments.append((state.num_output_tokens if state is not None else 0, version))
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        # RequestOutputs (no pooling requests here) whose logprobs are FlatLogprobs
+        # (flat_logprobs=True), which vLLM's annotation does not list.
+        outputs: list[Any] = self.engine.step()
+        self.step_times.append(time.perf_counter() - start)
+        for out in outputs:
+            if not out.finished:
+                continue
+            request = self._requests.pop(out.request_id, None)
+            if request is None:
+                continue
+            seq = out.outputs[0]
+            token_ids = list(seq.token_ids)
+            logprobs = list(seq.logprobs.logprobs) if seq.logprobs is not None else []
+            if len(logprobs) != len(token_ids):
+                raise RuntimeError(f"request {out.request_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
+            self.tokens_generated += len(token_ids)
+            group = request.group
+            group.completions[request.index] = Completion(
+                token_ids, logprobs, request.versions(len(token_ids)), seq.finish_reason or "abort", seq.text
+            )
+            group.remaining -= 1
+            if group.remaining == 0:
+                _post(group, group.completions)
+
+    def start_receiver(self, receiver: WeightReceiver, updates_reader: Reader) -> threading.Thread:
+        """Start a daemon thread that takes part in every announced weight broadcast (no lock
+        held while receiving) and then swaps the weights in. A failed transfer or check is
+        logged and counted; the engine keeps serving the last complete version."""
+        thread = threading.Thread(
+            target=self._receive_updates, args=(receiver, updates_reader), name="weight-receiver", daemon=True
+        )
+        thread.start()
+        return thread
+
+    def _receive_updates(self, receiver, updates_reader) -> None:
+        while not self._closed.is_set():
+            try:
+                entries = updates_reader.read(timeout=1.0)
+            except Exception:
+                log.exception("reading weight updates failed")
+                self.update_failures += 1
+                time.sleep(1.0)
+                continue
+            for entry in entries:
+                self.apply_update(receiver, entry.record)
+
+    def apply_update(self, receiver, update) -> bool:
+        """Receive one announced update and swap it in; False (logged, counted) on failure."""
+        try:
+            named = receiver.receive(update)
+        except StaleUpdate as e:
+            self.updates_skipped += 1
+            log.info("skipped weight update: %s", e)
+            return False
+        except Exception as e:
+            self.update_failures += 1
+            log.error(
+                "weight update %d failed while receiving, keeping version %d: %s", update.version, self.hook.version, e
+            )
+            return False
+        if update.version <= self.hook.version:
+            self.updates_skipped += 1
+            log.info("skipped weight update %d: engine already has version %d", update.version, self.hook.version)
+            return False
+        try:
+            stats = self.hook.swap(named, update.version)
+        except Exception as e:  # counted by the hook
+            log.error("weight update %d not loaded, keeping version %d: %s", update.version, self.hook.version, e)
+            return False
+        log.info(
+            "loaded weight version %d (lock wait %.1f ms, load %.1f ms)",
+            update.version,
+            stats.lock_wait_s * 1e3,
+            stats.load_s * 1e3,
+        )
+        return True
+
+    def stats(self) -> dict[str, float]:
+        """Counters and recent timings for metrics."""
+        waits = [s.lock_wait_s for s in self.hook.swaps]
+        loads = [s.load_s for s in self.hook.swaps]
+        wait50, wait99, wait_max = _percentiles(waits)
+        load50, load99, load_max = _percentiles(loads)
+        step50, step99, _ = _percentiles(list(self.step_times))
+        return {
+            "version": self.hook.version,
+            "tokens_generated": self.tokens_generated,
+            "forward_passes": self.hook.forward_passes,
+            "swaps": self.hook.swap_count,
+            "swap_failures": self.hook.failures + self.update_failures,
+            "updates_skipped": self.updates_skipped,
+            "lock_wait_p50_s": wait50,
+            "lock_wait_p99_s": wait99,
+            "lock_wait_max_s": wait_max,
+            "load_p50_s": load50,
+            "load_p99_s": load99,
+            "load_max_s": load_max,
+            "step_p50_s": step50,
+            "step_p99_s": step99,
+            "running_requests": len(self._requests),
+        }
+
+    def close(self) -> None:
+        """Stop the engine thread; pending generate calls raise RuntimeError."""
+        self._closed.set()
+        with self._cv:
+            self._cv.notify()
+        self._thread.join(timeout=30)

@@ -1,0 +1,233 @@
+"""The in-flight weight swap: a lock around every forward pass of an in-process vLLM engine.
+
+The engine's forward pass and logits happen in the model runner's `execute_model`;
+sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and tells its
+owner (`on_new_version`) when a forward pass is the first one with a new policy version, so
+that tokens can be tagged with the version that produced them. `swap` takes the same lock, reloads the
+weights in place (`model_runner.reload_weights`, which also works on CPU where linear
+layers repack their weights after loading) and sets the new version. A swap thus waits at
+most one forward pass; sequences in flight keep their KV cache and continue with the new
+weights from the next decode step.
+
+A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
+another forward pass before the swap has run.
+
+Tied weights (a tied lm_head): reload updates the shared parameter in place, but on CPU the
+lm_head computes with a packed copy made at load time, which reload does not remake (vLLM
+logs "ParallelLMHead: Failed to load weights" and keeps the old packed copy). The hook
+re-runs the processing of every module whose weight is shared, so the copy is remade, and
+drops vLLM's warning for those modules and for modules without parameters (rotary
+embeddings): it would appear at every swap and is expected.
+
+On GPU, forward and reload run on the same (default) CUDA stream, so a reload queued after
+a forward pass's kernels runs after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwapStats:
+    version: int
+    lock_wait_s: float
+    """Time between asking for the lock and getting it (at most one forward pass)."""
+    load_s: float
+    """Time to load the new weights while holding the lock."""
+
+
+def checkpoint_shapes(model_path: str | Path) -> tuple[dict[str, list[int]], set[str]]:
+    """Parameter names and shapes of a Hugging Face checkpoint (read from the safetensors
+    headers), and the names an update may carry but need not (a tied lm_head)."""
+    path = Path(model_path)
+    shapes: dict[str, list[int]] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                shapes[name] = list(f.get_slice(name).get_shape())
+    optional: set[str] = set()
+    config = json.loads((path / "config.json").read_text())
+    embed = "model.embed_tokens.weight"
+    if config.get("tie_word_embeddings") and embed in shapes and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes[embed]
+        optional.add("lm_head.weight")
+    return shapes, optional
+
+
+def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules with processed weights (a quant_method) whose weight another module shares."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    return [m for ms in owners.values() if len(ms) > 1 for m in ms if getattr(m, "quant_method", None) is not None]
+
+
+def _not_reloaded_classes(model: torch.nn.Module, tied: list[torch.nn.Module]) -> set[str]:
+    """Classes of modules a reload never loads by name: tied ones and those without parameters
+    (minus classes that also have ordinary weighted instances, whose warning would be real)."""
+    tied_ids = {id(m) for m in tied}
+    quiet, loud = set(), set()
+    for m in model.modules():
+        own = any(True for _ in m.parameters(recurse=False))
+        if id(m) in tied_ids or not any(True for _ in m.parameters()):
+            quiet.add(type(m).__name__)
+        elif own:
+            loud.add(type(m).__name__)
+    return quiet - loud
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's per-reload "Failed to load weights" warning for the given module classes."""
+
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and isinstance(args, tuple)
+            and len(args) > 0
+            and args[0] in self.classes
+        )
+
+
+class WeightSwapHook:
+    """Gates `model_runner.execute_model` with `lock` and swaps weights between forward passes."""
+
+    def __init__(
+        self,
+        model_runner,
+        version: int,
+        expected_shapes: dict[str, list[int]],
+        optional_names: Iterable[str] = (),
+        history: int = 10000,
+    ):
+        self.lock = threading.Lock()
+        self._turnstile = threading.Lock()
+        self.version = version
+        """Version of the weights loaded now."""
+        self.on_new_version: Callable[[int], None] | None = None
+        """Called in the engine's thread, under the lock, right before the first forward pass
+        with a new version: the moment that splits the tokens of the old version from the new."""
+        self.forward_passes = 0
+        self._forward_version = version
+        self.swaps: deque[SwapStats] = deque(maxlen=history)
+        self.swap_count = 0
+        self.failures = 0
+        self._expected = expected_shapes
+        self._optional = set(optional_names)
+        self._broken: str | None = None
+        self._runner = model_runner
+        model = model_runner.get_model()
+        self._tied = _tied_modules(model)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _ExpectedReloadWarnings(_not_reloaded_classes(model, self._tied))
+        )
+        self._execute_model = model_runner.execute_model
+        model_runner.execute_model = self._gated_execute_model
+
+    @classmethod
+    def install(cls, llm_engine, model_path: str | Path, version: int) -> WeightSwapHook:
+        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process)."""
+        try:
+            runner = llm_engine.model_executor.driver_worker.worker.model_runner
+        except AttributeError:
+            raise RuntimeError(
+                "the weight-swap hook needs the model runner in this process: set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 and use one worker (tensor_parallel_size=1)"
+            ) from None
+        shapes, optional = checkpoint_shapes(model_path)
+        return cls(runner, version, shapes, optional)
+
+    def _gated_execute_model(self, *args, **kwargs):
+        with self._turnstile:
+            pass
+        with self.lock:
+            if self._broken is not None:
+                raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
+            if self.version != self._forward_version:
+                if self.on_new_version is not None:
+                    self.on_new_version(self.version)
+                self._forward_version = self.version
+            self.forward_passes += 1
+            return self._execute_model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def bypassed(self):
+        """Forward passes without the per-pass gate, for benchmarks that compare against plain
+        vLLM; the lock is held for the whole block, so swaps wait until it ends."""
+        with self._turnstile, self.lock:
+            self._runner.execute_model = self._execute_model
+            try:
+                yield
+            finally:
+                self._runner.execute_model = self._gated_execute_model
+
+    def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise ValueError unless the update has every parameter of the engine's model with
+        its shape, and nothing else."""
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in self._expected:
+                raise ValueError(f"weight update has unknown parameter {name!r}")
+            if list(tensor.shape) != self._expected[name]:
+                raise ValueError(
+                    f"weight update: {name} has shape {list(tensor.shape)}, "
+                    f"the engine's model has {self._expected[name]}"
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight update: {name} has non-float dtype {tensor.dtype}")
+            seen.add(name)
+        missing = set(self._expected) - self._optional - seen
+        if missing:
+            raise ValueError(f"weight update lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
+
+    def swap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
+        """Check the update, then load it between two forward passes and set `version`.
+        A failed check raises before anything is loaded (the old version keeps serving)."""
+        named = list(named_tensors)
+        try:
+            self.check(named)
+        except ValueError:
+            self.failures += 1
+            raise
+        asked = time.perf_counter()
+        with self._turnstile, self.lock:
+            got = time.perf_counter()
+            try:
+                self._runner.reload_weights(weights_iterator=iter(named))
+                for module in self._tied:
+                    quant_method: Any = module.quant_method
+                    quant_method.process_weights_after_loading(module)
+            except Exception as e:
+                self.failures += 1
+                self._broken = f"loading version {version} failed: {e}"
+                raise
+            self.version = version
+            done = time.perf_counter()
+        stats = SwapStats(version, got - asked, done - got)
+        self.swaps.append(stats)
+        self.swap_count += 1
+        return stats

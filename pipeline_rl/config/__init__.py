@@ -1,0 +1,26 @@
+"""Typed run configuration: the schema (`schema.py`) and how YAML layers load into it (`loader.py`)."""
+
+from pipeline_rl.config.loader import (
+    SHIPPED_CONF_DIR,
+    conf_dirs,
+    find_config,
+    load_config,
+    load_saved_config,
+    parse_overrides,
+    save_config,
+)
+from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses and Enums)
+from pipeline_rl.config.schema import ConfigError, RunConfig, validate
+
+__all__ = [
+    "SHIPPED_CONF_DIR",
+    "ConfigError",
+    "RunConfig",
+    "conf_dirs",
+    "find_config",
+    "load_config",
+    "load_saved_config",
+    "parse_overrides",
+    "save_config",
+    "validate",
+]

@@ -1,0 +1,152 @@
+"""Loading a run config: shipped and user configs, `extends:` chains, command-line overrides.
+
+Lookup of `conf=NAME`: `./conf/NAME.yaml` in the working directory first (a user's own
+configs), then the configs shipped inside the package. `base.yaml` always comes from the
+package. Each layer is merged into the schema separately so an error names its file or
+override.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline_rl.config.schema import ConfigError, RunConfig, validate
+
+SHIPPED_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def conf_dirs() -> list[Path]:
+    """Where `conf=NAME` is looked up, first match wins."""
+    return [Path.cwd() / "conf", SHIPPED_CONF_DIR]
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(schema):
+        full = prefix + f.name
+        keys.append(full)
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            keys += _all_keys(type(default), full + ".")
+    return keys
+
+
+def _suggest(key: str) -> str:
+    keys = _all_keys(RunConfig)
+    leaf = key.rsplit(".", 1)[-1]
+    # A right name at the wrong depth (trainer.lr) is the commonest slip: match the last part first.
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    close = close or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as e:
+        key = e.full_key or ""
+        what = type(e).__name__
+        if what == "ConfigKeyError":
+            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}") from None
+        raise ConfigError(f"{source}: bad value for '{key}': {(e.msg or what).splitlines()[0]}") from None
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def find_config(name: str, dirs: list[Path]) -> Path:
+    """The file of config NAME: the first `DIR/NAME.yaml` of `dirs`."""
+    for d in dirs:
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    known = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
+    raise ConfigError(f"config '{name}' not found in {', '.join(map(str, dirs))} (available: {', '.join(known)})")
+
+
+def _layers(name: str, dirs: list[Path]) -> list[tuple[Path, dict]]:
+    """NAME's file and the configs it extends, outermost last; base.yaml is not included."""
+    chain: list[tuple[Path, dict]] = []
+    seen = set()
+    while name and name != "base":
+        if name in seen:
+            raise ConfigError(f"config '{name}' extends itself through {sorted(seen)}")
+        seen.add(name)
+        path = find_config(name, dirs)
+        data = _read_yaml(path)
+        parent = data.pop("extends", "base")
+        chain.append((path, data))
+        name = parent
+    return chain[::-1]
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    """Split `conf=NAME` from the dotted `key=value` overrides."""
+    name, overrides = None, []
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(f"override '{arg}' is not of the form key=value")
+        if arg.startswith("conf="):
+            name = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return name, overrides
+
+
+def load_config(
+    name: str = "base", overrides: list[str] | tuple[str, ...] = (), dirs: list[Path] | None = None
+) -> RunConfig:
+    """Load, merge and validate a run config. Raises ConfigError naming the key and source.
+    `dirs` defaults to `conf_dirs()`."""
+    dirs = conf_dirs() if dirs is None else dirs
+    cfg = OmegaConf.structured(RunConfig)
+    base_path = SHIPPED_CONF_DIR / "base.yaml"
+    cfg = _merge(cfg, _read_yaml(base_path), str(base_path))
+    for path, data in _layers(name, dirs):
+        cfg = _merge(cfg, data, str(path))
+    for item in overrides:
+        key, eq, _ = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        try:
+            layer = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override '{item}': {e}") from None
+        cfg = _merge(cfg, layer, f"override '{key}'")
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve '{e.full_key}': {e.msg}") from None
+    run = OmegaConf.to_object(cfg)
+    assert isinstance(run, RunConfig)
+    validate(run)
+    return run
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def load_saved_config(path: Path) -> RunConfig:
+    """Read back the resolved config a launcher wrote into a run directory."""
+    run = OmegaConf.to_object(_merge(OmegaConf.structured(RunConfig), _read_yaml(path), str(path)))
+    assert isinstance(run, RunConfig)
+    return run

@@ -1,0 +1,397 @@
+"""The typed configuration schema: every key of a run, documented once, here.
+
+Choice-valued keys are Enums whose members document themselves; `validate` checks what
+types cannot express. Loading and merging YAML layers lives in `loader.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pipeline_rl.wire import CACHE_ENV
+
+CACHE = f"${{oc.env:{CACHE_ENV},.cache}}"
+
+
+class DType(StrEnum):
+    """Parameter dtype of every process."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class StreamsBackend(StrEnum):
+    """Stream transport between pools."""
+
+    jsonl = "jsonl"
+    """Append-only files under RUN_DIR/streams: one node only."""
+    redis = "redis"
+    """Redis streams (XADD/XREAD): any number of nodes; options under `streams.redis`."""
+
+
+# `async` is a Python keyword, so this Enum is built by name.
+ActorMode = StrEnum("ActorMode", {"async": "async", "sync": "sync"})
+"""async: generate while training, weights swapped in flight (PipelineRL); sync: conventional
+RL, generate one batch with the current policy, wait for the update, repeat."""
+
+
+class LossKind(StrEnum):
+    """Policy-gradient objective of the built-in loss (`trainer.loss.function`)."""
+
+    reinforce = "reinforce"
+    """-min(w, is_truncation).detach() * A * logprob; option: `is_truncation`."""
+    ppo = "ppo"
+    """-min(w * A, clip(w, 1 - ppo_clip, 1 + ppo_clip) * A); option: `ppo_clip`."""
+
+
+class LossNormalize(StrEnum):
+    """How token losses are averaged over an optimizer step."""
+
+    token = "token"
+    """Every trained token of the step weighs the same."""
+    sequence = "sequence"
+    """Each sequence's mean over its tokens, then the mean over sequences."""
+
+
+class WandbMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    """Needs no network; sync later with `wandb sync`."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = CACHE + "/tiny_model"
+    """Hugging Face model directory (config.json + safetensors) loaded by actors, scorers and trainers."""
+    dtype: DType = DType.float32
+    """Parameter dtype everywhere: float32 or bfloat16."""
+    make_tiny_if_missing: bool = False
+    """Build the tiny arithmetic model at `path` (scripts/make_tiny_model.py) when it does not exist."""
+
+
+@dataclass
+class RedisConfig:
+    host: str = "127.0.0.1"
+    """Redis host. With `start_server`, rank 0 starts redis-server and this is the address others use."""
+    port: int = 6379
+    """Redis port."""
+    password: str | None = None
+    """Redis password (AUTH), or null."""
+    tls: bool = False
+    """Connect with TLS."""
+    maxlen: int = 100000
+    """Approximate cap on entries kept per stream key (XADD MAXLEN ~) of the small broadcast
+    topics (metrics, weights, control, dead letters); 0 keeps everything. The data topics
+    (actor, scored, trainer) are never capped: they are trimmed only below the positions their
+    readers have saved (see ARCHITECTURE.md, resume)."""
+    start_server: bool = False
+    """Rank 0 starts its own redis-server (binary on PATH) on `port`, for the run's lifetime."""
+
+
+@dataclass
+class StreamsConfig:
+    backend: StreamsBackend = StreamsBackend.jsonl
+    """jsonl (files under the run directory, one node) or redis (several nodes)."""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    """Redis connection, used when backend=redis."""
+
+
+@dataclass
+class WorldConfig:
+    nodes: int = 1
+    """Number of nodes; one launch.py runs on each (RANK / SLURM_NODEID tells which)."""
+    gpus_per_node: int = 0
+    """GPUs on each node; 0 means CPU only (every process gets one CPU thread)."""
+    actors: int = 1
+    """Actor processes (each owns one vLLM engine)."""
+    actor_gpus: int = 1
+    """GPUs per actor engine (vLLM tensor parallel size); ignored on CPU. Only 1 for now: the
+    weight-swap hook runs in the engine's own process, which tensor parallelism splits."""
+    preprocessors: int = 1
+    """Preprocessor processes."""
+    preprocessor_gpus: int = 0
+    """GPUs per preprocessor (for scorers that run a model); ignored on CPU."""
+    trainers: int = 1
+    """Trainer ranks (one process, one GPU each)."""
+    weight_sync_port: int = 29600
+    """Port of the weight-update process group's store, on the trainer's node."""
+    trainer_port: int = 29500
+    """MASTER_PORT of the trainers' own process group."""
+
+
+@dataclass
+class DatasetConfig:
+    loader: str = "jsonl"
+    """jsonl, parquet, or an import path `module:function` returning a list of problem dicts."""
+    train: str = CACHE + "/arithmetic/train.jsonl"
+    """Training problems."""
+    test: str = CACHE + "/arithmetic/test.jsonl"
+    """Held-out problems for evaluation."""
+
+
+@dataclass
+class LLMConfig:
+    kv_cache_gib: float = 1.0
+    """KV-cache size per engine in GiB (CPU needs it set explicitly)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs (fast start-up; on CPU also the faster path)."""
+    max_num_seqs: int = 256
+    """Most sequences one engine step batches."""
+    max_model_len: int = 256
+    """Longest prompt + completion the engine accepts."""
+
+
+@dataclass
+class MathRewardConfig:
+    """Reward of a math rollout (domain `math`) by what its final \\boxed{} answer is."""
+
+    correct: float = 1.0
+    """The last \\boxed{} answer equals the reference answer (checked with math-verify)."""
+    wrong: float = 0.0
+    """A readable last \\boxed{} answer that differs from the reference."""
+    no_answer: float = 0.0
+    """The completion finished without any \\boxed{} answer."""
+    unparsable: float = 0.0
+    """A \\boxed{} answer math-verify cannot read, or a check that failed or ran past actor.reward_timeout_s."""
+    truncated: float = 0.0
+    """The completion was cut off at actor.max_new_tokens (or the model length), whatever it contains."""
+
+
+@dataclass
+class ActorConfig:
+    mode: ActorMode = ActorMode["async"]
+    """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
+    (generate one batch with the current policy, wait for the update, repeat)."""
+    domain: str = "arithmetic"
+    """Rollout plug-in: a built-in name (arithmetic, math) or `module:function`."""
+    attempts: int = 8
+    """Completions sampled per problem (the group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer computes logprobs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_new_tokens: int = 16
+    """Longest completion."""
+    max_groups_in_flight: int = 64
+    """Most groups one actor generates at once (continuous batching fills the engine)."""
+    reward_timeout_s: float = 5.0
+    """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
+    reward_workers: int = 2
+    """Worker processes per actor that run reward checks under the time limit (pipeline_rl/actor/rewards.py)."""
+    math_reward: MathRewardConfig = field(default_factory=MathRewardConfig)
+    """Reward table of the math domain."""
+    eval_every_s: float = 30.0
+    """Actor 0 evaluates on held-out problems this often (0: never)."""
+    eval_problems: int = 200
+    """Held-out problems per evaluation."""
+    metrics_every_s: float = 5.0
+    """How often an actor publishes its metrics."""
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    """vLLM engine settings."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Where problems come from."""
+
+
+@dataclass
+class AdvantageConfig:
+    divide_by_std: bool = False
+    """Divide by the group's reward standard deviation."""
+    leave_one_out: bool = False
+    """Baseline each rollout by the mean of the *other* rollouts in its group."""
+    filter_zero: bool = True
+    """Skip (and count) groups whose advantages are all zero: they carry no gradient."""
+
+
+@dataclass
+class ScorerConfig:
+    cls: str = ""
+    """Import path `module:Class` of a scorer (see pipeline_rl/scorers/base.py)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the scorer's constructor."""
+
+
+@dataclass
+class PreprocessConfig:
+    seq_length: int = 2048
+    """Tokens per packed micro-batch."""
+    share_prompts: bool = False
+    """Pack a group's rollouts as one prompt followed by their completions, so the trainer
+    computes the prompt once per group. Uses an explicit [T, T] attention mask (sdpa/eager, not
+    flash-attention): worth it for short rows with long prompts and short answers."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Group-relative advantage options."""
+    scorers: list[ScorerConfig] = field(default_factory=list)
+    """Scorers run on every batch of groups, in order."""
+    batch_groups: int = 16
+    """Groups a preprocessor scores together."""
+
+
+@dataclass
+class LossConfig:
+    kind: LossKind = LossKind.reinforce
+    """reinforce: policy gradient with truncated importance weights; ppo: clipped ratio objective."""
+    is_truncation: float = 5.0
+    """Upper bound of the importance weight in reinforce mode."""
+    ppo_clip: float = 0.2
+    """PPO clip range epsilon."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    function: str = "pipeline_rl.trainer.loss:policy_loss"
+    """The loss as `module:function`, called like `pipeline_rl.trainer.loss.policy_loss` (the
+    contract is `pipeline_rl.trainer.loss.LossFn`); the options of this section reach it as `cfg`."""
+    normalize: LossNormalize = LossNormalize.token
+    """token: average over all tokens of the step; sequence: average per sequence, then over sequences."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Learning rate (constant after warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables; DeepSpeed's own default would be 1.0)."""
+
+
+@dataclass
+class TrainerConfig:
+    groups_per_step: int = 16
+    """Rollout groups in one optimizer step (the RL batch)."""
+    max_lag: int = 4
+    """A sample whose oldest token comes from a policy more than this many versions behind the
+    trainer is not trained on (counted). Actors also stop admitting groups beyond this budget."""
+    weight_update_interval: int = 1
+    """Publish weights to the actors every this many optimizer steps."""
+    max_steps: int = 1000
+    """Optimizer steps of the run."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (0-3)."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    weight_bucket_mb: int = 256
+    """Size of one weight-broadcast bucket."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy-gradient loss settings."""
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Also write TensorBoard event files under RUN_DIR/tensorboard."""
+    wandb_project: str | None = None
+    """Weights & Biases project; null disables it."""
+    wandb_mode: WandbMode = WandbMode.offline
+    """online or offline (offline needs no network)."""
+    plot_at_end: bool = True
+    """Write PNG plots into RUN_DIR/plots when the run ends."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/${name}"
+    """Output directory: resolved config, streams, logs, metrics, checkpoints, plots."""
+    name: str = "run"
+    """Name of the run (also the Redis key namespace)."""
+    seed: int = 0
+    """Seed of data order, sampling and initialisation."""
+    max_time_s: float = 0.0
+    """Stop the run after this much wall time (0: run until trainer.max_steps)."""
+    watchdog_s: float = 300.0
+    """Stall limit: when the policy version has not advanced for max(watchdog_s, 5 x the longest
+    interval between two versions so far) while every process is alive, the launcher prints
+    what each process last did and waits on, stops the run and exits non-zero. Adapts to slow
+    steps (a 32B run), yet catches a stalled tiny demo within minutes. 0 disables it."""
+    watchdog_startup_s: float = 1800.0
+    """The same limit for the first version (engines and models loading, compilation)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    world: WorldConfig = field(default_factory=WorldConfig)
+    """Nodes and how processes are placed."""
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
+    """The stream layer between pools."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor pool."""
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    """Preprocessor pool."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer pool."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metrics sinks and plots."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and where it came from."""
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks of values that types alone cannot express."""
+    positive = [
+        "world.nodes",
+        "world.actors",
+        "world.preprocessors",
+        "world.trainers",
+        "actor.attempts",
+        "actor.max_new_tokens",
+        "actor.max_groups_in_flight",
+        "actor.reward_workers",
+        "preprocess.seq_length",
+        "preprocess.batch_groups",
+        "trainer.groups_per_step",
+        "trainer.weight_update_interval",
+        "trainer.max_steps",
+        "trainer.weight_bucket_mb",
+    ]
+    for key in positive:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 1")
+    for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every"]:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
+    if cfg.trainer.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
+    if cfg.actor.temperature <= 0:
+        raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
+    if cfg.trainer.loss.kl_coef > 0 and not any("Reference" in s.cls for s in cfg.preprocess.scorers):
+        raise ConfigError("'trainer.loss.kl_coef' > 0 needs a reference scorer in 'preprocess.scorers'")
+    for i, scorer in enumerate(cfg.preprocess.scorers):
+        if ":" not in scorer.cls:
+            raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
+    if len(cfg.trainer.optimizer.betas) != 2:
+        raise ConfigError(
+            f"bad value for 'trainer.optimizer.betas': {cfg.trainer.optimizer.betas}, expected [beta1, beta2]"
+        )
+    from pipeline_rl.trainer.loss import load_loss  # the loss is the plug-in most often swapped: fail at launch
+
+    load_loss(cfg.trainer.loss)
+    if cfg.world.gpus_per_node and cfg.world.actor_gpus != 1:
+        raise ConfigError(
+            f"bad value for 'world.actor_gpus': {cfg.world.actor_gpus}; only 1 is supported "
+            "(the in-flight weight swap does not reach tensor-parallel workers yet)"
+        )
+    if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
+        raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")

@@ -1,0 +1,325 @@
+"""The tiny arithmetic model of the CPU demo, built locally and deterministically from a seed.
+
+`build(cache_dir, seed)` writes
+- cache_dir/arithmetic/{train,test}.jsonl: 2-digit + 2-digit additions ("Q: 37+48=" -> "85"),
+  every pair once, test and train disjoint;
+- cache_dir/tiny_model: a byte-level tokenizer (one token per byte, so every digit is one
+  token, plus an EOS and a pad token) and a small Qwen2ForCausalLM in float32 safetensors,
+  pretrained on the training problems only until it adds well greedily, then made
+  under-confident: its final norm is scaled down (a uniform softening of the logits) until its
+  exact probability of sampling the right answer at temperature 1 is `TARGET_ACCURACY` on the
+  test problems. The model knows the task but rarely commits to it when sampling: room for RL,
+  which must learn to sharpen its distribution, as RL on larger models mostly does;
+- cache_dir/tiny_model/pretrain_report.json: steps, seconds, and held-out accuracy (exact at
+  T=1, sampled at T=1, greedy).
+
+Each output is written to a temporary sibling and renamed into place, so a killed build never
+leaves a half-written model or data set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]
+TEST_PROBLEMS = 500
+TARGET_ACCURACY = 0.3
+"""Exact T=1 accuracy the softened model is set to."""
+GREEDY_TARGET = 0.95
+"""Pretraining stops once greedy held-out accuracy reaches this."""
+LEARNED = 0.5
+"""Greedy accuracy that shows the model has found how to add: the learning rate decays from here."""
+DECAY_STEPS = 300
+"""Steps of cosine decay after LEARNED is reached (a constant rate oscillates)."""
+MAX_STEPS = 3000
+"""Give up (raise) if the model has not learned by then: some seeds sit longer on the plateau
+before the model starts to add (about 400-1200 steps), none should take this long."""
+EVAL_EVERY = 50
+BATCH = 64
+LR = 2e-3
+WARMUP_STEPS = 100
+WEIGHT_DECAY = 0.0
+
+
+def prompt_text(a: int, b: int) -> str:
+    return f"Q: {a}+{b}="
+
+
+def make_problems(seed: int) -> tuple[list[dict], list[dict]]:
+    """All pairs of 2-digit numbers, shuffled by `seed`; the first TEST_PROBLEMS are the test set."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    problems = [{"id": f"add_{a}_{b}", "prompt": prompt_text(a, b), "answer": str(a + b)} for a, b in pairs]
+    return problems[TEST_PROBLEMS:], problems[:TEST_PROBLEMS]
+
+
+def _byte_alphabet() -> list[str]:
+    """The printable stand-in character of each byte 0..255, in byte order (the byte-level
+    pre-tokenizer's convention: printable Latin-1 bytes stand for themselves, the others are
+    shifted to code points from 256 up)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+def make_tokenizer():
+    """A byte-level tokenizer without merges: token id = 2 + byte value, ids 0/1 are EOS/pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + b for b, ch in enumerate(_byte_alphabet())})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
+def make_model(vocab_size: int, eos_id: int, pad_id: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    return Qwen2ForCausalLM(config)
+
+
+class _Batcher:
+    """Tokenized problems as padded (input_ids, labels) tensors; labels only on answer + EOS."""
+
+    def __init__(self, tokenizer, problems: list[dict]):
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id
+        self.items = []
+        for p in problems:
+            prompt = tokenizer.encode(p["prompt"], add_special_tokens=False)
+            answer = tokenizer.encode(p["answer"], add_special_tokens=False) + [self.eos]
+            self.items.append((prompt, answer))
+        self.length = max(len(p) + len(a) for p, a in self.items)
+
+    def tensors(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.full((len(indices), self.length), self.pad, dtype=torch.long)
+        labels = torch.full((len(indices), self.length), -100, dtype=torch.long)
+        for row, i in enumerate(indices):
+            prompt, answer = self.items[i]
+            n = len(prompt) + len(answer)
+            ids[row, :n] = torch.tensor(prompt + answer)
+            labels[row, len(prompt) : n] = torch.tensor(answer)
+        return ids, labels
+
+
+@torch.no_grad()
+def _teacher_forced_accuracy(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """(mean probability of sampling exactly the answer + EOS at T=1, greedy accuracy)."""
+    logprobs = model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
+    target = labels[:, 1:]
+    mask = target != -100
+    picked = logprobs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    exact = (picked * mask).sum(-1).exp().mean().item()
+    greedy = ((logprobs.argmax(-1) == target) | ~mask).all(-1).float().mean().item()
+    return exact, greedy
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, problems: list[dict], seed: int, max_new_tokens: int = 8) -> float:
+    """Fraction of problems answered exactly by one sample each at temperature 1."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
+    correct = 0
+    for length in sorted({len(p) for p in prompts}):
+        rows = [i for i, p in enumerate(prompts) if len(p) == length]
+        ids = torch.tensor([prompts[i] for i in rows])
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        out = [[] for _ in rows]
+        for _ in range(max_new_tokens):
+            probs = model(input_ids=ids).logits[:, -1].float().softmax(-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+            for r in range(len(rows)):
+                if not done[r]:
+                    if nxt[r, 0].item() == tokenizer.eos_token_id:
+                        done[r] = True
+                    else:
+                        out[r].append(nxt[r, 0].item())
+            ids = torch.cat([ids, nxt], dim=1)
+            if done.all():
+                break
+        for r, i in enumerate(rows):
+            correct += bool(done[r]) and tokenizer.decode(out[r]) == problems[i]["answer"]
+    return correct / len(problems)
+
+
+class _Schedule:
+    """Linear warm-up, constant until the model has learned (`learned_at`), then cosine decay
+    to zero over DECAY_STEPS."""
+
+    def __init__(self) -> None:
+        self.learned_at: int | None = None
+
+    def __call__(self, step: int) -> float:
+        if step < WARMUP_STEPS:
+            return (step + 1) / WARMUP_STEPS
+        if self.learned_at is None:
+            return 1.0
+        done = min(1.0, (step - self.learned_at) / DECAY_STEPS)
+        return 0.5 * (1 + math.cos(math.pi * done))
+
+
+def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int) -> dict:
+    """Train on train-set text until greedy test accuracy reaches GREEDY_TARGET or the decay
+    after LEARNED is over, then soften the logits to the TARGET_ACCURACY exact T=1 accuracy."""
+    start = time.time()
+    rng = random.Random(seed)
+    train_batches = _Batcher(tokenizer, train)
+    test_ids, test_labels = _Batcher(tokenizer, test).tensors(list(range(len(test))))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=WEIGHT_DECAY)
+    schedule = _Schedule()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    model.train()
+    greedy = 0.0
+    step = 0
+    while greedy < GREEDY_TARGET:
+        if schedule.learned_at is not None and step >= schedule.learned_at + DECAY_STEPS:
+            break
+        if step >= MAX_STEPS:
+            raise RuntimeError(
+                f"the tiny model (seed {seed}) did not learn to add in {MAX_STEPS} steps "
+                f"(greedy held-out accuracy {greedy:.3f}); try another --seed"
+            )
+        ids, labels = train_batches.tensors([rng.randrange(len(train)) for _ in range(BATCH)])
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if step % EVAL_EVERY == 0:
+            model.eval()
+            _, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
+            model.train()
+            if greedy >= LEARNED and schedule.learned_at is None:
+                schedule.learned_at = step
+        sched.step()
+    model.eval()
+    exact_before, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
+    if exact_before < TARGET_ACCURACY:
+        raise RuntimeError(
+            f"the tiny model (seed {seed}) reached only {exact_before:.3f} exact T=1 accuracy "
+            f"(greedy {greedy:.3f}) in {step} steps; try another --seed"
+        )
+    scale = soften(model, test_ids, test_labels, TARGET_ACCURACY)
+    exact, greedy_after = _teacher_forced_accuracy(model, test_ids, test_labels)
+    return {
+        "steps": step,
+        "learned_at_step": schedule.learned_at,
+        "train_seconds": round(time.time() - start, 1),
+        "target_accuracy": TARGET_ACCURACY,
+        "test_accuracy_greedy": round(greedy, 4),
+        "test_accuracy_exact_t1_before_softening": round(exact_before, 4),
+        "softening_scale": round(scale, 4),
+        "test_accuracy_exact_t1": round(exact, 4),
+        "test_accuracy_sampled_t1": sampled_accuracy(model, tokenizer, test, seed),
+        "test_accuracy_greedy_after_softening": round(greedy_after, 4),
+        "test_problems": len(test),
+        "seed": seed,
+    }
+
+
+@torch.no_grad()
+def soften(model, ids: torch.Tensor, labels: torch.Tensor, target: float) -> float:
+    """Scale the final norm (so every logit by the same factor) until the exact T=1 accuracy is
+    `target`; bisection, since that accuracy grows with the scale. Returns the scale."""
+    norm = model.model.norm.weight
+    original = norm.detach().clone()
+    lo, hi = 0.0, 1.0
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        norm.copy_(original * mid)
+        exact, _ = _teacher_forced_accuracy(model, ids, labels)
+        lo, hi = (lo, mid) if exact > target else (mid, hi)
+    norm.copy_(original * hi)
+    return hi
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Move a finished directory into place; the old one is removed only after the rename.
+    If another build put its result there in between, that one stays."""
+    old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+    try:
+        dest.rename(old)
+    except FileNotFoundError:
+        old = None
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if not dest.exists():
+            raise
+        shutil.rmtree(tmp)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _remove_leftovers(cache_dir: Path) -> None:
+    """Temporary directories of builds that were killed (their process is gone)."""
+    for path in cache_dir.glob("*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def build(cache_dir: Path, seed: int = 0) -> Path:
+    """Build the data set and the tiny model under `cache_dir`; returns the model directory."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(cache_dir)
+    torch.manual_seed(seed)
+    train, test = make_problems(seed)
+
+    data_tmp = cache_dir / f"arithmetic.tmp-{os.getpid()}"
+    data_tmp.mkdir()
+    _write_jsonl(data_tmp / "train.jsonl", train)
+    _write_jsonl(data_tmp / "test.jsonl", test)
+    _replace_dir(data_tmp, cache_dir / "arithmetic")
+
+    tokenizer = make_tokenizer()
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert isinstance(eos_id, int) and isinstance(pad_id, int)
+    model = make_model(len(tokenizer), eos_id, pad_id)
+    report = pretrain(model, tokenizer, train, test, seed)
+
+    model_tmp = cache_dir / f"tiny_model.tmp-{os.getpid()}"
+    model.save_pretrained(model_tmp, safe_serialization=True)
+    tokenizer.save_pretrained(model_tmp)
+    (model_tmp / "pretrain_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    dest = cache_dir / "tiny_model"
+    _replace_dir(model_tmp, dest)
+    return dest

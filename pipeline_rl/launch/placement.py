@@ -1,0 +1,171 @@
+"""Where each process of a run goes: which node, which GPUs, which addresses.
+
+Every node's launcher computes the same placement from the config alone. Trainers come
+first (so trainer rank 0, which owns the weight-update group, sits on node 0 next to the
+Redis server), then preprocessors, then actors. On GPUs a process takes whole GPUs and an
+actor engine never spans nodes; on CPU each node gets an equal share of the processes.
+
+GPU binding (child_env): a process sees exactly its GPUs through CUDA_VISIBLE_DEVICES, so
+inside it they are devices 0..n-1 and a trainer's LOCAL_RANK (what torch.cuda.set_device and
+DeepSpeed use) is 0. GPU ids of the plan index the GPUs the launcher itself sees: when a job
+scheduler (SLURM) has already set CUDA_VISIBLE_DEVICES, the children get subsets of that list.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
+
+
+@dataclass
+class ProcessSpec:
+    name: str
+    """actor0, preprocessor0, trainer0, ..."""
+    pool: str
+    """actor, preprocessor or trainer."""
+    index: int
+    """Index within the pool (the trainer's rank)."""
+    node: int
+    gpus: list[int] = field(default_factory=list)
+    """GPU ids on its node (empty on CPU)."""
+
+
+@dataclass
+class Node:
+    rank: int
+    """This node's index, 0 .. nodes-1."""
+    nodes: int
+    master_addr: str
+    """Address of node 0, reachable from every node."""
+
+
+def _pools(cfg: RunConfig) -> list[tuple[str, int, int]]:
+    w = cfg.world
+    return [
+        ("trainer", w.trainers, 1),
+        ("preprocessor", w.preprocessors, w.preprocessor_gpus),
+        ("actor", w.actors, w.actor_gpus),
+    ]
+
+
+def plan(cfg: RunConfig) -> list[ProcessSpec]:
+    """All processes of the run; raises ConfigError when they do not fit the world."""
+    w = cfg.world
+    specs: list[ProcessSpec] = []
+    if w.gpus_per_node == 0:
+        total = w.trainers + w.preprocessors + w.actors
+        per_node = math.ceil(total / w.nodes)
+        slot = 0
+        for pool, count, _ in _pools(cfg):
+            for i in range(count):
+                specs.append(ProcessSpec(f"{pool}{i}", pool, i, node=slot // per_node))
+                slot += 1
+        return specs
+    free = {node: list(range(w.gpus_per_node)) for node in range(w.nodes)}
+    node = 0
+    for pool, count, gpus in _pools(cfg):
+        if gpus > w.gpus_per_node:
+            raise ConfigError(
+                f"world.{pool}_gpus={gpus} but world.gpus_per_node={w.gpus_per_node}: one {pool} cannot span nodes"
+            )
+        for i in range(count):
+            while node < w.nodes and len(free[node]) < gpus:
+                node += 1
+            if node >= w.nodes:
+                need = w.trainers + w.preprocessors * w.preprocessor_gpus + w.actors * w.actor_gpus
+                raise ConfigError(
+                    f"placement impossible: the pools need {need} GPUs (world.trainers={w.trainers}, "
+                    f"world.actors={w.actors} x world.actor_gpus={w.actor_gpus}, world.preprocessors="
+                    f"{w.preprocessors} x world.preprocessor_gpus={w.preprocessor_gpus}) but world.nodes="
+                    f"{w.nodes} x world.gpus_per_node={w.gpus_per_node} = {w.nodes * w.gpus_per_node} exist"
+                )
+            taken, free[node] = free[node][:gpus], free[node][gpus:]
+            specs.append(ProcessSpec(f"{pool}{i}", pool, i, node=node, gpus=taken))
+    return specs
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
+def this_node(cfg: RunConfig, env: dict[str, str] | None = None) -> Node:
+    """This node's rank and node 0's address, from torchrun-style or SLURM variables."""
+    env = dict(os.environ if env is None else env)
+    if "SLURM_NODEID" in env and "RANK" not in env:
+        rank, nodes = int(env["SLURM_NODEID"]), int(env.get("SLURM_NNODES", cfg.world.nodes))
+        master = env.get("MASTER_ADDR") or _first_slurm_host(env["SLURM_JOB_NODELIST"])
+    else:
+        rank, nodes = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", cfg.world.nodes))
+        master = env.get("MASTER_ADDR", "127.0.0.1")
+    if nodes != cfg.world.nodes:
+        raise ConfigError(
+            f"world.nodes={cfg.world.nodes} but the environment says {nodes} nodes (WORLD_SIZE/SLURM_NNODES)"
+        )
+    if not 0 <= rank < nodes:
+        raise ConfigError(f"node rank {rank} is outside 0..{nodes - 1} (RANK/SLURM_NODEID)")
+    if nodes > 1 and "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" not in env:
+        raise ConfigError("several nodes need MASTER_ADDR (the address of node 0) in the environment")
+    return Node(rank=rank, nodes=nodes, master_addr=master)
+
+
+def visible_gpus(cfg: RunConfig, env: dict[str, str]) -> list[str]:
+    """The device ids a launcher on this node may hand out: the scheduler's CUDA_VISIBLE_DEVICES
+    when it set one, else 0 .. gpus_per_node-1."""
+    inherited = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not inherited:
+        return [str(i) for i in range(cfg.world.gpus_per_node)]
+    if len(inherited) < cfg.world.gpus_per_node:
+        raise ConfigError(
+            f"world.gpus_per_node={cfg.world.gpus_per_node} but CUDA_VISIBLE_DEVICES="
+            f"{env['CUDA_VISIBLE_DEVICES']} shows this node only {len(inherited)}"
+        )
+    return inherited
+
+
+def child_env(
+    cfg: RunConfig, node: Node, spec: ProcessSpec, specs: list[ProcessSpec], env: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of one pool process: the launcher's own `env` plus its binding."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONUNBUFFERED"] = "1"
+    master = node.master_addr if node.nodes > 1 else "127.0.0.1"
+    env[WEIGHT_SYNC_ADDR_ENV] = f"{master}:{cfg.world.weight_sync_port}"
+    if cfg.world.gpus_per_node:
+        visible = visible_gpus(cfg, env)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[g] for g in spec.gpus)
+    else:
+        # Two OpenMP threads in one process are much slower than one on small CPU VMs.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if spec.pool == "trainer":
+        local = [s for s in specs if s.pool == "trainer" and s.node == spec.node]
+        env.update(
+            RANK=str(spec.index),
+            WORLD_SIZE=str(cfg.world.trainers),
+            # On GPUs each trainer sees one device, its device 0; on CPU its index on the node.
+            LOCAL_RANK="0" if cfg.world.gpus_per_node else str(local.index(spec)),
+            LOCAL_WORLD_SIZE="1" if cfg.world.gpus_per_node else str(len(local)),
+            MASTER_ADDR=master,
+            MASTER_PORT=str(cfg.world.trainer_port),
+        )
+    return env
+
+
+def describe(cfg: RunConfig, specs: list[ProcessSpec], env: dict[str, str] | None = None) -> list[str]:
+    """One line per process for `--dry-run`: node, name, role and the binding it will get."""
+    env = dict(os.environ if env is None else env)
+    lines = []
+    for spec in specs:
+        node = Node(rank=spec.node, nodes=cfg.world.nodes, master_addr=env.get("MASTER_ADDR", "<node 0>"))
+        child = child_env(cfg, node, spec, specs, env)
+        binding = f"CUDA_VISIBLE_DEVICES={child['CUDA_VISIBLE_DEVICES'] or '(none: cpu)'}"
+        if spec.pool == "trainer":
+            binding += f" RANK={child['RANK']} LOCAL_RANK={child['LOCAL_RANK']}"
+        lines.append(f"node {spec.node}: {spec.name:<14} {spec.pool:<12} {binding}")
+    return lines

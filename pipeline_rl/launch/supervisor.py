@@ -1,0 +1,118 @@
+"""Starts a node's processes, watches them, and stops them all together.
+
+Each child runs in its own session (so a stop reaches its own children too) and gets
+SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG), so no exit path leaves orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+STOP_GRACE_S = 6.0
+"""SIGTERM, then SIGKILL after this long: a stop completes well within 10 s."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    expected_exit: bool
+    """True for processes whose exit 0 means the run is done (trainers)."""
+
+
+class ChildFailed(Exception):
+    def __init__(self, child: Child, code: int):
+        self.child, self.code = child, code
+        super().__init__(f"{child.name} exited with code {code}")
+
+
+def last_lines(path: Path, n: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"".join(deque(f, maxlen=n)).decode(errors="replace").rstrip()
+    except OSError:
+        return "(no log)"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], expected_exit: bool = False) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        child = Child(name, proc, log_path, expected_exit)
+        self.children.append(child)
+        return child
+
+    def poll(self) -> tuple[ChildFailed | None, bool]:
+        """(the first failure, whether every expected-exit child finished with 0)."""
+        done = True
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None:
+                done = done and not child.expected_exit
+                continue
+            if code != 0 or not child.expected_exit:
+                return ChildFailed(child, code), False
+        return None, done and any(c.expected_exit for c in self.children)
+
+    def signal_all(self, sig: int, names: set[str] | None = None) -> None:
+        for child in self.children:
+            if child.proc.poll() is None and (names is None or child.name in names):
+                try:
+                    os.killpg(child.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, first: set[str] | None = None, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM (to `first` before the rest, e.g. trainers so they checkpoint), then SIGKILL."""
+        deadline = time.time() + grace_s
+        if first:
+            self.signal_all(signal.SIGTERM, first)
+            while time.time() < deadline and any(c.proc.poll() is None for c in self.children if c.name in first):
+                time.sleep(0.1)
+        self.signal_all(signal.SIGTERM)
+        deadline = max(deadline, time.time() + 2.0)
+        while time.time() < deadline and any(c.proc.poll() is None for c in self.children):
+            time.sleep(0.1)
+        self.signal_all(signal.SIGKILL)
+        for child in self.children:
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            child.proc.wait()

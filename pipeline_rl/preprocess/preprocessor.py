@@ -1,0 +1,329 @@
+"""The preprocessor pool: rollout groups in, packed micro-batches per trainer rank out.
+
+Data flow. Preprocessor i of n reads the "actor" partitions partitions_for(i, n, actors) in
+batches of up to `preprocess.batch_groups` groups and runs the scorers on each batch (the
+costly part, so it runs on every preprocessor). Step assembly must give every trainer rank
+one consistent sequence of steps, so only preprocessor 0 assembles: preprocessors 1..n-1
+write their scored groups to partition i of the Topic.SCORED topic, and preprocessor 0
+takes groups from its own scoring and from those partitions. (With n = 1 there is no hop.)
+Advantages are a cheap function of a scored group, so preprocessor 0 computes them.
+
+Assembly, in preprocessor 0: per-token advantages; groups whose advantages are all zero are
+dropped and counted (`preprocess.advantage.filter_zero`). A step is exactly
+`trainer.groups_per_step` groups *taken*, filtered ones included, so the number of groups an
+actor must produce per step is fixed and its admission bound (pipeline_rl/actor/admission.py) can
+never wait for groups that filtering threw away. The kept groups are packed (pipeline_rl/preprocess/packing.py) into the same
+number of micro-batches for every rank and written to partition r of "trainer" for rank r.
+
+Resume contract. Reads are capped so that a step never holds more groups than it needs;
+once a step's micro-batches are written and flushed, preprocessor 0 saves
+{actor position, scored position, next step} to RUN_DIR/positions/preprocessor0.json, so
+nothing is buffered outside a saved position and a restart goes on at the next group and
+the next step number. A crash after the writes but before the save makes the restart write
+that step again (same step number, possibly other groups): the trainer skips micro-batches
+of steps it has already trained, and when a step's index 0 arrives again while it is still
+assembling that step it drops the partial copy. Preprocessors 1..n-1 save their actor
+position after each batch is written to Topic.SCORED: a crash between the two re-scores
+and re-sends that one batch (at-least-once).
+
+After `trainer.max_steps` steps preprocessor 0 stops reading and waits to be stopped
+(the launcher treats a pool process that exits on its own as a failure).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.preprocess.advantages import all_zero, group_advantages
+from pipeline_rl.preprocess.packing import is_padding, pack_step, rollout_sequence, share_prompt
+from pipeline_rl.scorers import Scorer, load_scorers
+from pipeline_rl.streams import Entry, PositionStore, Reader, Streams, open_streams, partitions_for
+from pipeline_rl.streams.records import DeadLetter, GroupsLost, RolloutGroup, encode
+from pipeline_rl.wire import Topic
+
+log = logging.getLogger("pipeline_rl.preprocess.preprocessor")
+
+IDLE_S = 0.2
+"""Sleep between stop checks once there is nothing left to do."""
+
+
+class Counters:
+    """Counts since the last metrics record, and totals."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.now: dict[str, float] = {}
+
+    def add(self, key: str, value: float = 1) -> None:
+        self.now[key] = self.now.get(key, 0) + value
+        self.totals[key] = self.totals.get(key, 0) + value
+
+
+class LostGroups:
+    """Tells each actor which of its groups no step will take (Topic.LOST, partition = actor),
+    so that its admission budget gives them back instead of waiting for them forever."""
+
+    def __init__(self, streams: Streams, actors: int, counters: Counters):
+        self.writer = streams.writer(Topic.LOST, partitions=actors)
+        self.counters = counters
+
+    def report(self, actor: int, cause: str, ids: list[str], error: str) -> None:
+        self.writer.write(GroupsLost(actor=actor, cause=cause, ids=ids, error=error[:500]), partition=actor)
+        self.writer.flush()
+        self.counters.add(f"groups_lost_{cause}", len(ids))
+
+    def undecodable(self, letter: DeadLetter) -> None:
+        """An actor record no reader can use: the group it held is lost."""
+        self.report(letter.partition, "decode", [f"actor:{letter.partition}:{letter.offset}"], letter.error)
+
+
+class ScoringStage:
+    """Runs the scorers on one batch; a raising scorer dead-letters the batch's groups."""
+
+    def __init__(self, scorers: list[Scorer], streams: Streams, counters: Counters, lost: LostGroups):
+        self.scorers = scorers
+        self.dead = streams.writer(Topic.SCORER_DEAD)
+        self.counters = counters
+        self.lost = lost
+
+    def __call__(self, entries: list[Entry]) -> list[RolloutGroup]:
+        groups = [e.record for e in entries]
+        start = time.monotonic()
+        for scorer in self.scorers:
+            try:
+                scorer.score(groups)
+            except Exception as e:  # a user plug-in: any failure fails this batch only
+                error = f"{type(scorer).__name__}: {type(e).__name__}: {e}"
+                log.warning(
+                    "scorer failed on a batch of %d groups (%s), dead-lettered to %s: %s",
+                    len(groups),
+                    ", ".join(g.group_id for g in groups),
+                    Topic.SCORER_DEAD,
+                    error,
+                )
+                for entry, group in zip(entries, groups):
+                    self.dead.write(
+                        DeadLetter(Topic.ACTOR, entry.partition, entry.offset, error, encode(group).decode())
+                    )
+                self.dead.flush()
+                by_actor: dict[int, list[str]] = {}
+                for entry, group in zip(entries, groups):
+                    by_actor.setdefault(entry.partition, []).append(group.group_id)
+                for actor, ids in by_actor.items():
+                    self.lost.report(actor, "scorer", ids, error)
+                self.counters.add("scorer_failures")
+                self.counters.add("scorer_failed_groups", len(groups))
+                return []
+        self.counters.add("scored_groups", len(groups))
+        self.counters.add("batch_time_s", time.monotonic() - start)
+        self.counters.add("batches")
+        return groups
+
+
+class StepAssembler:
+    """Preprocessor 0's step building: advantages, filtering, packing, writing, saving."""
+
+    def __init__(self, cfg: RunConfig, streams: Streams, metrics: MetricsLogger, next_step: int):
+        self.cfg = cfg
+        self.writer = streams.writer(Topic.TRAINER, partitions=cfg.world.trainers)
+        self.metrics = metrics
+        self.next_step = next_step
+        self.pending: list[tuple[RolloutGroup, list[list[float]]]] = []
+        self.taken = 0
+        self.counters = Counters()
+        self.rewards: list[float] = []
+
+    @property
+    def needed(self) -> int:
+        return self.cfg.trainer.groups_per_step - self.taken
+
+    def add(self, groups: list[RolloutGroup]) -> None:
+        """Take scored groups; the caller never hands over more than `needed`."""
+        for group in groups:
+            advantages = group_advantages(group, self.cfg.preprocess.advantage)
+            self.taken += 1
+            self.counters.add("groups_in")
+            self.rewards += [r.reward for r in group.rollouts]
+            if self.cfg.preprocess.advantage.filter_zero and all_zero(advantages):
+                self.counters.add("groups_filtered")
+                continue
+            self.pending.append((group, advantages))
+        assert self.taken <= self.cfg.trainer.groups_per_step, "read more groups than the step needs"
+
+    def write_step(self) -> None:
+        """Pack and write the full step `next_step` to every rank, then advance."""
+        seq_length = self.cfg.preprocess.seq_length
+        sequences = []
+        for group, advantages in self.pending:
+            seqs = []
+            for rollout, adv in zip(group.rollouts, advantages):
+                seq = rollout_sequence(rollout, adv, group.group_id, seq_length)
+                if seq.truncated:
+                    self.counters.add("truncated_sequences")
+                    log.warning(
+                        "group %s (problem %s): a sequence of %d tokens was truncated to preprocess.seq_length=%d",
+                        group.group_id,
+                        group.problem_id,
+                        len(rollout.prompt_ids) + len(rollout.completion_ids),
+                        seq_length,
+                    )
+                seqs.append(seq)
+            prompt = group.rollouts[0].prompt_ids
+            if self.cfg.preprocess.share_prompts and all(r.prompt_ids == prompt for r in group.rollouts):
+                seqs = share_prompt(seqs, len(prompt), seq_length)
+            sequences += seqs
+        per_rank = pack_step(sequences, self.next_step, self.cfg.world.trainers, seq_length)
+        count = len(per_rank[0])
+        for index in range(count):
+            for rank, batches in enumerate(per_rank):
+                self.writer.write(batches[index], partition=rank)
+        self.writer.flush()
+        real = [mb for batches in per_rank for mb in batches if not is_padding(mb)]
+        tokens = [len(mb.input_ids) for mb in real]
+        c = self.counters.now
+        self.metrics.log(
+            {
+                "preprocess/groups_in": c.get("groups_in", 0),
+                "preprocess/groups_out": len(self.pending),
+                "preprocess/groups_filtered": c.get("groups_filtered", 0),
+                "preprocess/groups_filtered_total": self.counters.totals.get("groups_filtered", 0),
+                "preprocess/truncated_sequences_total": self.counters.totals.get("truncated_sequences", 0),
+                "preprocess/micro_batches_per_rank": count,
+                "preprocess/padding_micro_batches": count * len(per_rank) - len(real),
+                "preprocess/tokens_per_micro_batch": sum(tokens) / max(1, len(tokens)),
+                "preprocess/step_tokens": per_rank[0][0].step_tokens,
+                "preprocess/step_samples": per_rank[0][0].step_samples,
+                "preprocess/reward_mean": sum(self.rewards) / max(1, len(self.rewards)),
+            },
+            step=self.next_step,
+        )
+        log.info("step %d: %d groups, %d micro-batches per rank", self.next_step, len(self.pending), count)
+        self.counters.reset()
+        self.rewards = []
+        self.pending = []
+        self.taken = 0
+        self.next_step += 1
+
+
+def _log_scoring(metrics: MetricsLogger, counters: Counters, reader_dead: int, step: int | None) -> None:
+    c = counters.now
+    metrics.log(
+        {
+            "preprocess/scored_groups": c.get("scored_groups", 0),
+            "preprocess/scorer_failures": c.get("scorer_failures", 0),
+            "preprocess/scorer_failures_total": counters.totals.get("scorer_failures", 0),
+            "preprocess/scorer_failed_groups_total": counters.totals.get("scorer_failed_groups", 0),
+            "preprocess/batch_time_s": c.get("batch_time_s", 0.0) / max(1, c.get("batches", 0)),
+            "preprocess/actor_dead_letters_total": reader_dead,
+            "preprocess/groups_lost_scorer_total": counters.totals.get("groups_lost_scorer", 0),
+            "preprocess/groups_lost_decode_total": counters.totals.get("groups_lost_decode", 0),
+        },
+        step=step,
+    )
+    counters.reset()
+
+
+def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> int:
+    """Run preprocessor `index` until `stop()` is true; returns the next step number
+    (meaningful for preprocessor 0)."""
+    stop = stop or (lambda: False)
+    n = cfg.world.preprocessors
+    if not 0 <= index < n:
+        raise ValueError(f"preprocessor index {index} not in [0, world.preprocessors={n})")
+    store = PositionStore(Path(cfg.run_dir) / "positions" / f"preprocessor{index}.json")
+    saved = store.load() or {}
+    streams = open_streams(cfg)
+    metrics = MetricsLogger(cfg, f"preprocessor{index}", streams)
+    scorers = load_scorers(cfg)
+    counters = Counters()
+    lost = LostGroups(streams, cfg.world.actors, counters)
+    scoring = ScoringStage(scorers, streams, counters, lost)
+    own = partitions_for(index, n, cfg.world.actors)
+    actor = streams.reader(Topic.ACTOR, RolloutGroup, own, position=saved.get("actor")) if own else None
+    if actor is not None:
+        actor.on_dead_letter = lost.undecodable
+    try:
+        if index > 0:
+            _run_scoring_only(cfg, index, actor, scoring, streams, store, metrics, counters, stop)
+            return 0
+        scored = None
+        if n > 1:
+            scored = streams.reader(Topic.SCORED, RolloutGroup, range(1, n), position=saved.get("scored"))
+        assembler = StepAssembler(cfg, streams, metrics, int(saved.get("next_step", 0)))
+        sources = [s for s in (actor, scored) if s is not None]
+        timeout = 1.0 / len(sources)
+        while not stop():
+            if assembler.next_step >= cfg.trainer.max_steps:
+                time.sleep(IDLE_S)
+                continue
+            for source in sources:
+                entries = source.read(timeout=timeout, max_count=min(cfg.preprocess.batch_groups, assembler.needed))
+                if not entries:
+                    metrics.heartbeat(
+                        f"rollout groups for step {assembler.next_step} "
+                        f"({assembler.taken} of {cfg.trainer.groups_per_step} taken)"
+                    )
+                    continue
+                assembler.add(scoring(entries) if source is actor else [e.record for e in entries])
+                if assembler.needed == 0:
+                    assembler.write_step()
+                    store.save(
+                        {
+                            "actor": actor.position() if actor else None,
+                            "scored": scored.position() if scored else None,
+                            "next_step": assembler.next_step,
+                        }
+                    )
+                    for topic, source in ((Topic.ACTOR, actor), (Topic.SCORED, scored)):
+                        if source is not None:
+                            streams.trim_below(topic, source.position())
+                    _log_scoring(metrics, counters, actor.dead_letters if actor else 0, assembler.next_step - 1)
+        return assembler.next_step
+    finally:
+        for scorer in scorers:
+            scorer.close()
+        metrics.close()
+        streams.close()
+
+
+def _run_scoring_only(
+    cfg: RunConfig,
+    index: int,
+    actor: Reader | None,
+    scoring: ScoringStage,
+    streams: Streams,
+    store: PositionStore,
+    metrics: MetricsLogger,
+    counters: Counters,
+    stop: Callable[[], bool],
+) -> None:
+    """Preprocessors 1..n-1: score batches and hand them to preprocessor 0."""
+    if actor is None:
+        log.info("preprocessor%d has no actor partition (world.actors=%d): idle", index, cfg.world.actors)
+    out = streams.writer(Topic.SCORED, partitions=cfg.world.preprocessors)
+    while not stop():
+        if actor is None:
+            time.sleep(IDLE_S)
+            continue
+        entries = actor.read(timeout=1.0, max_count=cfg.preprocess.batch_groups)
+        if not entries:
+            continue
+        for group in scoring(entries):
+            out.write(group, partition=index)
+        out.flush()
+        store.save({"actor": actor.position()})
+        streams.trim_below(Topic.ACTOR, actor.position())
+        _log_scoring(metrics, counters, actor.dead_letters, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_pool_process("preprocessor", lambda cfg, index, stop: f"stopped at step {run(cfg, index, stop)}", argv)

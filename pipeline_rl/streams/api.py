@@ -1,0 +1,264 @@
+"""The stream layer: append-only topics split into partitions, shared by every pool.
+
+A writer appends records to (topic, partition); a reader reads partitions from a position,
+blocking up to a timeout. Two backends implement the same contract:
+`pipeline_rl.streams.jsonl_backend` (files under RUN_DIR/streams, one node) and
+`pipeline_rl.streams.redis_backend` (Redis streams, several nodes); `cfg.streams.backend` picks one.
+
+Delivery is at-least-once and in order per partition. A payload a reader cannot decode as its
+record type is not handed out: it is counted (`Reader.dead_letters`), logged with its
+topic/partition/offset, copied as a `DeadLetter` record to partition 0 of f"{topic}.dead"
+(with at most DEAD_PAYLOAD_MAX bytes of the payload; the whole payload stays in the source
+partition at its offset), and the reader goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline_rl.streams.records import DeadLetter, RecordError, decode, encode
+from pipeline_rl.wire import dead_topic
+
+log = logging.getLogger(__name__)
+
+DEAD_PAYLOAD_MAX = 1 << 16
+"""Bytes of a bad payload copied into its DeadLetter record."""
+READ_BYTES = 1 << 20
+"""A read stops taking entries once they hold this many payload bytes (it takes at least one).
+Bounds a reader's memory when it catches up on large records, and decoding a few MB at a
+time runs ~2x faster per record than decoding tens of MB (measured with 64 KB records)."""
+
+_TOPIC = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    partition: int
+    offset: str
+    """Where the record sits in its partition: a byte offset (JSONL) or an entry ID (Redis)."""
+    record: Any
+
+
+def check_topic(topic: str) -> None:
+    # Topics become file names and Redis key parts.
+    if not _TOPIC.match(topic):
+        raise ValueError(f"bad topic name {topic!r}: use letters, digits, '_', '.', '-'")
+
+
+def partitions_for(consumer: int, consumers: int, partitions: int) -> list[int]:
+    """The partitions consumer `consumer` of `consumers` reads: every consumers-th one.
+    Together the consumers cover each partition exactly once; a consumer beyond the number of
+    partitions gets none."""
+    if consumers < 1 or not 0 <= consumer < consumers:
+        raise ValueError(f"consumer {consumer} is not in range for {consumers} consumers")
+    return [p for p in range(partitions) if p % consumers == consumer]
+
+
+class PositionStore:
+    """A JSON file that holds a consumer's position, replaced atomically on each save."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def save(self, obj: Any) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def load(self) -> Any:
+        """The saved object, or None when nothing was saved yet."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"position file {self.path} is not valid JSON: {e}") from None
+
+
+class Writer:
+    """Appends records to the partitions of one topic. Backends implement `write_raw`.
+
+    Visibility: a JSONL record is readable when write() returns; a Redis record a few
+    milliseconds later (writes are batched), or at once after flush(). close() flushes; a
+    process must close (or flush) its writers before it exits."""
+
+    def __init__(self, topic: str, partitions: int):
+        check_topic(topic)
+        if partitions < 1:
+            raise ValueError(f"topic {topic!r}: partitions must be >= 1, got {partitions}")
+        self.topic = topic
+        self.partitions = partitions
+        self._next = 0
+
+    def write(self, record: Any, partition: int | None = None) -> None:
+        """Append `record` to `partition`, or round-robin over the writer's partitions."""
+        if partition is None:
+            partition = self._next
+            self._next = (self._next + 1) % self.partitions
+        self.write_raw(encode(record), partition)
+
+    def _check_partition(self, partition: int) -> None:
+        if not 0 <= partition < self.partitions:
+            raise ValueError(f"topic {self.topic!r}: partition {partition} not in [0, {self.partitions})")
+
+    def write_raw(self, payload: bytes, partition: int = 0) -> None:
+        """Append an already encoded payload (tests use it to inject malformed records)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Make every record written so far visible to readers."""
+
+    def close(self) -> None:
+        self.flush()
+
+
+RawEntry = tuple[int, str, bytes]  # partition, offset, payload
+
+
+class Reader:
+    """Reads records of one type from some partitions of a topic. Backends implement
+    `_read_raw`, which returns up to `max_count` raw entries in partition order (stopping
+    once they hold READ_BYTES of payload) and advances `self._position` past them."""
+
+    def __init__(
+        self,
+        topic: str,
+        record_type: type,
+        partitions: Iterable[int],
+        position: dict | None,
+        start: str,
+        dead_writer: Callable[[], Writer],
+    ):
+        check_topic(topic)
+        self.topic = topic
+        self.record_type = record_type
+        self.partitions = tuple(partitions)
+        if not self.partitions:
+            raise ValueError(f"topic {topic!r}: a reader needs at least one partition")
+        given = {int(p): str(o) for p, o in (position or {}).items()}  # JSON turns int keys into str
+        self._position = {p: given.get(p, start) for p in self.partitions}
+        self.dead_letters = 0
+        self._dead_writer = dead_writer
+        self.on_dead_letter: Callable[[DeadLetter], None] | None = None
+        """Called with each dead letter after it is copied to the dead topic."""
+
+    def position(self) -> dict[int, str]:
+        """Where to resume: right after the last entry returned (JSON-able)."""
+        return dict(self._position)
+
+    def read(self, timeout: float = 1.0, max_count: int = 256) -> list[Entry]:
+        """Up to `max_count` entries, fewer once they hold READ_BYTES of payload; blocks up to
+        `timeout` seconds for at least one, [] on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            raw = self._read_raw(max(0.0, deadline - time.monotonic()), max_count)
+            entries = self._decode(raw)
+            if entries or time.monotonic() >= deadline:
+                return entries
+
+    def _decode(self, raw: list[RawEntry]) -> list[Entry]:
+        entries, dead = [], []
+        for partition, offset, payload in raw:
+            try:
+                entries.append(Entry(partition, offset, decode(payload, self.record_type)))
+            except RecordError as e:
+                error = str(e)
+                if len(payload) > DEAD_PAYLOAD_MAX:
+                    error += f" (payload of {len(payload)} bytes, first {DEAD_PAYLOAD_MAX} kept)"
+                dead.append(
+                    DeadLetter(
+                        self.topic,
+                        partition,
+                        offset,
+                        error,
+                        payload[:DEAD_PAYLOAD_MAX].decode("utf-8", errors="replace"),
+                    )
+                )
+        if dead:
+            self.dead_letters += len(dead)
+            writer = self._dead_writer()
+            for letter in dead:
+                log.warning(
+                    "dead letter: topic %s partition %d offset %s: %s (copied to %s.dead)",
+                    letter.topic,
+                    letter.partition,
+                    letter.offset,
+                    letter.error,
+                    self.topic,
+                )
+                writer.write(letter, partition=0)
+            writer.flush()
+            if self.on_dead_letter is not None:
+                for letter in dead:
+                    self.on_dead_letter(letter)
+        return entries
+
+    def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the reader's resources."""
+
+
+class Streams:
+    """Factory of writers and readers of one backend; `close()` flushes and closes them all."""
+
+    def __init__(self) -> None:
+        self._writers: list[Writer] = []
+        self._readers: list[Reader] = []
+        self._dead: dict[str, Writer] = {}
+
+    def writer(self, topic: str, partitions: int = 1) -> Writer:
+        writer = self._make_writer(topic, partitions)
+        self._writers.append(writer)
+        return writer
+
+    def reader(
+        self, topic: str, record_type: type, partitions: Iterable[int] = (0,), position: dict | None = None
+    ) -> Reader:
+        reader = self._make_reader(topic, record_type, partitions, position, lambda: self._dead_writer(topic))
+        self._readers.append(reader)
+        return reader
+
+    def _dead_writer(self, topic: str) -> Writer:
+        if topic not in self._dead:
+            self._dead[topic] = self.writer(dead_topic(topic))
+        return self._dead[topic]
+
+    def trim_below(self, topic: str, position: dict) -> None:
+        """Let the backend drop entries before `position` (a reader's saved position: every
+        entry before it is consumed for good). JSONL files keep everything."""
+
+    def _make_writer(self, topic: str, partitions: int) -> Writer:
+        raise NotImplementedError
+
+    def _make_reader(
+        self,
+        topic: str,
+        record_type: type,
+        partitions: Iterable[int],
+        position: dict | None,
+        dead_writer: Callable[[], Writer],
+    ) -> Reader:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        for reader in self._readers:
+            reader.close()
+        self._writers, self._readers, self._dead = [], [], {}

@@ -1,0 +1,260 @@
+"""Redis backend of the stream layer: one Redis stream per partition (several nodes).
+
+Keys are "{namespace}:{topic}:{partition}" with namespace `wire.redis_namespace(cfg.name)`. Each
+entry has one field, `data`, holding the orjson payload; an offset is the entry ID. XADD
+caps the broadcast topics with MAXLEN ~ cfg.streams.redis.maxlen (0: no cap); the data
+topics (`wire.CONSUMED_TOPICS`) are never capped, only trimmed by `trim_below` (XTRIM MINID)
+below a position their one reader has saved, so no entry goes before it is consumed.
+
+Writes are batched: write() buffers the record and sends the buffer in one pipeline once it
+holds BATCH_RECORDS records or BATCH_BYTES bytes or its oldest record is LINGER_S old. When
+writes stop, a background thread sends what is left about LINGER_S to 2 * LINGER_S after the
+last write. So a record is visible to readers within a few milliseconds of write()
+returning, and at once after flush() or close(). Batches go out one at a time, in write
+order. (The sending is done by the writing thread while it writes: a background sender
+would wait for the GIL behind the encoding thread at every socket call.)
+
+A lost connection is logged and retried with exponential backoff (RETRY_MIN_S doubling up to
+RETRY_MAX_S) for as long as it takes: a writer's flush() blocks until its batch is in;
+a reader's read() returns [] at its timeout and tries again on the next call. A batch whose
+reply was lost with the connection is sent again, so delivery is at-least-once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pipeline_rl.config import RedisConfig
+from pipeline_rl.streams.api import READ_BYTES, RawEntry, Reader, Streams, Writer
+from pipeline_rl.wire import CONSUMED_TOPICS
+
+log = logging.getLogger(__name__)
+
+FIELD = b"data"
+BATCH_RECORDS = 256
+BATCH_BYTES = 4 << 20
+LINGER_S = 0.002
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0
+BLOCK_MAX_S = 10.0
+"""Longest single XREAD block; the socket timeout is well above it."""
+SOCKET_TIMEOUT_S = 30.0
+
+_LOST = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Backoff:
+    """Delays between retries of one operation, with a log line for each failure."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failures = 0
+
+    def failed(self, error: Exception, cap: float = RETRY_MAX_S) -> float:
+        delay = min(RETRY_MIN_S * 2**self.failures, RETRY_MAX_S, cap)
+        self.failures += 1
+        log.warning("%s: redis connection lost (%s); retry %d in %.1f s", self.what, error, self.failures, delay)
+        return delay
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.warning("%s: redis connection back after %d retries", self.what, self.failures)
+        self.failures = 0
+
+
+CLOSE_TIMEOUT_S = 5.0
+"""How long close() keeps retrying a lost Redis before it gives up (and logs what was lost)."""
+
+
+class RedisWriter(Writer):
+    def __init__(self, client: redis.Redis, namespace: str, topic: str, partitions: int, maxlen: int):
+        super().__init__(topic, partitions)
+        self._client = client
+        self._keys = [f"{namespace}:{topic}:{p}" for p in range(partitions)]
+        self._trim = {"maxlen": maxlen, "approximate": True} if maxlen > 0 else {}
+        self._buf: list[tuple[int, bytes]] = []
+        self._bytes = 0
+        self._first = 0.0
+        """When the oldest buffered record was written (time.monotonic)."""
+        self._buf_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one batch in flight at a time keeps write order
+        self._wake = threading.Event()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._backoff = Backoff(f"writer of topic {topic!r}")
+        self._give_up_at: float | None = None
+        """Set by close(): a process that is stopping retries a lost Redis only this long."""
+
+    def write_raw(self, payload: bytes, partition: int = 0) -> None:
+        self._check_partition(partition)
+        if self._error is not None:
+            raise RuntimeError(f"topic {self.topic!r}: background flush failed: {self._error}") from self._error
+        now = time.monotonic()
+        with self._buf_lock:
+            if not self._buf:
+                self._first = now
+            self._buf.append((partition, payload))
+            self._bytes += len(payload)
+            due = len(self._buf) >= BATCH_RECORDS or self._bytes >= BATCH_BYTES or now - self._first >= LINGER_S
+        if due:
+            self.flush()
+        else:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._flush_loop, daemon=True, name=f"stream-writer-{self.topic}"
+                )
+                self._thread.start()
+            self._wake.set()
+
+    def flush(self) -> None:
+        with self._send_lock:
+            with self._buf_lock:
+                batch, self._buf, self._bytes = self._buf, [], 0
+            if batch:
+                self._send(batch)
+
+    def _send(self, batch: list[tuple[int, bytes]]) -> None:
+        while True:
+            pipe = self._client.pipeline(transaction=False)
+            for partition, payload in batch:
+                pipe.xadd(self._keys[partition], {FIELD: payload}, **self._trim)
+            try:
+                pipe.execute()
+                self._backoff.succeeded()
+                return
+            except _LOST as e:
+                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                    log.error(
+                        "writer of topic %r: closing with Redis unreachable; %d records were not delivered",
+                        self.topic,
+                        len(batch),
+                    )
+                    return
+                time.sleep(self._backoff.failed(e, cap=CLOSE_TIMEOUT_S / 4 if self._give_up_at else RETRY_MAX_S))
+
+    def _flush_loop(self) -> None:
+        """Send what an idle writer left in its buffer."""
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            self._wake.clear()
+            time.sleep(LINGER_S)
+            with self._buf_lock:
+                idle = bool(self._buf) and time.monotonic() - self._first >= LINGER_S
+            if not idle:
+                if self._buf:
+                    self._wake.set()  # a busy writer sends by itself; look again later
+                continue
+            try:
+                self.flush()
+            except Exception as e:  # surfaced to the caller on its next write()
+                log.error("writer of topic %r: background flush failed: %s", self.topic, e)
+                self._error = e
+                return
+
+    def close(self) -> None:
+        self._give_up_at = time.monotonic() + CLOSE_TIMEOUT_S
+        self.flush()
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
+            self._thread = None
+
+
+class RedisReader(Reader):
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str,
+        topic: str,
+        record_type: type,
+        partitions: Iterable[int],
+        position: dict | None,
+        dead_writer: Callable[[], Writer],
+    ):
+        super().__init__(topic, record_type, partitions, position, "0-0", dead_writer)
+        self._client = client
+        self._keys = {f"{namespace}:{topic}:{p}".encode(): p for p in self.partitions}
+        self._backoff = Backoff(f"reader of topic {topic!r}")
+        self._entry_bytes = 1
+        """Mean payload size of the last read (unknown before the first, which takes max_count):
+        XREAD's COUNT is set so that a read holds about READ_BYTES."""
+
+    def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
+        streams: dict[Any, Any] = {key: self._position[p] for key, p in self._keys.items()}
+        block_ms = int(min(timeout, BLOCK_MAX_S) * 1000)
+        count = max(1, min(max_count, READ_BYTES // self._entry_bytes))
+        try:
+            # block=0 would mean forever in Redis; no block means return at once.
+            reply: Any = self._client.xread(streams, count=count, block=block_ms or None)
+            self._backoff.succeeded()
+        except _LOST as e:
+            time.sleep(self._backoff.failed(e, cap=timeout))
+            return []
+        out: list[RawEntry] = []
+        # redis-py gives [[key, entries], ...], or {key: entries} under RESP3 in some versions.
+        for key, items in reply.items() if isinstance(reply, dict) else reply or ():
+            partition = self._keys[key]
+            for entry_id, fields in items[: count - len(out)]:
+                offset = entry_id.decode()
+                out.append((partition, offset, fields.get(FIELD, b"")))
+                self._position[partition] = offset
+        if out:
+            self._entry_bytes = max(1, sum(len(e[2]) for e in out) // len(out))
+        return out
+
+
+class RedisStreams(Streams):
+    def __init__(self, rcfg: RedisConfig, namespace: str):
+        super().__init__()
+        self.namespace = namespace
+        self.maxlen = rcfg.maxlen
+        # Retries are ours (logged, with backoff), so redis-py's own are turned off.
+        self.client = redis.Redis(
+            host=rcfg.host,
+            port=rcfg.port,
+            password=rcfg.password,
+            ssl=rcfg.tls,
+            socket_connect_timeout=5.0,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_keepalive=True,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    def _make_writer(self, topic: str, partitions: int) -> Writer:
+        maxlen = 0 if topic in CONSUMED_TOPICS else self.maxlen
+        return RedisWriter(self.client, self.namespace, topic, partitions, maxlen)
+
+    def trim_below(self, topic: str, position: dict) -> None:
+        for partition, offset in position.items():
+            if offset != "0-0":
+                self.client.xtrim(f"{self.namespace}:{topic}:{partition}", minid=offset)
+
+    def _make_reader(
+        self,
+        topic: str,
+        record_type: type,
+        partitions: Iterable[int],
+        position: dict | None,
+        dead_writer: Callable[[], Writer],
+    ) -> Reader:
+        return RedisReader(self.client, self.namespace, topic, record_type, partitions, position, dead_writer)
+
+    def delete_all(self) -> int:
+        """Delete every stream of this run (its namespace); returns how many keys went."""
+        keys = list(self.client.scan_iter(match=f"{self.namespace}:*", count=1000))
+        return self.client.delete(*keys) if keys else 0
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()

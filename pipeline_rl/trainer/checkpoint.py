@@ -1,0 +1,185 @@
+"""Trainer checkpoints: written atomically, found through one pointer file.
+
+Layout under RUN_DIR/checkpoints:
+
+    step_000050/hf/                    Hugging Face model (save_pretrained + the tokenizer files)
+    step_000050/deepspeed/             engine.save_checkpoint: ZeRO shards, optimizer, LR schedule
+    step_000050/position_rank{r}.json  rank r's position in the "trainer" stream
+    step_000050/state.json             {"version", "world_size", ...}
+    latest                             the name of the newest complete checkpoint
+
+Writing goes into `.tmp-step_N`, which is renamed to `step_N` once every rank has written
+its part, and only then is `latest` replaced (write a temp file, rename it). A crash at any
+point leaves `latest` naming a complete checkpoint; the leftovers (a temp dir, or a renamed
+dir that `latest` never named) are removed by `clean_leftovers` when the trainer restarts.
+All ranks must call `save` (DeepSpeed writes each rank's ZeRO shards); the directory must be
+on a file system every trainer node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline_rl.streams import PositionStore
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+STATE = "state.json"
+HF_DIR = "hf"
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_TAG = "state"
+_NAME = re.compile(r"^step_(\d+)$")
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def checkpoints_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_dir(run_dir: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete checkpoint directory and its state, or None if there is none."""
+    root = checkpoints_root(run_dir)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    path = root / name
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise RuntimeError(
+            f"checkpoint pointer {root / LATEST} names {name!r}, which is not a complete checkpoint ({e})"
+        ) from None
+    return path, state
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, int] | None:
+    """(Hugging Face model dir, policy version) of the newest checkpoint, or None."""
+    found = latest_dir(run_dir)
+    if found is None:
+        return None
+    path, state = found
+    return path / HF_DIR, int(state["version"])
+
+
+def _version_of(path: Path) -> int | None:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def clean_leftovers(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove what an interrupted save left (temp dirs, dirs newer than `latest`); rank 0 only."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = latest_dir(run_dir)
+    latest_version = _version_of(found[0]) if found is not None else None
+    if latest_version is None:
+        latest_version = -1
+    removed = []
+    for path in root.iterdir():
+        version = _version_of(path)
+        # Dot names are temp dirs and pointer temp files; a step dir newer than `latest` was never published.
+        if path.name.startswith(".") or (version is not None and version > latest_version):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+    for path in removed:
+        log.warning("removed %s, left by an interrupted checkpoint save", path)
+    return removed
+
+
+def copy_tokenizer_files(model_path: str | os.PathLike, hf_dir: Path) -> None:
+    """Copy every top-level file of the source model dir that is not a weight file and that
+    save_pretrained did not write (tokenizer, vocab, chat template...)."""
+    for src in Path(model_path).iterdir():
+        if src.is_file() and not src.name.endswith(_WEIGHT_FILES) and not (hf_dir / src.name).exists():
+            shutil.copy2(src, hf_dir / src.name)
+
+
+def save(
+    engine: Any,
+    run_dir: str | os.PathLike,
+    model_path: str,
+    version: int,
+    position: dict,
+    rank: int,
+    world_size: int,
+    full_state: dict[str, torch.Tensor] | None,
+    keep: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Collective: every rank calls it. `full_state` is the gathered model state dict (rank 0)."""
+    root = checkpoints_root(run_dir)
+    name = f"step_{version:06d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+    PositionStore(tmp / f"position_rank{rank}.json").save(position)
+    if rank == 0:
+        engine.module.save_pretrained(tmp / HF_DIR, state_dict=full_state, safe_serialization=True)
+        copy_tokenizer_files(model_path, tmp / HF_DIR)
+    dist.barrier()
+    if rank == 0:
+        _write_atomic(tmp / STATE, json.dumps({"version": version, "world_size": world_size, **(extra or {})}))
+        if final.exists():  # left by a save whose pointer update never happened
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_atomic(root / LATEST, name)
+        prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints (at least the one `latest` names)."""
+    latest = (root / LATEST).read_text().strip()
+    done = sorted((p for p in root.iterdir() if _version_of(p) is not None), key=lambda p: _version_of(p) or 0)
+    for path in done[: -max(keep, 1)]:
+        if path.name != latest:
+            shutil.rmtree(path)
+
+
+def load(engine: Any, ckpt_dir: Path, state: dict[str, Any], rank: int, world_size: int) -> dict:
+    """Restore the engine (weights, optimizer, LR schedule) from `ckpt_dir`; returns this
+    rank's stream position. Collective."""
+    if state.get("world_size") != world_size:
+        raise RuntimeError(
+            f"checkpoint {ckpt_dir} was written by {state.get('world_size')} trainer ranks, "
+            f"this run has {world_size} (world.trainers): resume with the same number"
+        )
+    path, _ = engine.load_checkpoint(
+        str(ckpt_dir / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load its state from {ckpt_dir / DEEPSPEED_DIR}")
+    position = PositionStore(ckpt_dir / f"position_rank{rank}.json").load()
+    if position is None:
+        raise RuntimeError(f"checkpoint {ckpt_dir} has no stream position for rank {rank}")
+    return position

@@ -1,0 +1,151 @@
+"""The policy-gradient loss of one packed micro-batch.
+
+Off-policy correction: every trained token carries the behaviour logprob the actor sampled
+it with (old_logprobs), so the importance weight of the current policy is
+w = exp(logprob - old_logprob). Two objectives:
+
+- reinforce: -min(w, is_truncation).detach() * A * logprob (truncated importance weights);
+- ppo: -min(w * A, clip(w, 1 - eps, 1 + eps) * A).
+
+Optional terms: + kl_coef * k3(ref || policy) with k3 = exp(ref - lp) - (ref - lp) - 1, and
+- entropy_coef * entropy.
+
+Normalisation uses denominators of the whole optimizer step over all ranks, so that the sum
+of the micro-batch losses of all ranks is the step's mean: token (each trained token weighs
+1 / step_tokens) or sequence (each sequence's mean over its trained tokens weighs
+1 / step_samples). Data-parallel ranks therefore give the same update as one rank.
+
+`stats` are sums over the micro-batch's trained tokens, to be added up over micro-batches
+and ranks and divided at the end (see `summarize`).
+
+The loss is a plug-in (`trainer.loss.function`, default `policy_loss` here): a replacement
+takes the same arguments and returns the same (loss, stats) pair; see `LossFn`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pipeline_rl.config import LossConfig
+from pipeline_rl.plugins import load_plugin
+
+STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "adv", "adv_sq")
+
+
+class LossFn(Protocol):
+    """The contract of a loss plug-in: `policy_loss`'s signature. Tensors are [T] over the
+    micro-batch's packed tokens; the sum over all micro-batches of all ranks of the returned
+    loss is what is minimised, so weigh tokens with `token_weights`. `stats` holds detached
+    0-d sums for STAT_KEYS (extra keys are ignored)."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        seq_index: torch.Tensor,
+        cfg: LossConfig,
+        step_tokens: float,
+        step_samples: float,
+        ref_logprobs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+def load_loss(cfg: LossConfig) -> LossFn:
+    """The loss named by `trainer.loss.function`."""
+    return load_plugin(cfg.function, "trainer.loss.function", "a function", check=callable)
+
+
+def token_weights(
+    loss_mask: torch.Tensor, seq_index: torch.Tensor, normalize: str, step_tokens: float, step_samples: float
+) -> torch.Tensor:
+    """Weight of each token in the step's loss (0 where loss_mask is 0)."""
+    mask = loss_mask.float()
+    if normalize == "token":
+        return mask / max(step_tokens, 1.0)
+    if normalize == "sequence":
+        per_seq = torch.zeros(int(seq_index.max()) + 1, dtype=mask.dtype, device=mask.device)
+        per_seq.scatter_add_(0, seq_index, mask)
+        return mask / per_seq[seq_index].clamp(min=1.0) / max(step_samples, 1.0)
+    raise ValueError(f"bad value for 'trainer.loss.normalize': {normalize!r}, expected token or sequence")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_index: torch.Tensor,
+    cfg: LossConfig,
+    step_tokens: float,
+    step_samples: float,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch (all tensors [T]; seq_index[t] = packed sequence of token t), and
+    its stats as detached 0-d tensors keyed by STAT_KEYS."""
+    mask = loss_mask.float()
+    weights = token_weights(loss_mask, seq_index, cfg.normalize, step_tokens, step_samples)
+    # Masked tokens (prompts, gated samples) get log-ratio 0 so exp() cannot overflow there.
+    log_ratio = (logprobs - old_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    r = ratio.detach()
+    if cfg.kind == "reinforce":
+        per_token = -r.clamp(max=cfg.is_truncation) * advantages * logprobs
+        clipped = (r > cfg.is_truncation).float()
+    elif cfg.kind == "ppo":
+        clipped_ratio = ratio.clamp(1.0 - cfg.ppo_clip, 1.0 + cfg.ppo_clip)
+        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+        clipped = (
+            ((advantages > 0) & (r > 1.0 + cfg.ppo_clip)) | ((advantages < 0) & (r < 1.0 - cfg.ppo_clip))
+        ).float()
+    else:
+        raise ValueError(f"bad value for 'trainer.loss.kind': {cfg.kind!r}, expected reinforce or ppo")
+    pg_loss = (weights * per_token).sum()
+    loss = pg_loss
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("'trainer.loss.kl_coef' > 0 but the micro-batch has no ref_logprobs (no reference scorer ran)")
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        d = (ref_logprobs - logprobs) * mask
+        kl = torch.exp(d) - d - 1.0
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * (weights * kl).sum()
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * (weights * entropy).sum()
+    stats = {
+        "tokens": mask.sum(),
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "kl": (kl.detach() * mask).sum(),
+        "entropy": (entropy.detach() * mask).sum(),
+        "w": (r * mask).sum(),
+        "w_sq": (r * r * mask).sum(),
+        "clipped": (clipped * mask).sum(),
+        "adv": (advantages * mask).sum(),
+        "adv_sq": (advantages * advantages * mask).sum(),
+    }
+    return loss, stats
+
+
+def summarize(sums: dict[str, float]) -> dict[str, float]:
+    """Step metrics from stats summed over all micro-batches and ranks."""
+    n = max(sums["tokens"], 1.0)
+    adv_mean = sums["adv"] / n
+    return {
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_loss"],
+        "kl": sums["kl"] / n,
+        "entropy": sums["entropy"] / n,
+        # Effective sample size of the importance weights, as a fraction of the tokens (1 = on-policy).
+        "ess": sums["w"] ** 2 / (n * sums["w_sq"]) if sums["w_sq"] > 0 else 1.0,
+        "is_weight_mean": sums["w"] / n,
+        "clip_fraction": sums["clipped"] / n,
+        "advantage_mean": adv_mean,
+        "advantage_std": max(sums["adv_sq"] / n - adv_mean**2, 0.0) ** 0.5,
+        "trained_tokens": sums["tokens"],
+    }

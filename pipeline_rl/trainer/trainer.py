@@ -1,0 +1,424 @@
+"""The trainer pool: DeepSpeed ZeRO data-parallel ranks that turn micro-batches into policy versions.
+
+Rank r reads partition r of the "trainer" stream. One optimizer step = the `count`
+micro-batches of one `step` (micro-batches of steps already trained are skipped, and a step
+whose index 0 arrives again while it is being assembled restarts from that copy: the
+preprocessor rewrote it). For each step the ranks agree (one all-reduce) on whether to stop
+and on how many samples the max_lag gate dropped, so that every rank uses the same
+denominators; each micro-batch's loss is a share of the step's global mean, so the
+gradients summed over micro-batches and ranks are those of one rank holding all the data.
+
+Policy version = optimizer steps done (a step whose samples the gate dropped entirely
+advances the version without an update). Every `weight_update_interval` versions rank 0
+gathers the full weights (all ranks take part under ZeRO-3) and broadcasts them to the
+actors; every `checkpoint_every` versions, at max_steps and on SIGTERM/SIGINT the ranks
+write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.preprocess.packing import PAD_GROUP_ID
+from pipeline_rl.streams import open_streams
+from pipeline_rl.streams.api import Reader, Writer
+from pipeline_rl.streams.records import MicroBatch, WeightUpdate
+from pipeline_rl.trainer import checkpoint
+from pipeline_rl.trainer.lag_gate import apply_lag_gate
+from pipeline_rl.trainer.logprobs import packed_logprobs
+from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
+from pipeline_rl.weight_sync import WeightSender, backend_for
+from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
+
+log = logging.getLogger(__name__)
+
+
+def deepspeed_config(cfg: RunConfig) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # A step's micro-batch count varies: backward() only accumulates, step() is the boundary.
+        "managed_gradient_accumulation": False,
+        # Always explicit: DeepSpeed clips at 1.0 when the key is absent; 0 disables.
+        "gradient_clipping": cfg.trainer.optimizer.grad_clip,
+        "zero_optimization": {"stage": cfg.trainer.zero_stage},
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
+    """LR multiplier of optimizer step s (0-based): linear up to 1 over `warmup_steps` steps."""
+    return lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def full_parameters(module: torch.nn.Module, rank: int, chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter at full size with its Hugging Face name, yielded on rank 0. Under ZeRO-3
+    the parameters are gathered chunk by chunk and every rank must iterate to the end."""
+    params = list(module.named_parameters())
+    if not any(hasattr(p, "ds_id") for _, p in params):
+        if rank == 0:
+            yield from ((name, p.detach()) for name, p in params)
+        return
+    chunk, size = [], 0
+    for i, (name, p) in enumerate(params):
+        chunk.append((name, p))
+        size += p.ds_numel * p.element_size()  # pyright: ignore[reportAttributeAccessIssue]  (set by ZeRO-3)
+        if size >= chunk_bytes or i == len(params) - 1:
+            with deepspeed.zero.GatheredParameters([q for _, q in chunk], modifier_rank=None):
+                if rank == 0:
+                    # Clone: the gathered storage is released when the context exits.
+                    yield from ((n, q.detach().clone()) for n, q in chunk)
+            chunk, size = [], 0
+
+
+class StepCollector:
+    """Assembles the micro-batches of one step from this rank's partition, reading only as
+    many entries as the step still needs so that the stream position falls on step boundaries."""
+
+    def __init__(self, reader: Reader, rank: int):
+        self.reader = reader
+        self.rank = rank
+        self.skipped = 0
+        """Micro-batches of steps already trained (a preprocessor rewrote them after a restart)."""
+        self.restarted = 0
+        """Partial steps dropped because the step began again."""
+
+    def next_step(
+        self, version: int, stop: Callable[[], bool], waiting: Callable[[str], None] = lambda _: None
+    ) -> list[MicroBatch] | None:
+        """The micro-batches of the next untrained step, or None once `stop()` is true.
+        `waiting` is told, while it waits, what it waits for."""
+        batch: list[MicroBatch] = []
+        while not stop():
+            need = batch[0].count - len(batch) if batch else 1
+            have = f"{len(batch)} of {batch[0].count}" if batch else "none yet"
+            waiting(f"micro-batches of step {version} on trainer stream partition {self.rank} ({have})")
+            for entry in self.reader.read(timeout=0.2, max_count=need):
+                mb: MicroBatch = entry.record
+                if mb.step < version:
+                    self.skipped += 1
+                    continue
+                if batch and (mb.step != batch[0].step or mb.index == 0):
+                    log.warning(
+                        "dropping partial step %d (%d of %d micro-batches): step %d index %d follows at offset %s",
+                        batch[0].step,
+                        len(batch),
+                        batch[0].count,
+                        mb.step,
+                        mb.index,
+                        entry.offset,
+                    )
+                    self.restarted += 1
+                    batch = []
+                if mb.index != len(batch) or mb.count < 1 or (batch and mb.count != batch[0].count):
+                    raise ValueError(
+                        f"trainer stream partition {self.rank} offset {entry.offset}: micro-batch "
+                        f"{mb.index} of {mb.count} of step {mb.step}, expected index {len(batch)}"
+                    )
+                batch.append(mb)
+                if len(batch) == mb.count:
+                    return batch
+        return None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.loss_fn = load_loss(cfg.trainer.loss)
+        self.run_dir = Path(cfg.run_dir)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        if cfg.trainer.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        opt_cfg = cfg.trainer.optimizer
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=opt_cfg.lr,
+            betas=(opt_cfg.betas[0], opt_cfg.betas[1]),
+            eps=opt_cfg.eps,
+            weight_decay=opt_cfg.weight_decay,
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config=deepspeed_config(cfg),
+            # DeepSpeed's annotation names the old _LRScheduler base; any LRScheduler works.
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_factor(opt_cfg.warmup_steps)),  # pyright: ignore[reportArgumentType]
+        )
+        self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
+        self.device = self.engine.device
+        self.streams = open_streams(cfg)
+        self.metrics = MetricsLogger(cfg, f"trainer{rank}", self.streams) if rank == 0 else None
+        self.version = 0
+        self.dropped_total = 0
+        position = None
+        if rank == 0:
+            checkpoint.clean_leftovers(self.run_dir)
+        dist.barrier()
+        found = checkpoint.latest_dir(self.run_dir)
+        if found is not None:
+            ckpt_dir, state = found
+            position = checkpoint.load(self.engine, ckpt_dir, state, rank, world_size)
+            self.version = int(state["version"])
+            self.dropped_total = int(state.get("dropped_total", 0))
+            log.info("resumed from %s: version %d", ckpt_dir, self.version)
+        self.reader = self.streams.reader(Topic.TRAINER, MicroBatch, partitions=(rank,), position=position)
+        self.collector = StepCollector(self.reader, rank)
+        self.trained_position = self.reader.position()
+        self.saved_version = self.version if found is not None else None
+        self.sender: WeightSender | None = None
+        self.weights_writer: Writer | None = None
+        addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
+        self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
+        if rank == 0 and addr:
+            backend = backend_for(cfg.world.gpus_per_node)
+            self.sender = WeightSender(addr, world_size=1 + cfg.world.actors, backend=backend)
+            self.weights_writer = self.streams.writer(Topic.WEIGHTS)
+
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def _waiting(self, what: str) -> None:
+        if self.metrics is not None:
+            self.metrics.heartbeat(what, version=self.version)
+
+    def train(self, stop: Callable[[], bool]) -> int:
+        cfg = self.cfg
+        while self.version < cfg.trainer.max_steps:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            batch = self.collector.next_step(self.version, stop, self._waiting)
+            wait_s = time.perf_counter() - t0
+            if self._stop_or_check(batch) or batch is None:
+                break
+            gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag) for mb in batch]
+            dropped_tokens, dropped_samples = self._all_reduce(
+                [sum(g.dropped_tokens for g in gates), sum(g.dropped_samples for g in gates)]
+            )
+            for g in gates:
+                for lag in g.dropped_lags:
+                    log.info(
+                        "max_lag gate: dropped a sample of lag %d > %d at version %d",
+                        lag,
+                        cfg.trainer.max_lag,
+                        self.version,
+                    )
+            t1 = time.perf_counter()
+            values = self._step(batch, gates, dropped_tokens, dropped_samples)
+            compute_s = time.perf_counter() - t1
+            # CPU time of reading + computing the step: unlike wall time, not inflated by other processes.
+            step_cpu_s = time.process_time() - cpu0
+            self.version += 1
+            self.dropped_total += int(dropped_samples)
+            self.trained_position = self.reader.position()
+            values.update(
+                wait_s=wait_s,
+                compute_s=compute_s,
+                step_cpu_s=step_cpu_s,
+                dropped_total=self.dropped_total,
+                samples_per_s=values["samples"] / (wait_s + compute_s),
+                tokens_per_s=values["tokens"] / (wait_s + compute_s),
+                compute_tokens_per_s=values["tokens"] / compute_s,
+                skipped_microbatches=self.collector.skipped,
+                restarted_steps=self.collector.restarted,
+                dead_letters=self.reader.dead_letters,
+            )
+            if self.version % cfg.trainer.weight_update_interval == 0:
+                values.update(self._publish_weights())
+            if cfg.trainer.checkpoint_every and self.version % cfg.trainer.checkpoint_every == 0:
+                values["checkpoint_s"] = self.save()
+            if self.metrics is not None:
+                values["version"] = self.version
+                self.metrics.log(values, step=self.version)
+        self.save()
+        return self.version
+
+    def _stop_or_check(self, batch: list[MicroBatch] | None) -> bool:
+        """True if any rank is stopping; otherwise check that all ranks hold the same step with
+        the same number of micro-batches (a mismatch would hang the collectives later)."""
+        step, count = (batch[0].step, batch[0].count) if batch else (-1, -1)
+        neg_stop, lo_step, neg_hi_step, lo_count, neg_hi_count = self._all_reduce(
+            [-float(batch is None), step, -step, count, -count], op=dist.ReduceOp.MIN
+        )
+        if neg_stop < 0:
+            return True
+        if (lo_step, lo_count) != (-neg_hi_step, -neg_hi_count):
+            raise RuntimeError(
+                f"trainer ranks disagree on the step: steps {lo_step:.0f}..{-neg_hi_step:.0f}, "
+                f"micro-batches per rank {lo_count:.0f}..{-neg_hi_count:.0f} (rank {self.rank} has "
+                f"step {step} with {count})"
+            )
+        return False
+
+    def _step(self, batch: list[MicroBatch], gates, dropped_tokens: float, dropped_samples: float) -> dict:
+        """Forward/backward over the step's micro-batches and one optimizer update; returns metrics."""
+        step_tokens = batch[0].step_tokens - dropped_tokens
+        step_samples = batch[0].step_samples - dropped_samples
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
+        lags: Counter = Counter()
+        rewards, samples, tokens = 0.0, 0, 0
+        lr = self.engine.get_lr()[0]
+        update = step_tokens > 0  # False only when the gate dropped every sample of the step
+        for mb, gate in zip(batch, gates):
+            lags.update(gate.lags)
+            real = [i for i, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
+            rewards += sum(mb.rewards[i] for i in real)
+            samples += len(real)
+            tokens += len(mb.input_ids)
+            if not update:
+                continue
+            loss, stats = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
+            # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the step's sum.
+            self.engine.backward(loss * self.world_size)
+            sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
+        if update:
+            self.engine.step()
+        lo, hi = (min(lags), max(lags)) if lags else (0, 0)
+        lo, neg_hi = self._all_reduce([lo, -hi], op=dist.ReduceOp.MIN)
+        lo, hi = int(lo), int(-neg_hi)
+        hist = [0.0] * (hi - lo + 1)
+        for lag, n in lags.items():
+            hist[lag - lo] += n
+        totals = self._all_reduce(sums.tolist() + [rewards, samples, tokens] + hist)
+        k = len(STAT_KEYS)
+        values: dict[str, Any] = dict(summarize(dict(zip(STAT_KEYS, totals[:k]))))
+        rewards, samples, tokens = totals[k : k + 3]
+        grad_norm = self.engine.get_global_grad_norm() if update else None
+        values.update(
+            reward_mean=rewards / max(samples, 1),
+            samples=samples,
+            tokens=tokens,
+            lr=lr,
+            dropped_samples=dropped_samples,
+            dropped_tokens=dropped_tokens,
+            updated=update,
+            lag_hist={str(lo + i): int(n) for i, n in enumerate(totals[k + 3 :]) if n},
+        )
+        if grad_norm is not None:
+            values["grad_norm"] = float(grad_norm)
+        return values
+
+    def _micro_batch_loss(self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float):
+        dev = self.device
+        input_ids = torch.tensor([mb.input_ids], device=dev)
+        position_ids = torch.tensor([mb.position_ids], device=dev)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(mb.seq_lengths), device=dev), torch.tensor(mb.seq_lengths, device=dev)
+        )
+        logprobs, entropy = packed_logprobs(
+            self.engine, input_ids, position_ids, self.cfg.actor.temperature, mb.seq_lengths, mb.prefix_lengths
+        )
+        ref = None if mb.ref_logprobs is None else torch.tensor(mb.ref_logprobs, device=dev)
+        return self.loss_fn(
+            logprobs,
+            entropy,
+            torch.tensor(mb.old_logprobs, device=dev),
+            torch.tensor(mb.advantages, device=dev),
+            torch.tensor(loss_mask, device=dev),
+            seq_index,
+            self.cfg.trainer.loss,
+            step_tokens,
+            step_samples,
+            ref,
+        )
+
+    def _publish_weights(self) -> dict:
+        """Rank 0 broadcasts the current weights to the actors; under ZeRO-3 every rank takes part
+        in the gathers."""
+        if not self.broadcast:
+            return {}
+        params = full_parameters(self.model, self.rank, self.cfg.trainer.weight_bucket_mb << 20)
+        if self.rank != 0:
+            for _ in params:
+                pass
+            return {}
+        assert self.sender is not None, "rank 0 broadcasts only with a sender"
+        try:
+            seconds = self.sender.send(
+                self.version, params, announce=self._announce, bucket_mb=self.cfg.trainer.weight_bucket_mb
+            )
+        except Exception as e:  # an actor died or stalled: keep training, the next send rebuilds the group
+            for _ in params:  # finish the gathers the other ranks are in
+                pass
+            log.error("weight broadcast of version %d failed: %s", self.version, e)
+            return {"weight_broadcast_failed": 1}
+        return {"weight_broadcast_s": seconds}
+
+    def _announce(self, update: WeightUpdate) -> None:
+        assert self.weights_writer is not None
+        self.weights_writer.write(update)
+        self.weights_writer.flush()
+
+    def save(self) -> float:
+        """Write a checkpoint of the current version (unless it is already saved); returns seconds."""
+        if self.saved_version == self.version:
+            return 0.0
+        start = time.perf_counter()
+        state = dict(full_parameters(self.model, self.rank, self.cfg.trainer.weight_bucket_mb << 20))
+        path = checkpoint.save(
+            self.engine,
+            self.run_dir,
+            self.cfg.model.path,
+            self.version,
+            self.trained_position,
+            self.rank,
+            self.world_size,
+            state if self.rank == 0 else None,
+            self.cfg.trainer.keep_checkpoints,
+            {"dropped_total": self.dropped_total},
+        )
+        self.saved_version = self.version
+        # Entries before the checkpoint's position are trained for good: the backend may drop them.
+        self.streams.trim_below(Topic.TRAINER, self.trained_position)
+        log.info("checkpoint %s (version %d)", path, self.version)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.sender is not None:
+            self.sender.close()
+        self.streams.close()
+
+
+def _init_distributed() -> None:
+    """Join the trainers' process group (once per process: DeepSpeed caches its groups)."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(verbose=False)
+
+
+def run(cfg: RunConfig, rank: int, stop: Callable[[], bool] | None = None) -> int:
+    """Train until cfg.trainer.max_steps or until `stop()` is true; returns the final version.
+    Needs the torchrun-style env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", rank)) != rank:
+        raise ValueError(f"--index {rank} disagrees with env RANK={os.environ['RANK']}")
+    torch.manual_seed(cfg.seed)
+    _init_distributed()
+    trainer = Trainer(cfg, rank, world_size)
+    try:
+        return trainer.train(stop or (lambda: False))
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_pool_process("trainer", lambda cfg, rank, stop: f"done at version {run(cfg, rank, stop)}", argv)

@@ -1,0 +1,73 @@
+"""The wire contract: every name that crosses a process boundary, defined once.
+
+Pools talk only through streams (see ARCHITECTURE.md). A topic name, a record kind or an
+environment variable written by one process and read by another lives here and nowhere
+else, so renaming one cannot leave a reader listening on the old name.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Topic(StrEnum):
+    """Stream topics. Partitioned topics say who owns which partition."""
+
+    ACTOR = "actor"
+    """Rollout groups; partition i is written by actor i."""
+    SCORED = "scored"
+    """Scored groups from preprocessors 1..n-1 to preprocessor 0 (partition = preprocessor)."""
+    TRAINER = "trainer"
+    """Micro-batches; partition r is read by trainer rank r."""
+    WEIGHTS = "weights"
+    """Weight-version announcements from trainer rank 0 to every actor."""
+    METRICS = "metrics"
+    """Metrics records from every process, read by the launcher's status line."""
+    CONTROL = "control"
+    """Run-wide control (stop, failed) between the launchers of a multi-node run."""
+    SCORER_DEAD = "scorer.dead"
+    """Groups a scorer failed on, with the error (dead letters)."""
+    LOST = "lost"
+    """Groups an actor wrote that no step will take (scorer failure, undecodable record);
+    partition i is read by actor i, whose admission budget gives them back."""
+
+
+CONSUMED_TOPICS = frozenset({Topic.ACTOR, Topic.SCORED, Topic.TRAINER})
+"""Topics whose every entry must reach its reader: never capped by length, trimmed only below
+the positions their readers have durably saved (`Streams.trim_below`)."""
+
+
+def dead_topic(topic: str) -> str:
+    """Where a reader puts entries it cannot decode, with the error and the raw payload."""
+    return f"{topic}.dead"
+
+
+class Kind(StrEnum):
+    """The `kind` field of every record; a reader refuses a record of another kind."""
+
+    ROLLOUT_GROUP = "rollout_group"
+    MICRO_BATCH = "micro_batch"
+    WEIGHT_UPDATE = "weight_update"
+    METRICS = "metrics"
+    CONTROL = "control"
+    DEAD_LETTER = "dead_letter"
+    GROUPS_LOST = "groups_lost"
+
+
+POOL_MODULES = {
+    "actor": "pipeline_rl.actor",
+    "preprocessor": "pipeline_rl.preprocess",
+    "trainer": "pipeline_rl.trainer",
+}
+"""Pool name -> module the launcher runs as `python -m MODULE --run-dir DIR --index I`."""
+
+WEIGHT_SYNC_ADDR_ENV = "PIPELINE_RL_WEIGHT_SYNC_ADDR"
+"""host:port of the weight-broadcast group's rendezvous (trainer rank 0), set by the launcher."""
+
+CACHE_ENV = "PIPELINE_RL_CACHE"
+"""Directory of locally built models and data sets (default `.cache`), read by the configs."""
+
+
+def redis_namespace(run_name: str) -> str:
+    """Prefix of every Redis key of a run, so runs can share one server."""
+    return f"pipeline_rl:{run_name}"

@@ -1,0 +1,138 @@
+"""Helpers shared by the test tiers: paths, free ports, a real redis-server, the tiny model.
+
+Tests import these with `from helpers import ...` (pytest puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_rl.wire import CACHE_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+CACHE = Path(os.environ.get(CACHE_ENV, ROOT / ".cache"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server process of the test's own; `restart()` keeps the port. With `appendonly` it
+    loads (and keeps) the append-only file under `workdir`, as the launcher's own server does."""
+
+    def __init__(self, workdir: Path, appendonly: bool = False):
+        self.port = free_port()
+        self.workdir = workdir
+        self.appendonly = appendonly
+        self.proc = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not on PATH (.ci/run installs it with apt)")
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def restart(self, down_s: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+def build_tiny_model() -> Path:
+    """The pretrained tiny arithmetic model under CACHE/tiny_model (built once, with its data set
+    under CACHE/arithmetic)."""
+    path = CACHE / "tiny_model"
+    if not (path / "config.json").exists():
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--cache", str(CACHE)], check=True
+        )
+    return path
+
+
+def perturbed(weights: dict, seed: int) -> dict:
+    """Another model of the same shapes: each matrix plus noise of its own scale, each vector
+    (norms, biases) scaled by random factors (the tiny model's softened final norm included)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        name: t + torch.randn(t.shape, generator=g) * t.std()
+        if t.dim() > 1
+        else t * (1 + 0.5 * torch.randn(t.shape, generator=g))
+        for name, t in weights.items()
+    }
+
+
+def hf_model(model_dir, weights: dict):
+    """A transformers model of `model_dir`'s architecture holding `weights`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def random_qwen2(attn: str | None = None, max_len: int = 128):
+    """A tiny Qwen2 with random weights (seed 0): contracts that hold for any causal LM are
+    checked on it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+    )
+    if attn is not None:
+        config._attn_implementation = attn
+    return Qwen2ForCausalLM(config).eval()

@@ -1,0 +1,160 @@
+"""Real DeepSpeed trainer ranks on gloo: data parallelism gives the same update as one rank,
+and the max_lag gate keeps stale samples out of the update (the ZeRO-3 pair is stopped with
+SIGTERM, as the launcher does)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import free_port
+from safetensors.torch import load_file
+from trainer_runs import (
+    LINEAR_ADAM,
+    REL_TOL,
+    final_weights,
+    make_steps,
+    receive_weights,
+    start_ranks,
+    train,
+    trainer_config,
+    trainer_metrics,
+    update_error,
+    wait_all,
+    write_steps,
+)
+
+from pipeline_rl.streams import open_streams
+from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
+
+pytestmark = pytest.mark.deepspeed
+
+
+def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
+    steps = make_steps(tiny_model, steps=2, groups=4, seed=1)
+    initial = load_file(tiny_model / "model.safetensors")
+    results = {}
+    cases = [
+        ("zero2", "trainer.zero_stage=2", "trainer.loss.normalize=token", *LINEAR_ADAM),
+        ("zero3", "trainer.zero_stage=3", "trainer.loss.normalize=sequence", *LINEAR_ADAM),
+    ]
+    for name, *overrides in cases:
+        ref = trainer_config(
+            tmp_path / f"{name}_1rank", tiny_model, "trainer.max_steps=2", "trainer.zero_stage=2", *overrides[1:]
+        )
+        write_steps(ref, steps, ranks=1)
+        train(ref)
+        results[name] = final_weights(ref.run_dir, 2)
+
+    # ZeRO-2: two ranks that stop at max_steps.
+    two = trainer_config(
+        tmp_path / "zero2_2ranks", tiny_model, "trainer.max_steps=2", "world.trainers=2", *cases[0][1:]
+    )
+    write_steps(two, steps, ranks=2)
+    train(two, ranks=2)
+    assert update_error(final_weights(two.run_dir, 2), results["zero2"], initial) < REL_TOL
+
+    # ZeRO-3: two ranks stopped by SIGTERM (as the launcher does) once both steps are trained;
+    # they save the final checkpoint and exit 0. An actor's weight receiver runs in a thread
+    # here: rank 0 broadcasts the gathered weights after each step.
+    three = trainer_config(
+        tmp_path / "zero3_2ranks", tiny_model, "trainer.max_steps=50", "world.trainers=2", *cases[1][1:]
+    )
+    write_steps(three, steps, ranks=2)
+    sync_addr = f"127.0.0.1:{free_port()}"
+    received, errors = {}, []
+    receiver = threading.Thread(target=receive_weights, args=(three, sync_addr, 2, received, errors), daemon=True)
+    receiver.start()
+    procs = start_ranks(Path(three.run_dir), 2, env={WEIGHT_SYNC_ADDR_ENV: sync_addr})
+    deadline = time.time() + 240
+    while not any(m.get("version") == 2 for m in trainer_metrics(Path(three.run_dir))):
+        assert time.time() < deadline and all(p.is_alive() for p in procs), (
+            "ZeRO-3 ranks did not train 2 steps:\n" + (Path(three.run_dir) / "trainer0.log").read_text()[-3000:]
+        )
+        time.sleep(0.5)
+    for p in procs:
+        os.kill(p.pid, signal.SIGTERM)
+    wait_all(procs, Path(three.run_dir), timeout=120)
+    final = final_weights(three.run_dir, 2)
+    assert update_error(final, results["zero3"], initial) < REL_TOL
+    receiver.join(30)
+    assert not errors and sorted(received) == [1, 2], f"received versions {sorted(received)}, errors {errors}"
+    assert received[2].keys() == final.keys()
+    assert all(torch.equal(received[2][k], final[k]) for k in final)
+    assert not all(torch.equal(received[1][k], final[k]) for k in final)
+    assert all(m["weight_broadcast_s"] > 0 for m in trainer_metrics(Path(three.run_dir)))
+    # Same data, different normalisation: the two references really differ.
+    assert update_error(results["zero2"], results["zero3"], initial) > 100 * REL_TOL
+
+
+def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
+    """max_lag=0: at version 1, a sample of version 0 (lag 1) is dropped by the gate, so the
+    weights equal those of a run whose data never had it; with a larger max_lag they differ."""
+    fresh = make_steps(tiny_model, steps=2, groups=2, seed=2)
+    stale = make_steps(tiny_model, steps=1, groups=1, seed=3, versions=[0])[0][:1]
+    with_stale = [fresh[0], fresh[1] + stale]
+
+    def weights_after(name: str, steps, *overrides) -> dict[str, torch.Tensor]:
+        cfg = trainer_config(tmp_path / name, tiny_model, "trainer.max_steps=2", *LINEAR_ADAM, *overrides)
+        write_steps(cfg, steps, ranks=1)
+        train(cfg)
+        return final_weights(cfg.run_dir, 2)
+
+    gated = weights_after("gated", with_stale, "trainer.max_lag=0")
+    without = weights_after("without", fresh, "trainer.max_lag=0")
+    kept = weights_after("kept", with_stale, "trainer.max_lag=1")
+    initial = load_file(tiny_model / "model.safetensors")
+    assert update_error(gated, without, initial) < REL_TOL
+    assert update_error(kept, without, initial) > 100 * REL_TOL
+
+    metrics = trainer_metrics(tmp_path / "gated")
+    assert [m["dropped_samples"] for m in metrics] == [0, 1]
+    assert metrics[-1]["dropped_total"] == 1
+    assert metrics[-1]["lag_hist"] == {"0": len(fresh[1]), "1": 1}
+    assert trainer_metrics(tmp_path / "kept")[-1]["dropped_samples"] == 0
+
+
+def test_step_collector_skips_trained_steps_and_restarts_rewritten_ones(tmp_path):
+    """Without DeepSpeed: the collector over a real JSONL trainer stream."""
+    from pipeline_rl.streams.records import MicroBatch
+    from pipeline_rl.trainer.trainer import StepCollector
+
+    def mb(step, index, count, tag=0):
+        return MicroBatch(
+            step=step,
+            index=index,
+            count=count,
+            input_ids=[tag],
+            position_ids=[0],
+            loss_mask=[0],
+            advantages=[0.0],
+            old_logprobs=[0.0],
+            versions=[-1],
+            seq_lengths=[1],
+            sample_versions=[-1],
+            group_ids=[""],
+            rewards=[0.0],
+            step_tokens=0,
+            step_samples=0,
+        )
+
+    cfg = trainer_config(tmp_path, tmp_path)
+    streams = open_streams(cfg)
+    writer = streams.writer("trainer")
+    # Step 0 was trained already; step 1's first copy is torn after index 0 and written again.
+    for record in [mb(0, 0, 2), mb(0, 1, 2), mb(1, 0, 2, tag=1), mb(1, 0, 2, tag=2), mb(1, 1, 2, tag=2), mb(2, 1, 2)]:
+        writer.write(record)
+    collector = StepCollector(streams.reader("trainer", MicroBatch), rank=0)
+    batch = collector.next_step(version=1, stop=lambda: False)
+    assert [(m.step, m.index, m.input_ids[0]) for m in batch] == [(1, 0, 2), (1, 1, 2)]
+    assert (collector.skipped, collector.restarted) == (2, 1)
+    # The step is complete after its last micro-batch: nothing beyond it was consumed.
+    with pytest.raises(ValueError, match=r"partition 0 offset \d+: micro-batch 1 of 2 of step 2, expected index 0"):
+        collector.next_step(version=2, stop=lambda: False)
+    assert collector.next_step(version=3, stop=lambda: True) is None
+    streams.close()

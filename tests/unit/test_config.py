@@ -1,0 +1,130 @@
+"""Config loading: every shipped config validates; bad keys, types, values and files are rejected
+with a message naming the key and where it came from."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from pipeline_rl.config import SHIPPED_CONF_DIR, ConfigError, load_config, load_saved_config, save_config
+from pipeline_rl.launch.placement import plan, this_node
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SHIPPED_CONF_DIR.glob("*.yaml")))
+def test_shipped_configs_load_validate_and_place(name):
+    cfg = load_config(name)
+    specs = plan(cfg)
+    assert sum(s.pool == "trainer" for s in specs) == cfg.world.trainers
+    assert sum(s.pool == "actor" for s in specs) == cfg.world.actors
+    assert all(0 <= s.node < cfg.world.nodes for s in specs)
+
+
+def test_gpu_configs_are_multi_node_redis():
+    for name in ("math_7b", "math_32b"):
+        cfg = load_config(name)
+        assert cfg.world.nodes > 1 and cfg.world.gpus_per_node > 0 and cfg.streams.backend == "redis"
+        assert cfg.trainer.zero_stage == 3
+
+
+def test_extends_chain_and_overrides():
+    cfg = load_config("math_32b", ["trainer.max_lag=3", "actor.llm.kv_cache_gib=2.5"])
+    assert cfg.actor.domain == "math"  # from math_7b, which math_32b extends
+    assert cfg.world.nodes == 4  # math_32b's own value wins
+    assert cfg.trainer.max_lag == 3 and cfg.actor.llm.kv_cache_gib == 2.5
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["trainer.max_lagg=3"],
+            "override 'trainer.max_lagg': unknown key 'trainer.max_lagg' (did you mean 'trainer.max_lag'?)",
+        ),
+        (["trainer.lr=1e-3"], "did you mean 'trainer.optimizer.lr'?"),
+        (["trainer.max_lag=abc"], "override 'trainer.max_lag': bad value for 'trainer.max_lag'"),
+        (["actor.mode=fast"], "bad value for 'actor.mode': Invalid value 'fast', expected one of [async, sync]"),
+        (
+            ["trainer.loss.kind=dpo"],
+            "bad value for 'trainer.loss.kind': Invalid value 'dpo', expected one of [reinforce, ppo]",
+        ),
+        (["trainer.loss.function=nowhere:loss"], "bad value for 'trainer.loss.function': cannot import 'nowhere:loss'"),
+        (["trainer.zero_stage=5"], "'trainer.zero_stage'"),
+        (["world.actors=0"], "'world.actors': 0, must be >= 1"),
+        (["world.nodes=2"], "'streams.backend' must be redis"),
+        (["world.gpus_per_node=8", "world.actor_gpus=2"], "bad value for 'world.actor_gpus': 2; only 1"),
+        (["trainer.loss.kl_coef=0.1"], "needs a reference scorer"),
+        (["noequals"], "not of the form key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert expected in str(err.value)
+
+
+def test_bad_file_names_the_file(tmp_path):
+    (tmp_path / "base.yaml").write_text("name: x\n")
+    (tmp_path / "broken.yaml").write_text("trainer:\n  max_stepz: 3\n")
+    (tmp_path / "loop.yaml").write_text("extends: loop\n")
+    with pytest.raises(
+        ConfigError, match=r"broken.yaml: unknown key 'trainer.max_stepz' \(did you mean 'trainer.max_steps'\?\)"
+    ):
+        load_config("broken", dirs=[tmp_path])
+    with pytest.raises(ConfigError, match=r"'missing' not found in .*\(available: base, broken, loop\)"):
+        load_config("missing", dirs=[tmp_path])
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_config("loop", dirs=[tmp_path])
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "trainer.max_lag=2"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_saved_config(tmp_path / "config.yaml") == cfg
+
+
+def test_impossible_placement_fails_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "launch.py", "conf=math_7b", "world.actors=20", f"run_dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "placement impossible" in out.stderr and "world.actors=20" in out.stderr
+    assert not run_dir.exists()
+
+
+def test_node_rank_from_torchrun_and_slurm_variables():
+    cfg = load_config("math_7b")
+    node = this_node(cfg, {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5"})
+    assert (node.rank, node.nodes, node.master_addr) == (1, 2, "10.0.0.5")
+    node = this_node(
+        cfg, {"SLURM_NODEID": "1", "SLURM_NNODES": "2", "MASTER_ADDR": "10.0.0.7", "SLURM_JOB_NODELIST": "x"}
+    )
+    assert (node.rank, node.master_addr) == (1, "10.0.0.7")
+    with pytest.raises(ConfigError, match="WORLD_SIZE"):
+        this_node(cfg, {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h"})
+
+
+def test_installed_command_finds_shipped_and_user_configs_outside_the_checkout(tmp_path):
+    """`pipeline-rl` (the console script of `pip install`) run from a directory of the user's
+    own: it finds the shipped `tiny` through the package and `./conf/mine.yaml` next to it."""
+    command = Path(sys.executable).parent / "pipeline-rl"
+    assert command.exists(), f"{command} is missing: the package is not installed with its console script"
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text("extends: tiny\nworld:\n  actors: 2\n")
+    out = subprocess.run(
+        [str(command), "conf=mine", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[2] for line in out.stdout.splitlines()] == ["trainer0", "preprocessor0", "actor0", "actor1"]
+    out = subprocess.run(
+        [str(command), "conf=nosuch", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "nosuch" in out.stderr

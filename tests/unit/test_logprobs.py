@@ -1,0 +1,153 @@
+"""packed_logprobs: packed sequences give the same logprobs/entropies as each run alone."""
+
+import helpers
+import pytest
+import torch
+
+from pipeline_rl.trainer.logprobs import packed_logprobs, sequence_starts
+
+
+def random_qwen2(attn: str) -> torch.nn.Module:
+    return helpers.random_qwen2(attn, max_len=64)
+
+
+def alone(model, ids: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: one unpacked sequence, logprobs from the plain full-vocabulary softmax."""
+    x = torch.tensor([ids])
+    logits = model(input_ids=x).logits[0, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, x[0, 1:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.cat([torch.zeros(1), lp]), torch.cat([torch.zeros(1), ent])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_each_sequence_alone(attn):
+    model = random_qwen2(attn)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (6, 1, 9, 4)]
+    input_ids = torch.tensor([sum(seqs, [])])
+    position_ids = torch.tensor([sum((list(range(len(s))) for s in seqs), [])])
+    with torch.no_grad():
+        lp, ent = packed_logprobs(model, input_ids, position_ids, temperature=0.7)
+        expected = [alone(model, s, 0.7) for s in seqs]
+    exp_lp = torch.cat([e[0] for e in expected])
+    exp_ent = torch.cat([e[1] for e in expected])
+    assert lp.shape == ent.shape == (input_ids.shape[1],)
+    torch.testing.assert_close(lp, exp_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, exp_ent, atol=1e-5, rtol=1e-5)
+    # Each sequence's first token has no prediction.
+    assert (lp[sequence_starts(position_ids)] == 0).all()
+
+
+def test_unpacked_positions_would_leak_across_sequences():
+    """The same tokens with one continuous position range attend across the boundary, so
+    the packed test above would fail if the packing mask were not applied."""
+    model = random_qwen2("sdpa")
+    seqs = [[5, 6, 7, 8], [9, 10, 11]]
+    input_ids = torch.tensor([seqs[0] + seqs[1]])
+    with torch.no_grad():
+        packed, _ = packed_logprobs(model, input_ids, torch.tensor([[0, 1, 2, 3, 0, 1, 2]]), 1.0)
+        leaked, _ = packed_logprobs(model, input_ids, torch.arange(7)[None], 1.0)
+    assert not torch.allclose(packed[5:], leaked[5:], atol=1e-4)
+
+
+def test_temperature_scales_logits_and_gradients_flow():
+    model = random_qwen2("sdpa")
+    input_ids = torch.tensor([[3, 4, 5, 6, 7]])
+    position_ids = torch.arange(5)[None]
+    lp_hot, ent_hot = packed_logprobs(model, input_ids, position_ids, temperature=2.0)
+    _, ent_cold = packed_logprobs(model, input_ids, position_ids, temperature=0.5)
+    assert (ent_hot[1:] > ent_cold[1:]).all()  # higher temperature: flatter distribution
+    lp_hot.sum().backward()
+    assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_rejects_batched_input():
+    with pytest.raises(ValueError, match=r"\[1, T\]"):
+        packed_logprobs(
+            random_qwen2("sdpa"), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), 1.0
+        )
+
+
+def shared_layout(prompt: list[int], completions: list[list[int]]):
+    """A block: the head holds prompt + first completion, the followers only their completion."""
+    seqs = [prompt + completions[0]] + completions[1:]
+    prefix = [0] + [len(prompt)] * (len(completions) - 1)
+    positions = list(range(len(seqs[0]))) + [
+        p for c in completions[1:] for p in range(len(prompt), len(prompt) + len(c))
+    ]
+    return seqs, prefix, positions
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_equals_each_rollout_alone(attn):
+    """Two groups packed as prompt + completions give each completion token the logprob and
+    entropy it has in its own prompt + completion sequence, and standalone sequences mixed in
+    are unaffected."""
+    model = random_qwen2(attn)
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    groups = [(rand(5), [rand(3), rand(1), rand(4)]), (rand(2), [rand(2), rand(3)])]
+    lone = rand(6)
+    seqs, prefix, positions, expected_lp, expected_ent = [], [], [], [], []
+    for g_index, (prompt, completions) in enumerate(groups):
+        s, p, pos = shared_layout(prompt, completions)
+        seqs += s
+        prefix += p
+        positions += pos
+        for i, c in enumerate(completions):
+            lp, ent = alone(model, prompt + c, 0.8)
+            keep = slice(0, None) if i == 0 else slice(len(prompt), None)
+            expected_lp.append(lp[keep])
+            expected_ent.append(ent[keep])
+        if g_index == 0:
+            seqs.append(lone)
+            prefix.append(0)
+            positions += range(len(lone))
+            lp, ent = alone(model, lone, 0.8)
+            expected_lp.append(lp)
+            expected_ent.append(ent)
+    input_ids = torch.tensor([sum(seqs, [])])
+    with torch.no_grad():
+        lp, ent = packed_logprobs(model, input_ids, torch.tensor([positions]), 0.8, [len(s) for s in seqs], prefix)
+    torch.testing.assert_close(lp, torch.cat(expected_lp), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, torch.cat(expected_ent), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_gradients_match_separate_sequences():
+    """The gradient of a loss on the completion tokens is the same in the shared layout as with
+    each rollout packed as prompt + completion: the prompt is computed once but serves all."""
+    prompt, completions = [7, 8, 9, 10], [[11, 12], [13], [14, 15, 16]]
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 2.0])
+
+    def grad(shared: bool) -> torch.Tensor:
+        model = random_qwen2("sdpa")
+        if shared:
+            seqs, prefix, positions = shared_layout(prompt, completions)
+            lp, _ = packed_logprobs(
+                model, torch.tensor([sum(seqs, [])]), torch.tensor([positions]), 1.0, [len(s) for s in seqs], prefix
+            )
+            completion_lp = lp[len(prompt) :]
+        else:
+            seqs = [prompt + c for c in completions]
+            lp, _ = packed_logprobs(
+                model, torch.tensor([sum(seqs, [])]), torch.tensor([sum((list(range(len(s))) for s in seqs), [])]), 1.0
+            )
+            parts, start = [], 0
+            for s in seqs:
+                parts.append(lp[start + len(prompt) : start + len(s)])
+                start += len(s)
+            completion_lp = torch.cat(parts)
+        (completion_lp * weights).sum().backward()
+        return model.model.embed_tokens.weight.grad.clone()
+
+    torch.testing.assert_close(grad(True), grad(False), atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_layout_errors_name_the_sequence():
+    model = random_qwen2("sdpa")
+    with pytest.raises(ValueError, match="sequence 0: prefix length 2"):
+        packed_logprobs(model, torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]]), 1.0, [3], [2])
+    with pytest.raises(ValueError, match="position_ids"):
+        packed_logprobs(model, torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 1, 2, 0]]), 1.0, [3, 1], [0, 2])

@@ -1,0 +1,169 @@
+"""policy_loss on small hand-computed cases (values and gradients w.r.t. the logprobs)."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline_rl.config import LossConfig
+from pipeline_rl.trainer.loss import STAT_KEYS, policy_loss, summarize
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def run(cfg, lp, old, adv, mask, seq=None, step_tokens=None, step_samples=1, ref=None, ent=None):
+    lp = t(lp).requires_grad_(True)
+    ent_t = t(ent).requires_grad_(True) if ent is not None else torch.zeros(len(lp))
+    seq_index = torch.tensor(seq if seq is not None else [0] * len(lp))
+    loss, stats = policy_loss(
+        lp,
+        ent_t,
+        t(old),
+        t(adv),
+        torch.tensor(mask),
+        seq_index,
+        cfg,
+        step_tokens if step_tokens is not None else sum(mask),
+        step_samples,
+        None if ref is None else t(ref),
+    )
+    loss.backward()
+    return loss.item(), lp.grad, stats, ent_t.grad if ent is not None else None
+
+
+def test_on_policy_reinforce_is_advantage_weighted_mean_over_step_tokens():
+    lp = [0.0, -1.0, -2.0, -0.5]
+    loss, grad, stats, _ = run(
+        LossConfig(kind="reinforce"), lp, old=lp, adv=[0.0, 1.0, 1.0, -2.0], mask=[0, 1, 1, 1], step_tokens=6
+    )
+    # -(1*(-1) + 1*(-2) - 2*(-0.5)) / 6
+    assert loss == pytest.approx(2.0 / 6)
+    torch.testing.assert_close(grad, t([0.0, -1 / 6, -1 / 6, 2 / 6]))
+    assert set(stats) == set(STAT_KEYS) and stats["tokens"].item() == 3
+
+
+def test_truncated_importance_weights():
+    old = [0.0, -1.0 - math.log(10.0), -1.0 + math.log(2.0)]  # ratios 10 and 0.5
+    loss, grad, stats, _ = run(
+        LossConfig(kind="reinforce", is_truncation=5.0),
+        [0.0, -1.0, -1.0],
+        old,
+        adv=[0.0, 1.0, 1.0],
+        mask=[0, 1, 1],
+        step_tokens=2,
+    )
+    torch.testing.assert_close(grad, t([0.0, -5.0 / 2, -0.5 / 2]))
+    assert loss == pytest.approx(-(5.0 * -1.0 + 0.5 * -1.0) / 2)
+    assert stats["clipped"].item() == 1
+    assert stats["w"].item() == pytest.approx(10.5)
+
+
+def test_ppo_clipping_zeroes_the_gradient_only_where_the_clipped_branch_wins():
+    r = [1.5, 1.5, 0.5, 0.5]
+    adv = [1.0, -1.0, 1.0, -1.0]
+    lp = [-1.0] * 4
+    old = [-1.0 - math.log(x) for x in r]
+    loss, grad, stats, _ = run(LossConfig(kind="ppo", ppo_clip=0.2), lp, old, adv, mask=[1, 1, 1, 1], step_tokens=4)
+    # per-token objective min(r A, clip(r) A): 1.2 (clipped), -1.5, 0.5, -0.8 (clipped)
+    assert loss == pytest.approx(-(1.2 - 1.5 + 0.5 - 0.8) / 4)
+    # d/dlp of -r*A = -r*A where unclipped, 0 where clipped
+    torch.testing.assert_close(grad, t([0.0, 1.5 / 4, -0.5 / 4, 0.0]))
+    assert stats["clipped"].item() == 2
+
+
+def test_k3_kl_term():
+    lp, ref = math.log(0.5), math.log(0.25)
+    k3 = 0.25 / 0.5 - math.log(0.25 / 0.5) - 1
+    loss, grad, stats, _ = run(
+        LossConfig(kl_coef=0.1), [0.0, lp], [0.0, lp], adv=[0.0, 0.0], mask=[0, 1], ref=[0.0, ref], step_tokens=1
+    )
+    assert loss == pytest.approx(0.1 * k3)
+    # d k3 / d lp = 1 - exp(ref - lp)
+    torch.testing.assert_close(grad, t([0.0, 0.1 * (1 - 0.5)]))
+    assert stats["kl"].item() == pytest.approx(k3)
+
+
+def test_kl_without_reference_logprobs_is_an_error():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        run(LossConfig(kl_coef=0.1), [0.0, -1.0], [0.0, -1.0], [0.0, 1.0], [0, 1])
+
+
+def test_entropy_bonus():
+    loss, _, stats, ent_grad = run(
+        LossConfig(entropy_coef=0.01),
+        [0.0, -1.0, -1.0],
+        [0.0, -1.0, -1.0],
+        adv=[0.0, 0.0, 0.0],
+        mask=[0, 1, 1],
+        ent=[9.0, 2.0, 3.0],
+        step_tokens=2,
+    )
+    assert loss == pytest.approx(-0.01 * (2.0 + 3.0) / 2)
+    torch.testing.assert_close(ent_grad, t([0.0, -0.005, -0.005]))
+    assert stats["entropy"].item() == pytest.approx(5.0)
+
+
+def test_sequence_normalisation_averages_within_then_across_sequences():
+    # Sequence 0 has one trained token, sequence 1 three; 4 sequences in the whole step.
+    lp = [0.0, -1.0, 0.0, -1.0, -1.0, -1.0]
+    _, grad, _, _ = run(
+        LossConfig(normalize="sequence"),
+        lp,
+        lp,
+        adv=[0.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+        mask=[0, 1, 0, 1, 1, 1],
+        seq=[0, 0, 1, 1, 1, 1],
+        step_samples=4,
+    )
+    torch.testing.assert_close(grad, t([0.0, -1 / 4, 0.0, -1 / 12, -1 / 12, -1 / 12]))
+    _, grad_tok, _, _ = run(
+        LossConfig(normalize="token"),
+        lp,
+        lp,
+        adv=[0.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+        mask=[0, 1, 0, 1, 1, 1],
+        seq=[0, 0, 1, 1, 1, 1],
+        step_tokens=4,
+    )
+    torch.testing.assert_close(grad_tok, t([0.0, -1 / 4, 0.0, -1 / 4, -1 / 4, -1 / 4]))
+
+
+@pytest.mark.parametrize("normalize", ["token", "sequence"])
+def test_split_over_ranks_sums_to_the_whole(normalize):
+    """Two halves of a step with the step-global denominators add up to the whole step."""
+    cfg = LossConfig(kind="ppo", normalize=normalize, kl_coef=0.05)
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(8, generator=g) * 3).tolist()
+    old = (torch.tensor(lp) + torch.randn(8, generator=g) * 0.3).tolist()
+    adv = torch.randn(8, generator=g).tolist()
+    ref = (-torch.rand(8, generator=g) * 3).tolist()
+    mask = [0, 1, 1, 0, 1, 1, 1, 1]
+    seq = [0, 0, 0, 1, 1, 2, 2, 2]
+    whole, grad, _, _ = run(cfg, lp, old, adv, mask, seq, step_tokens=6, step_samples=3, ref=ref)
+    a, grad_a, _, _ = run(cfg, lp[:3], old[:3], adv[:3], mask[:3], seq[:3], 6, 3, ref[:3])
+    b, grad_b, _, _ = run(cfg, lp[3:], old[3:], adv[3:], mask[3:], [s - 1 for s in seq[3:]], 6, 3, ref[3:])
+    assert a + b == pytest.approx(whole, rel=1e-6)
+    torch.testing.assert_close(torch.cat([grad_a, grad_b]), grad)
+
+
+def test_masked_tokens_with_extreme_logprobs_stay_finite():
+    loss, grad, _, _ = run(
+        LossConfig(kind="ppo", kl_coef=0.1),
+        lp=[-200.0, -1.0],
+        old=[0.0, -1.0],
+        adv=[5.0, 1.0],
+        mask=[0, 1],
+        ref=[0.0, -1.0],
+    )
+    assert math.isfinite(loss) and torch.isfinite(grad).all() and grad[0] == 0
+
+
+def test_summarize_effective_sample_size():
+    sums = {k: 0.0 for k in STAT_KEYS}
+    sums.update(tokens=2.0, w=4.0, w_sq=10.0, adv=2.0, adv_sq=10.0)  # weights 1 and 3, advantages -1 and 3
+    out = summarize(sums)
+    assert out["ess"] == pytest.approx(16 / 20)
+    assert out["advantage_mean"] == pytest.approx(1.0)
+    assert out["advantage_std"] == pytest.approx(2.0)

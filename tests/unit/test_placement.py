@@ -1,0 +1,83 @@
+"""Placement and the binding each process gets: right by construction for every shipped config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from helpers import ROOT
+
+from pipeline_rl.config import SHIPPED_CONF_DIR, ConfigError, load_config
+from pipeline_rl.launch.placement import Node, child_env, plan
+from pipeline_rl.weight_sync import backend_for
+
+SHIPPED = sorted(p.stem for p in SHIPPED_CONF_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_process_sees_exactly_its_devices(name):
+    cfg = load_config(name)
+    specs = plan(cfg)
+    envs = {s.name: child_env(cfg, Node(s.node, cfg.world.nodes, "10.0.0.1"), s, specs, {}) for s in specs}
+    per_node: Counter = Counter()
+    for s in specs:
+        env = envs[s.name]
+        visible = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d]
+        assert len(visible) == len(s.gpus)
+        per_node.update((s.node, d) for d in visible)
+        if s.pool == "trainer":
+            if cfg.world.gpus_per_node:
+                # torch.cuda.set_device(LOCAL_RANK) and DeepSpeed index the devices the process sees.
+                assert env["LOCAL_RANK"] == "0" and len(visible) == 1
+            assert (env["RANK"], env["WORLD_SIZE"]) == (str(s.index), str(cfg.world.trainers))
+    assert all(n == 1 for n in per_node.values()), "a GPU given to two processes"
+    ranks = sorted(int(envs[s.name]["RANK"]) for s in specs if s.pool == "trainer")
+    assert ranks == list(range(cfg.world.trainers))
+
+
+def test_gpu_trainers_use_device_0_of_their_own_and_cpu_trainers_their_node_index():
+    cfg = load_config("math_7b")
+    specs = plan(cfg)
+    trainers = [s for s in specs if s.pool == "trainer"]
+    envs = [child_env(cfg, Node(s.node, 2, "h"), s, specs, {}) for s in trainers]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == [str(i) for i in range(8)]
+    assert {e["LOCAL_RANK"] for e in envs} == {"0"}
+    cfg = load_config("tiny", ["world.trainers=2"])
+    specs = plan(cfg)
+    envs = [child_env(cfg, Node(0, 1, "h"), s, specs, {}) for s in specs if s.pool == "trainer"]
+    assert [(e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", ""), ("1", "")]
+
+
+def test_scheduler_binding_is_kept_not_overwritten():
+    cfg = load_config("math_7b")
+    specs = plan(cfg)
+    slurm = {"CUDA_VISIBLE_DEVICES": "4,5,6,7,0,1,2,3"}
+    got = [child_env(cfg, Node(s.node, 2, "h"), s, specs, slurm)["CUDA_VISIBLE_DEVICES"] for s in specs[:8]]
+    assert got == ["4", "5", "6", "7", "0", "1", "2", "3"]
+    with pytest.raises(ConfigError, match="gpus_per_node=8 but CUDA_VISIBLE_DEVICES=0,1"):
+        child_env(cfg, Node(0, 2, "h"), specs[0], specs, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_weight_sync_backend_is_one_choice_for_both_ends(name):
+    cfg = load_config(name)
+    assert backend_for(cfg.world.gpus_per_node) == ("nccl" if cfg.world.gpus_per_node else "gloo")
+
+
+def test_dry_run_prints_every_process_binding():
+    out = subprocess.run(
+        [sys.executable, "launch.py", "conf=math_32b", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    specs = plan(load_config("math_32b"))
+    assert len(lines) == len(specs)
+    for line, s in zip(lines, specs):
+        assert line.startswith(f"node {s.node}: {s.name} ") and "CUDA_VISIBLE_DEVICES=" in line
+        assert ("LOCAL_RANK=0" in line) == (s.pool == "trainer")
