@@ -1,10 +1,14 @@
 """Pipelined vs conventional RL on the tiny CPU demo, same seed, data and time budget.
 
-    python scripts/bench_learning.py [--budget-s 900] [--out runs/bench_learning] [override ...]
+    python scripts/bench_learning.py [--budget-s 900] [--out runs/bench_learning]
+        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
 
 Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, and prints for
 each the wall time until the held-out mean reward first reaches 0.7 and 0.9, the speed-up,
-the actor and trainer idle fractions, and peak RSS per process.
+the actor and trainer idle fractions, and peak RSS per process. With --variant, runs the
+named variants instead, one after the other (e.g. `--variant sample:trainer.lag_gate=sample
+--variant token:trainer.lag_gate=token`), and also prints dropped samples and masked tokens.
+`model.path=.cache/tiny_learner` as an override runs on the second tiny model (built if missing).
 """
 
 from __future__ import annotations
@@ -70,7 +74,6 @@ def run(mode: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
         sys.executable,
         "launch.py",
         "conf=tiny",
-        f"actor.mode={mode}",
         f"run_dir={run_dir}",
         f"name=bench_{mode}",
         f"max_time_s={budget_s}",
@@ -101,6 +104,9 @@ def summarize(mode: str, run_dir: Path, wall_s: float) -> dict:
         "actor_idle": actor_idle(latest),
         "trainer_idle": trainer_idle(records),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
+        "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
+        "masked_tokens": sum(r["values"].get("masked_tokens", 0) for r in records if r["process"] == "trainer0"),
+        "trained_tokens": sum(r["values"].get("trained_tokens", 0) for r in records if r["process"] == "trainer0"),
     }
 
 
@@ -117,7 +123,13 @@ def report(results: list[dict]) -> None:
             f"actor idle {fmt(r['actor_idle'], '.2f')}, trainer idle {fmt(r['trainer_idle'], '.2f')}; "
             f"{fmt(r['versions_per_s'], '.2f')} versions/s"
         )
+        print(
+            f"       dropped samples {fmt(r['dropped_samples'])}, masked tokens {r['masked_tokens']:.0f}, "
+            f"trained tokens {r['trained_tokens']:.0f}"
+        )
         print(f"       peak RSS MB: {', '.join(f'{p}={v:.0f}' for p, v in sorted(r['peak_rss_mb'].items()))}")
+    if [r["mode"] for r in results] != ["async", "sync"]:
+        return
     pipe, sync = results
     for t in THRESHOLDS:
         a, s = pipe["reach"][t], sync["reach"][t]
@@ -137,9 +149,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=900.0, help="wall-time budget of each run")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_learning")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
+    parser.add_argument(
+        "--variant", action="append", default=[], help="NAME:KEY=VALUE,... a run to compare (repeatable)"
+    )
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = parser.parse_args()
-    report([run(mode, args.budget_s, args.out, args.overrides) for mode in ("async", "sync")])
+    variants = [v.partition(":") for v in args.variant]
+    runs = [(name, [o for o in rest.split(",") if o]) for name, _, rest in variants]
+    runs = runs or [(mode, [f"actor.mode={mode}"]) for mode in ("async", "sync")]
+    report([run(name, args.budget_s, args.out, own + args.overrides) for name, own in runs])
 
 
 if __name__ == "__main__":

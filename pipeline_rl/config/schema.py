@@ -46,6 +46,27 @@ class LossKind(StrEnum):
     """-min(w * A, clip(w, 1 - ppo_clip, 1 + ppo_clip) * A); option: `ppo_clip`."""
 
 
+class RatioLevel(StrEnum):
+    """What one importance ratio w = pi / pi_behaviour covers in the built-in loss."""
+
+    token = "token"
+    """One ratio per token (PPO, GRPO)."""
+    sequence = "sequence"
+    """One ratio per sequence, the geometric mean of its tokens' ratios exp(mean log w), given to
+    every token of the sequence (GSPO): clipping and truncation act on whole sequences. GSPO
+    pairs it with `normalize: sequence` and a small `ppo_clip` (about 3e-4)."""
+
+
+class LagGateMode(StrEnum):
+    """What the max_lag gate removes from a stale sample (pipeline_rl/trainer/lag_gate.py)."""
+
+    sample = "sample"
+    """The whole sample, when its oldest trained token is more than max_lag versions old."""
+    token = "token"
+    """Only its tokens more than max_lag versions old (counted as masked tokens); the fresh tail
+    is trained on. A sample with no fresh token left is dropped as in `sample` mode."""
+
+
 class LossNormalize(StrEnum):
     """How token losses are averaged over an optimizer step."""
 
@@ -68,7 +89,9 @@ class ModelConfig:
     dtype: DType = DType.float32
     """Parameter dtype everywhere: float32 or bfloat16."""
     make_tiny_if_missing: bool = False
-    """Build the tiny arithmetic model at `path` (scripts/make_tiny_model.py) when it does not exist."""
+    """Build the tiny arithmetic model at `path` (scripts/make_tiny_model.py) when it does not exist:
+    a path ending in tiny_model builds the demo's model, one ending in tiny_learner the learning
+    benchmark's second model (pipeline_rl/demo/tiny_model.py)."""
 
 
 @dataclass
@@ -237,7 +260,12 @@ class LossConfig:
     is_truncation: float = 5.0
     """Upper bound of the importance weight in reinforce mode."""
     ppo_clip: float = 0.2
-    """PPO clip range epsilon."""
+    """PPO clip range epsilon: the ratio is clipped to [1 - ppo_clip, 1 + ppo_clip_high]."""
+    ppo_clip_high: float | None = None
+    """Upper clip epsilon, when larger than the lower one (DAPO clip-higher, e.g. 0.28 with
+    ppo_clip 0.2: lets unlikely good tokens grow faster); null: ppo_clip."""
+    ratio: RatioLevel = RatioLevel.token
+    """token: one importance ratio per token; sequence: one per sequence (GSPO)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
     entropy_coef: float = 0.0
@@ -254,7 +282,7 @@ class OptimizerConfig:
     lr: float = 1e-5
     """Learning rate (constant after warm-up)."""
     warmup_steps: int = 0
-    """Linear warm-up steps."""
+    """Linear warm-up over this many optimizer updates (`trainer.updates_per_step` per step)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -271,7 +299,15 @@ class TrainerConfig:
     """Rollout groups in one optimizer step (the RL batch)."""
     max_lag: int = 4
     """A sample whose oldest token comes from a policy more than this many versions behind the
-    trainer is not trained on (counted). Actors also stop admitting groups beyond this budget."""
+    trainer is not trained on (counted), or only its stale tokens are not (`lag_gate: token`).
+    Actors also stop admitting groups beyond this budget."""
+    lag_gate: LagGateMode = LagGateMode.sample
+    """sample: drop a stale sample whole; token: mask only its tokens older than max_lag."""
+    updates_per_step: int = 1
+    """Optimizer updates per step: the step's micro-batches are split, in order, into this many
+    mini-batches, each normalised on its own and followed by an optimizer update (the later
+    ones are off-policy; the importance ratios and clipping correct for it). The policy version
+    counts steps, not updates. At most the step's micro-batches per rank are used."""
     weight_update_interval: int = 1
     """Publish weights to the actors every this many optimizer steps."""
     max_steps: int = 1000
@@ -365,6 +401,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.weight_update_interval",
         "trainer.max_steps",
         "trainer.weight_bucket_mb",
+        "trainer.updates_per_step",
     ]
     for key in positive:
         if _get(cfg, key) < 1:
@@ -372,6 +409,12 @@ def validate(cfg: RunConfig) -> None:
     for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every"]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
+    high = cfg.trainer.loss.ppo_clip_high
+    if high is not None and high < cfg.trainer.loss.ppo_clip:
+        raise ConfigError(
+            f"bad value for 'trainer.loss.ppo_clip_high': {high}, must be >= 'trainer.loss.ppo_clip' "
+            f"({cfg.trainer.loss.ppo_clip}) or null"
+        )
     if cfg.trainer.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
     if cfg.actor.temperature <= 0:

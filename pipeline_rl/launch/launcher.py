@@ -115,12 +115,16 @@ def _ensure_tiny_model(cfg: RunConfig) -> None:
     model = Path(cfg.model.path)
     if (model / "config.json").exists() or not cfg.model.make_tiny_if_missing:
         return
-    from pipeline_rl.demo.tiny_model import build
+    from pipeline_rl.demo.tiny_model import LEARNER, TINY, build
 
-    print(f"building the tiny model into {model.parent} ...", flush=True)
-    built = build(model.parent, seed=cfg.seed)
-    if Path(built).resolve() != model.resolve():
-        raise ConfigError(f"model.path={model} but the tiny model is built as {built}; point model.path there")
+    recipes = {r.name: r for r in (TINY, LEARNER)}
+    if model.name not in recipes:
+        raise ConfigError(
+            f"model.path={model} does not exist, and model.make_tiny_if_missing builds only "
+            f"{' or '.join(recipes)} (name the directory so, or turn it off)"
+        )
+    print(f"building the tiny model into {model} ...", flush=True)
+    build(model.parent, seed=cfg.seed, recipe=recipes[model.name])
 
 
 def _end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:

@@ -2,10 +2,13 @@
 
 Off-policy correction: every trained token carries the behaviour logprob the actor sampled
 it with (old_logprobs), so the importance weight of the current policy is
-w = exp(logprob - old_logprob). Two objectives:
+w = exp(logprob - old_logprob), per token, or per sequence with `ratio: sequence` (GSPO: the
+geometric mean exp(mean log w) of the sequence's trained tokens, given to each of them). Two
+objectives:
 
 - reinforce: -min(w, is_truncation).detach() * A * logprob (truncated importance weights);
-- ppo: -min(w * A, clip(w, 1 - eps, 1 + eps) * A).
+- ppo: -min(w * A, clip(w, 1 - eps, 1 + eps_high) * A), eps_high = ppo_clip_high (DAPO's
+  clip-higher) or eps.
 
 Optional terms: + kl_coef * k3(ref || policy) with k3 = exp(ref - lp) - (ref - lp) - 1, and
 - entropy_coef * entropy.
@@ -28,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline_rl.config import LossConfig
+from pipeline_rl.config import LossConfig, RatioLevel
 from pipeline_rl.plugins import load_plugin
 
 STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "adv", "adv_sq")
@@ -74,6 +77,14 @@ def token_weights(
     raise ValueError(f"bad value for 'trainer.loss.normalize': {normalize!r}, expected token or sequence")
 
 
+def per_sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence mean of `values` over the sequence's masked tokens ([T] -> [T])."""
+    n = int(seq_index.max()) + 1
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).scatter_add(0, seq_index, values * mask)
+    counts = torch.zeros(n, dtype=mask.dtype, device=mask.device).scatter_add(0, seq_index, mask)
+    return (sums / counts.clamp(min=1.0))[seq_index]
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
@@ -92,17 +103,19 @@ def policy_loss(
     weights = token_weights(loss_mask, seq_index, cfg.normalize, step_tokens, step_samples)
     # Masked tokens (prompts, gated samples) get log-ratio 0 so exp() cannot overflow there.
     log_ratio = (logprobs - old_logprobs) * mask
+    if cfg.ratio == RatioLevel.sequence:
+        log_ratio = per_sequence_mean(log_ratio, mask, seq_index) * mask
+    elif cfg.ratio != RatioLevel.token:
+        raise ValueError(f"bad value for 'trainer.loss.ratio': {cfg.ratio!r}, expected token or sequence")
     ratio = torch.exp(log_ratio)
     r = ratio.detach()
     if cfg.kind == "reinforce":
         per_token = -r.clamp(max=cfg.is_truncation) * advantages * logprobs
         clipped = (r > cfg.is_truncation).float()
     elif cfg.kind == "ppo":
-        clipped_ratio = ratio.clamp(1.0 - cfg.ppo_clip, 1.0 + cfg.ppo_clip)
-        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-        clipped = (
-            ((advantages > 0) & (r > 1.0 + cfg.ppo_clip)) | ((advantages < 0) & (r < 1.0 - cfg.ppo_clip))
-        ).float()
+        low, high = 1.0 - cfg.ppo_clip, 1.0 + (cfg.ppo_clip if cfg.ppo_clip_high is None else cfg.ppo_clip_high)
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+        clipped = (((advantages > 0) & (r > high)) | ((advantages < 0) & (r < low))).float()
     else:
         raise ValueError(f"bad value for 'trainer.loss.kind': {cfg.kind!r}, expected reinforce or ppo")
     pg_loss = (weights * per_token).sum()

@@ -3,13 +3,14 @@
 Rank r reads partition r of the "trainer" stream. One optimizer step = the `count`
 micro-batches of one `step` (micro-batches of steps already trained are skipped, and a step
 whose index 0 arrives again while it is being assembled restarts from that copy: the
-preprocessor rewrote it). For each step the ranks agree (one all-reduce) on whether to stop
-and on how many samples the max_lag gate dropped, so that every rank uses the same
-denominators; each micro-batch's loss is a share of the step's global mean, so the
-gradients summed over micro-batches and ranks are those of one rank holding all the data.
+preprocessor rewrote it). For each step the ranks agree (all-reduces) on whether to stop
+and on how many samples and tokens the max_lag gate left in each update, so that every rank
+uses the same denominators; each micro-batch's loss is a share of its update's global mean, so
+the gradients summed over micro-batches and ranks are those of one rank holding all the data.
 
-Policy version = optimizer steps done (a step whose samples the gate dropped entirely
-advances the version without an update). Every `weight_update_interval` versions rank 0
+Policy version = steps done. A step is `updates_per_step` optimizer updates (one by default),
+each over its own consecutive share of the micro-batches; a step whose samples the gate
+dropped entirely advances the version without an update. Every `weight_update_interval` versions rank 0
 gathers the full weights (all ranks take part under ZeRO-3) and broadcasts them to the
 actors; every `checkpoint_every` versions, at max_steps and on SIGTERM/SIGINT the ranks
 write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes from it.
@@ -38,7 +39,7 @@ from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.api import Reader, Writer
 from pipeline_rl.streams.records import MicroBatch, WeightUpdate
 from pipeline_rl.trainer import checkpoint
-from pipeline_rl.trainer.lag_gate import apply_lag_gate
+from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
 from pipeline_rl.weight_sync import WeightSender, backend_for
@@ -84,6 +85,13 @@ def full_parameters(module: torch.nn.Module, rank: int, chunk_bytes: int) -> Ite
                     # Clone: the gathered storage is released when the context exits.
                     yield from ((n, q.detach().clone()) for n, q in chunk)
             chunk, size = [], 0
+
+
+def update_slices(micro_batches: int, updates: int) -> list[slice]:
+    """Consecutive, near-equal slices of a step's micro-batches, one per optimizer update
+    (fewer when there are fewer micro-batches than updates)."""
+    n = min(updates, micro_batches)
+    return [slice(i * micro_batches // n, (i + 1) * micro_batches // n) for i in range(n)]
 
 
 class StepCollector:
@@ -206,10 +214,7 @@ class Trainer:
             wait_s = time.perf_counter() - t0
             if self._stop_or_check(batch) or batch is None:
                 break
-            gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag) for mb in batch]
-            dropped_tokens, dropped_samples = self._all_reduce(
-                [sum(g.dropped_tokens for g in gates), sum(g.dropped_samples for g in gates)]
-            )
+            gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag, cfg.trainer.lag_gate) for mb in batch]
             for g in gates:
                 for lag in g.dropped_lags:
                     log.info(
@@ -219,12 +224,12 @@ class Trainer:
                         self.version,
                     )
             t1 = time.perf_counter()
-            values = self._step(batch, gates, dropped_tokens, dropped_samples)
+            values = self._step(batch, gates)
             compute_s = time.perf_counter() - t1
             # CPU time of reading + computing the step: unlike wall time, not inflated by other processes.
             step_cpu_s = time.process_time() - cpu0
             self.version += 1
-            self.dropped_total += int(dropped_samples)
+            self.dropped_total += int(values["dropped_samples"])
             self.trained_position = self.reader.position()
             values.update(
                 wait_s=wait_s,
@@ -265,29 +270,39 @@ class Trainer:
             )
         return False
 
-    def _step(self, batch: list[MicroBatch], gates, dropped_tokens: float, dropped_samples: float) -> dict:
-        """Forward/backward over the step's micro-batches and one optimizer update; returns metrics."""
-        step_tokens = batch[0].step_tokens - dropped_tokens
-        step_samples = batch[0].step_samples - dropped_samples
+    def _step(self, batch: list[MicroBatch], gates: list[GateResult]) -> dict:
+        """Forward/backward over the step's micro-batches, split into `updates_per_step`
+        mini-batches of one optimizer update each; returns metrics."""
+        updates = update_slices(len(batch), self.cfg.trainer.updates_per_step)
+        # Denominators over all ranks: each mini-batch's loss is its own mean (of tokens or of
+        # samples), so that it does not matter how its tokens are spread over ranks.
+        local: list[float] = [sum(g.dropped_tokens for g in gates), sum(g.dropped_samples for g in gates)]
+        local.append(sum(g.masked_tokens for g in gates))
+        for u in updates:
+            local += [sum(sum(g.loss_mask) for g in gates[u]), sum(g.samples for g in gates[u])]
+        dropped_tokens, dropped_samples, masked_tokens, *per_update = self._all_reduce(local)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
         lags: Counter = Counter()
         rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
-        update = step_tokens > 0  # False only when the gate dropped every sample of the step
-        for mb, gate in zip(batch, gates):
-            lags.update(gate.lags)
-            real = [i for i, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
-            rewards += sum(mb.rewards[i] for i in real)
-            samples += len(real)
-            tokens += len(mb.input_ids)
-            if not update:
-                continue
-            loss, stats = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
-            # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the step's sum.
-            self.engine.backward(loss * self.world_size)
-            sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
-        if update:
-            self.engine.step()
+        done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
+        for i, u in enumerate(updates):
+            step_tokens, step_samples = per_update[2 * i], per_update[2 * i + 1]
+            for mb, gate in zip(batch[u], gates[u]):
+                lags.update(gate.lags)
+                real = [j for j, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
+                rewards += sum(mb.rewards[j] for j in real)
+                samples += len(real)
+                tokens += len(mb.input_ids)
+                if step_tokens == 0:
+                    continue
+                loss, stats = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
+                # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the sum.
+                self.engine.backward(loss * self.world_size)
+                sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
+            if step_tokens > 0:
+                self.engine.step()
+                done += 1
         lo, hi = (min(lags), max(lags)) if lags else (0, 0)
         lo, neg_hi = self._all_reduce([lo, -hi], op=dist.ReduceOp.MIN)
         lo, hi = int(lo), int(-neg_hi)
@@ -297,8 +312,11 @@ class Trainer:
         totals = self._all_reduce(sums.tolist() + [rewards, samples, tokens] + hist)
         k = len(STAT_KEYS)
         values: dict[str, Any] = dict(summarize(dict(zip(STAT_KEYS, totals[:k]))))
+        # The per-update losses are means of their mini-batch: report the mean over updates.
+        values["loss"] /= max(done, 1)
+        values["pg_loss"] /= max(done, 1)
         rewards, samples, tokens = totals[k : k + 3]
-        grad_norm = self.engine.get_global_grad_norm() if update else None
+        grad_norm = self.engine.get_global_grad_norm() if done else None
         values.update(
             reward_mean=rewards / max(samples, 1),
             samples=samples,
@@ -306,7 +324,9 @@ class Trainer:
             lr=lr,
             dropped_samples=dropped_samples,
             dropped_tokens=dropped_tokens,
-            updated=update,
+            masked_tokens=masked_tokens,
+            updated=done > 0,
+            optimizer_updates=done,
             lag_hist={str(lo + i): int(n) for i, n in enumerate(totals[k + 3 :]) if n},
         )
         if grad_norm is not None:

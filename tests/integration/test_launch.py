@@ -19,6 +19,7 @@ from helpers import CACHE, ROOT, TESTS, RedisServer, free_port
 from pipeline_rl.config import load_saved_config
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams import open_streams
+from pipeline_rl.streams.jsonl_backend import JsonlWriter
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
 from pipeline_rl.trainer.checkpoint import latest_checkpoint
 from pipeline_rl.wire import CACHE_ENV, Topic
@@ -192,32 +193,57 @@ def test_two_nodes_on_loopback_with_redis(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_lost_groups_do_not_stall_the_run(tmp_path, tiny_model, mode):
-    """A scorer that fails on every third batch dead-letters its groups; the actors learn
-    of each lost group and make another, so the run reaches max_steps, in both modes. The
-    config is a user config in ./conf of a directory outside the checkout."""
+    """Three faults in one run: a scorer that fails on every third batch (its groups are
+    dead-lettered), a reward check that raises on half of the problems, and two malformed
+    lines appended to the actor's JSONL stream mid-run. The actors learn of each lost group and
+    make another, so the run reaches max_steps in both modes, and every loss is counted by cause.
+    The config is a user config in ./conf of a directory outside the checkout."""
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "flaky.yaml").write_text(
-        "extends: tiny\npreprocess:\n  scorers:\n    - cls: faulty_scorer:EveryThirdBatchFails\n"
+        "extends: tiny\nactor:\n  domain: faulty_domain:reward_raises_on_odd_answers\n"
+        "preprocess:\n  scorers:\n    - cls: faulty_scorer:EveryThirdBatchFails\n"
     )
     run_dir = tmp_path / "run"
     argv = [sys.executable, str(ROOT / "launch.py"), "conf=flaky", f"run_dir={run_dir}", *QUICK, *ports()]
     argv += ["trainer.max_steps=6", "trainer.checkpoint_every=0", f"actor.mode={mode}", "watchdog_s=120"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), CACHE_ENV: str(CACHE)}
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bad = [b'{"problem_id": "p1", "rollouts": [', b'{"no_such_field": 1}']
+    try:
+        actor_stream = run_dir / "streams" / "actor" / "0.jsonl"
+        deadline = time.time() + 240
+        while not actor_stream.exists() or actor_stream.read_bytes().count(b"\n") < 2:
+            assert proc.poll() is None and time.time() < deadline, "no actor groups in time"
+            time.sleep(0.5)
+        # The stream's own writer (flock, whole lines), as a buggy producer would append them.
+        writer = JsonlWriter(run_dir / "streams", Topic.ACTOR, 1)
+        for payload in bad:
+            writer.write_raw(payload)
+        writer.close()
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        stop(proc)
     assert proc.returncode == 0, out
     assert trainer_steps(run_dir)[-1]["values"]["version"] == 6
-    dead = stream_records(run_dir, "scorer.dead")
+    offsets, offset = {}, 0
+    for line in actor_stream.read_bytes().splitlines(keepends=True):
+        offsets[line.rstrip(b"\n")] = offset
+        offset += len(line)
+    bad_ids = {f"actor:0:{offsets[payload]}" for payload in bad}
     lost = stream_records(run_dir, "lost")
-    lost_ids = {i for r in lost for i in r["ids"]}
-    assert dead and {orjson.loads(d["payload"])["group_id"] for d in dead} == lost_ids
-    assert all(r["cause"] == "scorer" for r in lost)
-    # No lost group reached the trainer, and every actor counted every loss it was told of.
+    lost_ids = {cause: {i for r in lost if r["cause"] == cause for i in r["ids"]} for cause in ("scorer", "decode")}
+    assert {r["cause"] for r in lost} == {"scorer", "decode"}
+    assert lost_ids["decode"] == bad_ids
+    dead = stream_records(run_dir, "scorer.dead")
+    assert dead and {orjson.loads(d["payload"])["group_id"] for d in dead} == lost_ids["scorer"]
+    # No lost group reached the trainer, and every actor counted the losses it was told of.
     trained = {g for b in stream_records(run_dir, "trainer") for g in b["group_ids"]}
-    assert not trained & lost_ids
-    # A loss reported in the run's last moments may reach the actor after its last poll.
+    assert not trained & lost_ids["scorer"]
     actor = [r for r in read_metrics(run_dir) if r["process"] == "actor0"][-1]["values"]
-    assert 1 <= actor["groups_lost/scorer_total"] <= len(lost_ids)
+    # A loss reported in the run's last moments may reach the actor after its last poll.
+    assert 1 <= actor["groups_lost/scorer_total"] <= len(lost_ids["scorer"])
+    assert actor["groups_lost/decode_total"] == len(bad_ids)
+    assert actor["reward_errors_total"] >= 1 and "injected reward failure" in actor["last_reward_error"]
 
 
 def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):

@@ -1,5 +1,6 @@
 """Real DeepSpeed trainer ranks on gloo: data parallelism gives the same update as one rank,
-and the max_lag gate keeps stale samples out of the update (the ZeRO-3 pair is stopped with
+several optimizer updates per step equal as many steps, and the max_lag gate keeps stale
+samples out of the update (the ZeRO-3 pair is stopped with
 SIGTERM, as the launcher does)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trainer_runs import (
     write_steps,
 )
 
+from pipeline_rl.preprocess.packing import pack_step
 from pipeline_rl.streams import open_streams
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 
@@ -117,6 +119,39 @@ def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     assert metrics[-1]["dropped_total"] == 1
     assert metrics[-1]["lag_hist"] == {"0": len(fresh[1]), "1": 1}
     assert trainer_metrics(tmp_path / "kept")[-1]["dropped_samples"] == 0
+
+
+def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
+    """One step of two micro-batches with updates_per_step=2 makes the same two optimizer
+    updates (each normalised over its own micro-batch) as two steps of one micro-batch each;
+    with one update per step the same data gives a different result."""
+    data = make_steps(tiny_model, steps=2, groups=2, seed=4, versions=[0, 0])
+
+    def weights_after(name: str, merged: bool, *overrides) -> dict[str, torch.Tensor]:
+        # 8 sequences of at most 20 tokens: each step's data fits one 256-token micro-batch.
+        cfg = trainer_config(tmp_path / name, tiny_model, "preprocess.seq_length=256", *LINEAR_ADAM, *overrides)
+        if merged:
+            mbs = [mb for s, seqs in enumerate(data) for mb in pack_step(seqs, s, 1, 256)[0]]
+            assert len(mbs) == 2
+            streams = open_streams(cfg)
+            writer = streams.writer("trainer")
+            for i, mb in enumerate(mbs):
+                mb.step, mb.index, mb.count = 0, i, len(mbs)
+                writer.write(mb)
+            streams.close()
+        else:
+            write_steps(cfg, data, ranks=1)
+        train(cfg)
+        return final_weights(cfg.run_dir, cfg.trainer.max_steps)
+
+    two_steps = weights_after("two_steps", False, "trainer.max_steps=2")
+    two_updates = weights_after("two_updates", True, "trainer.max_steps=1", "trainer.updates_per_step=2")
+    one_update = weights_after("one_update", True, "trainer.max_steps=1")
+    initial = load_file(tiny_model / "model.safetensors")
+    assert update_error(two_updates, two_steps, initial) < REL_TOL
+    assert update_error(one_update, two_steps, initial) > 100 * REL_TOL
+    metrics = trainer_metrics(tmp_path / "two_updates")
+    assert [(m["version"], m["optimizer_updates"]) for m in metrics] == [(1, 2)]
 
 
 def test_step_collector_skips_trained_steps_and_restarts_rewritten_ones(tmp_path):

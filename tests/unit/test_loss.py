@@ -167,3 +167,44 @@ def test_summarize_effective_sample_size():
     assert out["ess"] == pytest.approx(16 / 20)
     assert out["advantage_mean"] == pytest.approx(1.0)
     assert out["advantage_std"] == pytest.approx(2.0)
+
+
+def test_clip_higher_widens_only_the_upper_bound():
+    """DAPO clip-higher: with eps 0.2 and eps_high 0.28 a ratio of 1.25 on a positive advantage
+    keeps its gradient (it is clipped with the symmetric range), the lower bound is unchanged."""
+    r = [1.25, 1.35, 0.75]
+    adv = [1.0, 1.0, -1.0]
+    lp = [-1.0] * 3
+    old = [-1.0 - math.log(x) for x in r]
+    symmetric = run(LossConfig(kind="ppo", ppo_clip=0.2), lp, old, adv, mask=[1, 1, 1])
+    higher = run(LossConfig(kind="ppo", ppo_clip=0.2, ppo_clip_high=0.28), lp, old, adv, mask=[1, 1, 1])
+    torch.testing.assert_close(symmetric[1], t([0.0, 0.0, 0.0]))
+    # d/dlp of -r*A / 3 where unclipped: token 0 now; token 1 still above 1.28, token 2 below 0.8.
+    torch.testing.assert_close(higher[1], t([-1.25 / 3, 0.0, 0.0]))
+    assert higher[0] == pytest.approx(-(1.25 + 1.28 - 0.8) / 3)
+    assert symmetric[2]["clipped"].item() == 3 and higher[2]["clipped"].item() == 2
+
+
+def test_sequence_ratio_is_the_geometric_mean_of_the_token_ratios():
+    """GSPO: sequence 0 has token ratios 2 and 1/2 (geometric mean 1), sequence 1 ratios 1.5 and
+    1.5; the masked prompt token is left out. The per-token objective uses the sequence's ratio."""
+    lp = [-3.0, -1.0, -1.0, -5.0, -1.0, -1.0]
+    ratios = [1.0, 2.0, 0.5, 1.0, 1.5, 1.5]
+    old = [x - math.log(r) for x, r in zip(lp, ratios)]
+    old[0] = old[3] = 7.0  # prompt tokens: any behaviour logprob, masked out
+    adv = [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    mask = [0, 1, 1, 0, 1, 1]
+    seq = [0, 0, 0, 1, 1, 1]
+    cfg = LossConfig(kind="ppo", ppo_clip=0.2, ratio="sequence", normalize="sequence")
+    loss, grad, stats, _ = run(cfg, lp, old, adv, mask, seq, step_samples=2)
+    # Sequence 0: s = 1, unclipped; d(-s A)/d lp_t = -s A / |y| per token, then / 2 sequences.
+    # Sequence 1: s = 1.5 > 1.2 with A > 0: clipped, no gradient.
+    assert loss == pytest.approx(-(1.0 + 1.2) / 2)
+    torch.testing.assert_close(grad, t([0.0, -0.25, -0.25, 0.0, 0.0, 0.0]))
+    assert stats["w"].item() == pytest.approx(2 * 1.0 + 2 * 1.5)
+    assert stats["clipped"].item() == 2
+    token_level = run(
+        LossConfig(kind="ppo", ppo_clip=0.2, normalize="sequence"), lp, old, adv, mask, seq, step_samples=2
+    )
+    # Token by token, 2, 1.5 and 1.5 are clipped (A > 0); 0.5 is not (the lower bound binds for A < 0).
+    assert token_level[2]["clipped"].item() == 3
