@@ -244,6 +244,7 @@ class Actor:
                 )
             group.group_id = f"{self.name}-{self.incarnation}-{number}"
             group.actor = self.index
+            group.written_at = time.time()
             self.writer.write(group, partition=self.index)
         except Exception as e:
             self.admission.abandon()

@@ -419,11 +419,17 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
     if cfg.actor.temperature <= 0:
         raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
-    if cfg.trainer.loss.kl_coef > 0 and not any("Reference" in s.cls for s in cfg.preprocess.scorers):
-        raise ConfigError("'trainer.loss.kl_coef' > 0 needs a reference scorer in 'preprocess.scorers'")
     for i, scorer in enumerate(cfg.preprocess.scorers):
         if ":" not in scorer.cls:
             raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
+    from pipeline_rl.scorers.base import ScorerOutput, scorer_classes  # imports classes only, loads no model
+
+    produced = {out for cls in scorer_classes(cfg) for out in cls.produces}
+    if cfg.trainer.loss.kl_coef > 0 and ScorerOutput.ref_logprobs not in produced:
+        raise ConfigError(
+            "'trainer.loss.kl_coef' > 0 needs a scorer in 'preprocess.scorers' that produces ref_logprobs "
+            "(e.g. pipeline_rl.scorers:ReferenceLogprobScorer)"
+        )
     if len(cfg.trainer.optimizer.betas) != 2:
         raise ConfigError(
             f"bad value for 'trainer.optimizer.betas': {cfg.trainer.optimizer.betas}, expected [beta1, beta2]"

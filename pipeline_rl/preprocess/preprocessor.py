@@ -87,7 +87,8 @@ class LostGroups:
 
 
 class ScoringStage:
-    """Runs the scorers on one batch; a raising scorer dead-letters the batch's groups."""
+    """Runs the scorers on one batch. A raising scorer dead-letters the batch's groups; groups a
+    scorer reports as failed are dead-lettered alone and the rest go on to the next scorer."""
 
     def __init__(self, scorers: list[Scorer], streams: Streams, counters: Counters, lost: LostGroups):
         self.scorers = scorers
@@ -96,37 +97,55 @@ class ScoringStage:
         self.lost = lost
 
     def __call__(self, entries: list[Entry]) -> list[RolloutGroup]:
-        groups = [e.record for e in entries]
+        now = time.time()
+        written = [e.record.written_at for e in entries if e.record.written_at is not None]
+        # How far behind the actors this preprocessor is: age of the groups it starts scoring.
+        self.counters.add("lag_s", sum(now - w for w in written))
+        self.counters.add("lag_groups", len(written))
         start = time.monotonic()
         for scorer in self.scorers:
+            name = type(scorer).__name__
+            groups = [e.record for e in entries]
+            t0 = time.monotonic()
             try:
-                scorer.score(groups)
+                failed = scorer.score(groups) or {}
             except Exception as e:  # a user plug-in: any failure fails this batch only
-                error = f"{type(scorer).__name__}: {type(e).__name__}: {e}"
-                log.warning(
-                    "scorer failed on a batch of %d groups (%s), dead-lettered to %s: %s",
-                    len(groups),
-                    ", ".join(g.group_id for g in groups),
-                    Topic.SCORER_DEAD,
-                    error,
-                )
-                for entry, group in zip(entries, groups):
-                    self.dead.write(
-                        DeadLetter(Topic.ACTOR, entry.partition, entry.offset, error, encode(group).decode())
-                    )
-                self.dead.flush()
-                by_actor: dict[int, list[str]] = {}
-                for entry, group in zip(entries, groups):
-                    by_actor.setdefault(entry.partition, []).append(group.group_id)
-                for actor, ids in by_actor.items():
-                    self.lost.report(actor, "scorer", ids, error)
-                self.counters.add("scorer_failures")
-                self.counters.add("scorer_failed_groups", len(groups))
-                return []
-        self.counters.add("scored_groups", len(groups))
+                failed = dict.fromkeys((g.group_id for g in groups), f"{type(e).__name__}: {e}")
+            self.counters.add(f"scorer_s/{name}", time.monotonic() - t0)
+            if failed:
+                entries = self._dead_letter(entries, failed, name)
+        self.counters.add("scored_groups", len(entries))
         self.counters.add("batch_time_s", time.monotonic() - start)
         self.counters.add("batches")
-        return groups
+        return [e.record for e in entries]
+
+    def _dead_letter(self, entries: list[Entry], failed: dict[str, str], scorer: str) -> list[Entry]:
+        """Dead-letter the failed groups, tell their actors; returns the entries left."""
+        bad = [e for e in entries if e.record.group_id in failed]
+        first = failed[bad[0].record.group_id] if bad else ""
+        log.warning(
+            "%s failed on %d of %d groups (%s), dead-lettered to %s: %s",
+            scorer,
+            len(bad),
+            len(entries),
+            ", ".join(e.record.group_id for e in bad),
+            Topic.SCORER_DEAD,
+            first,
+        )
+        by_actor: dict[int, list[Entry]] = {}
+        for entry in bad:
+            error = f"{scorer}: {failed[entry.record.group_id]}"
+            self.dead.write(
+                DeadLetter(Topic.ACTOR, entry.partition, entry.offset, error, encode(entry.record).decode())
+            )
+            by_actor.setdefault(entry.partition, []).append(entry)
+        self.dead.flush()
+        for actor, lost in by_actor.items():
+            ids = [e.record.group_id for e in lost]
+            self.lost.report(actor, "scorer", ids, f"{scorer}: {failed[ids[0]]}")
+        self.counters.add("scorer_failures")
+        self.counters.add("scorer_failed_groups", len(bad))
+        return [e for e in entries if e.record.group_id not in failed]
 
 
 class StepAssembler:
@@ -223,6 +242,13 @@ def _log_scoring(metrics: MetricsLogger, counters: Counters, reader_dead: int, s
             "preprocess/scorer_failures_total": counters.totals.get("scorer_failures", 0),
             "preprocess/scorer_failed_groups_total": counters.totals.get("scorer_failed_groups", 0),
             "preprocess/batch_time_s": c.get("batch_time_s", 0.0) / max(1, c.get("batches", 0)),
+            # Mean age of the groups scored in this window (0 when none carried a write time).
+            "preprocess/lag_s": c.get("lag_s", 0.0) / max(1, c.get("lag_groups", 0)),
+            **{
+                f"preprocess/{k}_per_batch": v / max(1, c.get("batches", 0))
+                for k, v in c.items()
+                if k.startswith("scorer_s/")
+            },
             "preprocess/actor_dead_letters_total": reader_dead,
             "preprocess/groups_lost_scorer_total": counters.totals.get("groups_lost_scorer", 0),
             "preprocess/groups_lost_decode_total": counters.totals.get("groups_lost_decode", 0),

@@ -1,6 +1,18 @@
 """Scorers the preprocessor runs on every batch: the interface (`base.py`) and the built-ins."""
 
-from pipeline_rl.scorers.base import Scorer, load_scorers
-from pipeline_rl.scorers.reference import ReferenceLogprobScorer
+from pipeline_rl.scorers.base import Scorer, ScorerOutput, load_scorers
+from pipeline_rl.scorers.http_scorer import HttpScorer
+from pipeline_rl.scorers.process_reward import ProcessRewardScorer
+from pipeline_rl.scorers.reference import DistillationScorer, ReferenceLogprobScorer
+from pipeline_rl.scorers.reward_model import RewardModelScorer
 
-__all__ = ["ReferenceLogprobScorer", "Scorer", "load_scorers"]
+__all__ = [
+    "DistillationScorer",
+    "HttpScorer",
+    "ProcessRewardScorer",
+    "ReferenceLogprobScorer",
+    "RewardModelScorer",
+    "Scorer",
+    "ScorerOutput",
+    "load_scorers",
+]

@@ -13,41 +13,72 @@ place; what it may change:
   (`trainer.loss.kl_coef`); see `reference.py`;
 - `rollout.metadata` / `group.metadata`: anything else worth keeping.
 
+A scorer declares what it writes in `produces` (ScorerOutput members); the config validation
+uses that (a KL term needs a scorer that produces ref_logprobs), not class names.
+
 A scorer that raises fails its batch only: the preprocessor dead-letters each group of the
-batch (topic Topic.SCORER_DEAD, with the error) and goes on with the next batch.
+batch (topic Topic.SCORER_DEAD, with the error) and goes on with the next batch. A scorer that
+could score only part of the batch (a remote server that failed for some requests) returns
+{group_id: error} for the groups it could not score: those alone are dead-lettered.
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.plugins import load_plugin
 from pipeline_rl.streams.records import RolloutGroup
 
 
+class ScorerOutput(StrEnum):
+    """What a scorer writes into the groups it scores."""
+
+    reward = "reward"
+    token_rewards = "token_rewards"
+    ref_logprobs = "ref_logprobs"
+
+
 class Scorer:
-    """Base class of scorers. Subclasses take `(cfg, **kwargs)` and implement `score`."""
+    """Base class of scorers. Subclasses take `(cfg, **kwargs)`, implement `score` and set
+    `produces`."""
+
+    produces: ClassVar[frozenset[ScorerOutput]] = frozenset()
+    """What `score` writes (the config validation checks it against what the loss needs)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
 
-    def score(self, groups: list[RolloutGroup]) -> None:
-        """Edit `groups` in place (rewards, token_rewards, ref_logprobs, metadata)."""
+    def score(self, groups: list[RolloutGroup]) -> dict[str, str] | None:
+        """Edit `groups` in place (rewards, token_rewards, ref_logprobs, metadata). Returns
+        {group_id: error} for groups that could not be scored (dead-lettered), or None."""
         raise NotImplementedError
 
     def close(self) -> None:
         """Release models or connections; called once when the preprocessor stops."""
 
 
-def load_scorers(cfg: RunConfig) -> list[Scorer]:
-    """Import and build the scorers of `cfg.preprocess.scorers`, in order."""
-    scorers = []
-    for i, spec in enumerate(cfg.preprocess.scorers):
-        key = f"preprocess.scorers.{i}.cls"
-        cls = load_plugin(
+def scorer_classes(cfg: RunConfig) -> list[type[Scorer]]:
+    """Import the classes of `cfg.preprocess.scorers`, in order (no model is loaded)."""
+    return [
+        load_plugin(
             spec.cls,
-            key,
+            f"preprocess.scorers.{i}.cls",
             "a subclass of pipeline_rl.scorers.Scorer",
             check=lambda c: isinstance(c, type) and issubclass(c, Scorer),
         )
-        scorers.append(cls(cfg, **dict(spec.kwargs)))
+        for i, spec in enumerate(cfg.preprocess.scorers)
+    ]
+
+
+def load_scorers(cfg: RunConfig) -> list[Scorer]:
+    """Import and build the scorers of `cfg.preprocess.scorers`, in order. A constructor that
+    rejects its kwargs fails with the config key."""
+    scorers = []
+    for i, (cls, spec) in enumerate(zip(scorer_classes(cfg), cfg.preprocess.scorers)):
+        try:
+            scorers.append(cls(cfg, **dict(spec.kwargs)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"bad value for 'preprocess.scorers.{i}.kwargs': {cls.__name__}: {e}") from e
     return scorers

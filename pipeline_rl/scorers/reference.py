@@ -1,58 +1,35 @@
-"""The reference-logprob scorer: per-token logprobs under a frozen model, for the KL term."""
+"""Per-token logprobs of completions under a frozen causal LM: the reference scorer (for the
+trainer's KL term) and the distillation scorer (a teacher's logprobs as per-token rewards)."""
 
 from __future__ import annotations
 
-from typing import cast
+import torch
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.scorers.base import Scorer
-from pipeline_rl.streams.records import RolloutGroup
+from pipeline_rl.scorers.base import Scorer, ScorerOutput
+from pipeline_rl.scorers.hf import load_model, pack_rows, scorer_device
+from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 
-class ReferenceLogprobScorer(Scorer):
-    """Per-token logprobs of every completion under a frozen model, into `rollout.ref_logprobs`.
+class CompletionLogprobs:
+    """logprob of every completion token under a frozen causal LM that shares the policy's
+    tokenizer (token ids are passed as they are), at `temperature`, over packed rows of up to
+    `seq_length` tokens."""
 
-    kwargs: `path` (a Hugging Face model directory; default cfg.model.path, the initial
-    policy, which gives the usual KL-to-reference term). Pointing `path` at a stronger
-    teacher turns the same KL term into on-policy distillation. Logprobs are taken at the
-    sampling temperature (cfg.actor.temperature), like the policy's own, over packed rows of
-    up to cfg.preprocess.seq_length tokens (a longer sequence gets a row to itself). Runs on
-    the GPU when the preprocessor has one (world.preprocessor_gpus > 0)."""
-
-    def __init__(self, cfg: RunConfig, path: str | None = None):
-        super().__init__(cfg)
-        import torch
+    def __init__(self, cfg: RunConfig, path: str, temperature: float):
         from transformers import AutoModelForCausalLM
 
-        self.path = path or cfg.model.path
-        use_gpu = cfg.world.preprocessor_gpus > 0 and torch.cuda.is_available()
-        self.device = torch.device("cuda" if use_gpu else "cpu")
-        # cast: transformers' own annotation of `.to` on its models confuses the type checker.
-        model = cast(
-            torch.nn.Module, AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, cfg.model.dtype))
-        )
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.device = scorer_device(cfg)
+        self.model = load_model(AutoModelForCausalLM, path, cfg, self.device)
+        self.temperature = temperature
+        self.seq_length = cfg.preprocess.seq_length
 
-    def _rows(self, sequences: list[list[int]]) -> list[list[int]]:
-        """Consecutive sequence indices packed into rows of up to seq_length tokens."""
-        rows: list[list[int]] = []
-        used = 0
-        for i, ids in enumerate(sequences):
-            if not rows or used + len(ids) > self.cfg.preprocess.seq_length:
-                rows.append([])
-                used = 0
-            rows[-1].append(i)
-            used += len(ids)
-        return rows
-
-    def score(self, groups: list[RolloutGroup]) -> None:
-        import torch
-
+    def __call__(self, rollouts: list[Rollout]) -> list[list[float]]:
         from pipeline_rl.trainer.logprobs import packed_logprobs
 
-        rollouts = [r for g in groups for r in g.rollouts]
         sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
-        for row in self._rows(sequences):
+        out: list[list[float]] = [[] for _ in rollouts]
+        for row in pack_rows([len(s) for s in sequences], self.seq_length):
             ids = [t for i in row for t in sequences[i]]
             pos = [p for i in row for p in range(len(sequences[i]))]
             with torch.no_grad():
@@ -60,15 +37,68 @@ class ReferenceLogprobScorer(Scorer):
                     self.model,
                     torch.tensor([ids], device=self.device),
                     torch.tensor([pos], device=self.device),
-                    self.cfg.actor.temperature,
+                    self.temperature,
                 )
             logprobs = logprobs.tolist()
             start = 0
             for i in row:
-                r = rollouts[i]
-                first = start + len(r.prompt_ids)
-                r.ref_logprobs = logprobs[first : first + len(r.completion_ids)]
+                first = start + len(rollouts[i].prompt_ids)
+                out[i] = logprobs[first : first + len(rollouts[i].completion_ids)]
                 start += len(sequences[i])
+        return out
+
+
+class ReferenceLogprobScorer(Scorer):
+    """Per-token logprobs of every completion under a frozen model, into `rollout.ref_logprobs`.
+
+    kwargs: `path` (a Hugging Face model directory; default cfg.model.path, the initial
+    policy, which gives the usual KL-to-reference term). Logprobs are taken at the sampling
+    temperature (cfg.actor.temperature), like the policy's own. Runs on the GPU when the
+    preprocessor has one (world.preprocessor_gpus > 0)."""
+
+    produces = frozenset({ScorerOutput.ref_logprobs})
+
+    def __init__(self, cfg: RunConfig, path: str | None = None):
+        super().__init__(cfg)
+        self.path = path or cfg.model.path
+        self.logprobs = CompletionLogprobs(cfg, self.path, cfg.actor.temperature)
+
+    def score(self, groups: list[RolloutGroup]) -> None:
+        rollouts = [r for g in groups for r in g.rollouts]
+        for r, lp in zip(rollouts, self.logprobs(rollouts)):
+            r.ref_logprobs = lp
 
     def close(self) -> None:
-        del self.model
+        del self.logprobs
+
+
+class DistillationScorer(Scorer):
+    """On-policy distillation: a teacher's per-token logprobs become per-token rewards.
+
+    Each token the policy sampled (mask 1) gets `coef * (log p_teacher(token) - log
+    p_behaviour(token))` added to `rollout.token_rewards`; through the reward-to-go of
+    pipeline_rl/preprocess/advantages.py this is the policy gradient of the reverse KL from
+    the policy to the teacher (minus coef times it). The teacher must share the policy's
+    tokenizer. kwargs: `path` (the teacher), `coef` (default 1.0), `temperature` (default the
+    actor's, so both logprobs are of the same tempered distributions). Independent of the
+    reference scorer and the trainer's KL term."""
+
+    produces = frozenset({ScorerOutput.token_rewards})
+
+    def __init__(self, cfg: RunConfig, path: str, coef: float = 1.0, temperature: float | None = None):
+        super().__init__(cfg)
+        self.coef = float(coef)
+        self.logprobs = CompletionLogprobs(cfg, path, temperature or cfg.actor.temperature)
+
+    def score(self, groups: list[RolloutGroup]) -> None:
+        rollouts = [r for g in groups for r in g.rollouts]
+        for r, teacher in zip(rollouts, self.logprobs(rollouts)):
+            mask = r.mask or [1] * len(r.completion_ids)
+            rewards = r.token_rewards or [0.0] * len(r.completion_ids)
+            r.token_rewards = [
+                x + self.coef * (t - b) if m else x for x, t, b, m in zip(rewards, teacher, r.logprobs, mask)
+            ]
+            r.metadata["teacher_logprob_sum"] = sum(t for t, m in zip(teacher, mask) if m)
+
+    def close(self) -> None:
+        del self.logprobs

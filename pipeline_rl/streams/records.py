@@ -56,6 +56,8 @@ class RolloutGroup:
     rollouts: list[Rollout]
     actor: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    written_at: float | None = None
+    """Wall time (time.time()) the actor wrote the group: the preprocessor's lag is measured from it."""
     kind: str = Kind.ROLLOUT_GROUP
 
 

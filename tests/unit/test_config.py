@@ -56,7 +56,11 @@ def test_extends_chain_and_overrides():
         (["world.actors=0"], "'world.actors': 0, must be >= 1"),
         (["world.nodes=2"], "'streams.backend' must be redis"),
         (["world.gpus_per_node=8", "world.actor_gpus=2"], "bad value for 'world.actor_gpus': 2; only 1"),
-        (["trainer.loss.kl_coef=0.1"], "needs a reference scorer"),
+        (["trainer.loss.kl_coef=0.1"], "needs a scorer in 'preprocess.scorers' that produces ref_logprobs"),
+        (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
+        (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
+        (["trainer.lag_gate=tokens"], "bad value for 'trainer.lag_gate': Invalid value 'tokens'"),
+        (["trainer.loss.ratio=seq"], "bad value for 'trainer.loss.ratio': Invalid value 'seq'"),
         (["noequals"], "not of the form key=value"),
     ],
 )

@@ -1,0 +1,66 @@
+"""What the built-in model scorers share: loading a Hugging Face model where the preprocessor
+runs, the policy's tokenizer, and packing sequences into rows of at most
+`preprocess.seq_length` tokens for one forward pass each.
+
+Packed rows restart position_ids at 0 for each sequence and pass no attention mask and no
+cache: transformers then attends within each sequence only (see
+pipeline_rl/trainer/logprobs.py), for causal LMs and the token-classification heads built on
+them alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeline_rl.config import RunConfig
+
+
+def scorer_device(cfg: RunConfig) -> torch.device:
+    """The preprocessor's GPU when it has one (world.preprocessor_gpus > 0), else the CPU."""
+    use_gpu = cfg.world.preprocessor_gpus > 0 and torch.cuda.is_available()
+    return torch.device("cuda" if use_gpu else "cpu")
+
+
+def load_model(auto_class: Any, path: str, cfg: RunConfig, device: torch.device, **kwargs: Any) -> Any:
+    """A frozen model of `auto_class` (e.g. AutoModelForCausalLM) from `path`, in cfg.model.dtype:
+    a transformers PreTrainedModel (typed Any: its `.config` is dynamic)."""
+    model = auto_class.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype), **kwargs)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def pack_rows(lengths: list[int], seq_length: int) -> list[list[int]]:
+    """Consecutive sequence indices packed into rows of up to seq_length tokens (a longer
+    sequence gets a row to itself)."""
+    rows: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if not rows or used + n > seq_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def packed_logits(model: torch.nn.Module, sequences: list[list[int]], seq_length: int, device: torch.device):
+    """Per sequence, the model's logits at each of its positions ([len, C] float32 tensors on
+    the CPU), computed over packed rows."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
+    for row in pack_rows([len(s) for s in sequences], seq_length):
+        ids = torch.tensor([[t for i in row for t in sequences[i]]], device=device)
+        pos = torch.tensor([[p for i in row for p in range(len(sequences[i]))]], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float().cpu()
+        start = 0
+        for i in row:
+            out[i] = logits[start : start + len(sequences[i])]
+            start += len(sequences[i])
+    return out
