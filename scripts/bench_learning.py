@@ -1,29 +1,38 @@
-"""Pipelined vs conventional RL on the tiny CPU demo, same seed, data and time budget.
+"""Learning per wall-clock second on the tiny arithmetic task: pipeline_rl pipelined, pipeline_rl
+sync and TRL's GRPOTrainer, one after the other on the same model, problems, held-out set,
+reward and time budget.
 
-    python scripts/bench_learning.py [--budget-s 900] [--out runs/bench_learning]
+    python scripts/bench_learning.py [--budget-s 600] [--out runs/bench_learning]
         [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
 
-Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, and prints for
-each the wall time until the held-out mean reward first reaches 0.7 and 0.9, the speed-up,
-the actor and trainer idle fractions, and peak RSS per process. With --variant, runs the
-named variants instead, one after the other (e.g. `--variant sample:trainer.lag_gate=sample
---variant token:trainer.lag_gate=token`), and also prints dropped samples and masked tokens.
-`model.path=.cache/tiny_learner` as an override runs on the second tiny model (built if missing).
+Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, then
+scripts/bench_trl.py (when the `bench` extra is installed: `bash scripts/setup_cpu.sh --bench`),
+and prints for each the wall time until the held-out reward (T=1, 200 problems) first reaches
+0.7 and 0.9, the last held-out reward, completions/s, versions/s (optimizer steps), idle
+fractions and peak RSS per process; then the issue's goals against TRL and the pipelined/sync
+speed-up. The curves go to OUT/learning_curves.png. Overrides apply to the pipeline_rl runs;
+`model.path=.cache/tiny_learner` also moves TRL to that model (built if missing). With
+--variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:trainer.lag_gate=sample
+--variant token:trainer.lag_gate=token`), with dropped samples and masked tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from pipeline_rl.config import load_config
 from pipeline_rl.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLDS = (0.7, 0.9)
+TRAINERS = ("trainer0", "trl")
+"""Processes whose step records carry "version" and "compute_s"."""
 
 
 def time_to_reach(records: list[dict], t0: float, threshold: float) -> float | None:
@@ -32,6 +41,10 @@ def time_to_reach(records: list[dict], t0: float, threshold: float) -> float | N
         if isinstance(value, (int, float)) and value >= threshold:
             return r["time"] - t0
     return None
+
+
+def eval_curve(records: list[dict], t0: float) -> list[tuple[float, float]]:
+    return [(r["time"] - t0, r["values"]["eval/reward"]) for r in records if "eval/reward" in r["values"]]
 
 
 def last_values(records: list[dict]) -> dict[str, dict]:
@@ -59,48 +72,75 @@ def trainer_idle(records: list[dict]) -> float | None:
 
 
 def versions_per_s(records: list[dict]) -> float | None:
-    """Policy versions (optimizer steps) per second of trainer rank 0's run."""
+    """Policy versions (optimizer steps) per second of the trainer's run."""
     steps = [
-        (r["time"], r["values"]["version"])
-        for r in records
-        if r["process"] == "trainer0" and "compute_s" in r["values"]
+        (r["time"], r["values"]["version"]) for r in records if r["process"] in TRAINERS and "compute_s" in r["values"]
     ]
     return (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]) if len(steps) > 1 else None
 
 
-def run(mode: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
-    run_dir = out / mode
+def completions_per_s(records: list[dict]) -> float | None:
+    """Mean of the generators' completions/s (actor windows, or TRL steps)."""
+    rates = [r["values"]["rollouts_per_s"] for r in records if "rollouts_per_s" in r["values"]]
+    return sum(rates) / len(rates) if rates else None
+
+
+def run(name: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
+    run_dir = out / name
     argv = [
         sys.executable,
         "launch.py",
         "conf=tiny",
         f"run_dir={run_dir}",
-        f"name=bench_{mode}",
+        f"name=bench_{name}",
         f"max_time_s={budget_s}",
         "--fresh",
         *overrides,
     ]
-    print(f"[{mode}] {' '.join(argv[1:])}", flush=True)
+    print(f"[{name}] {' '.join(argv[1:])}", flush=True)
     start = time.time()
     code = subprocess.run(argv, cwd=ROOT).returncode
     if code != 0:
-        raise SystemExit(f"[{mode}] launch.py exited with {code}; see {run_dir / 'logs'}")
-    return summarize(mode, run_dir, time.time() - start)
+        raise SystemExit(f"[{name}] launch.py exited with {code}; see {run_dir / 'logs'}")
+    return summarize(name, run_dir, time.time() - start)
 
 
-def summarize(mode: str, run_dir: Path, wall_s: float) -> dict:
+def run_trl(budget_s: float, out: Path, overrides: list[str]) -> dict:
+    cfg = load_config("tiny", overrides)
+    model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
+    if not (model / "config.json").exists():
+        from pipeline_rl.demo import build_named
+
+        build_named(model.parent, model.name, cfg.seed)
+    run_dir = out / "trl"
+    argv = [sys.executable, "scripts/bench_trl.py", f"--model={model}", f"--data={data}", f"--budget-s={budget_s}"]
+    argv += [f"--out={run_dir}", f"--seed={cfg.seed}"]
+    print(f"[trl] {' '.join(argv[1:])} (TRL's log: {run_dir / 'trl.log'})", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in (run_dir / "metrics").glob("*.jsonl"):
+        old.unlink()
+    start = time.time()
+    with open(run_dir / "trl.log", "w") as log:
+        code = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise SystemExit(f"[trl] bench_trl.py exited with {code}; see {run_dir / 'trl.log'}")
+    return summarize("trl", run_dir, time.time() - start)
+
+
+def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
     records = read_metrics(run_dir)
     t0 = min(r["time"] for r in records)
     latest = last_values(records)
+    curve = eval_curve(records, t0)
     return {
-        "mode": mode,
+        "mode": name,
         "wall_s": wall_s,
+        "curve": curve,
         "reach": {t: time_to_reach(records, t0, t) for t in THRESHOLDS},
-        "final_eval": max((r["values"]["eval/reward"], r["time"]) for r in records if "eval/reward" in r["values"])[0]
-        if any("eval/reward" in r["values"] for r in records)
-        else None,
-        "eval_span_s": max((r["time"] - t0 for r in records if "eval/reward" in r["values"]), default=0.0),
+        "final_eval": curve[-1][1] if curve else None,
+        "eval_span_s": curve[-1][0] if curve else 0.0,
         "versions_per_s": versions_per_s(records),
+        "completions_per_s": completions_per_s(records),
         "actor_idle": actor_idle(latest),
         "trainer_idle": trainer_idle(records),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
@@ -114,50 +154,98 @@ def fmt(x, spec=".0f", unit="") -> str:
     return "not reached" if x is None else f"{x:{spec}}{unit}"
 
 
-def report(results: list[dict]) -> None:
-    print("\n=== bench_learning: held-out mean reward (T=1) on the tiny arithmetic demo ===")
+def first_reach(curve: list[tuple[float, float]], threshold: float) -> float | None:
+    return next((t for t, v in curve if v >= threshold), None)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        if r["curve"]:
+            xs, ys = zip(*r["curve"])
+            ax.plot(xs, ys, marker=".", label=r["mode"])
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("held-out reward (T=1)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(results: list[dict], out: Path) -> None:
+    print("\n=== bench_learning: held-out mean reward (T=1) on the tiny arithmetic task ===")
     for r in results:
         reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s')}" for t in THRESHOLDS)
         print(
-            f"{r['mode']:>5}: time to reach {reach}; best eval {fmt(r['final_eval'], '.3f')}; "
-            f"actor idle {fmt(r['actor_idle'], '.2f')}, trainer idle {fmt(r['trainer_idle'], '.2f')}; "
-            f"{fmt(r['versions_per_s'], '.2f')} versions/s"
+            f"{r['mode']:>6}: time to reach {reach}; last eval {fmt(r['final_eval'], '.3f')} at "
+            f"{r['eval_span_s']:.0f} s; {fmt(r['completions_per_s'], '.0f')} completions/s, "
+            f"{fmt(r['versions_per_s'], '.2f')} versions/s; actor idle {fmt(r['actor_idle'], '.2f')}, "
+            f"trainer idle {fmt(r['trainer_idle'], '.2f')}"
         )
-        print(
-            f"       dropped samples {fmt(r['dropped_samples'])}, masked tokens {r['masked_tokens']:.0f}, "
-            f"trained tokens {r['trained_tokens']:.0f}"
-        )
-        print(f"       peak RSS MB: {', '.join(f'{p}={v:.0f}' for p, v in sorted(r['peak_rss_mb'].items()))}")
-    if [r["mode"] for r in results] != ["async", "sync"]:
-        return
-    pipe, sync = results
-    for t in THRESHOLDS:
-        a, s = pipe["reach"][t], sync["reach"][t]
-        if a and s:
-            print(f"speed-up to {t}: {s / a:.2f}x (sync {s:.0f} s / pipelined {a:.0f} s)")
-        elif a:
-            # Sync ran the whole budget without reaching t: the ratio is at least budget / pipelined.
+        if r["mode"] != "trl":
             print(
-                f"speed-up to {t}: > {sync['eval_span_s'] / a:.2f}x (sync not reached in {sync['eval_span_s']:.0f} s "
-                f"of evaluations / pipelined {a:.0f} s)"
+                f"        dropped samples {fmt(r['dropped_samples'])}, masked tokens {r['masked_tokens']:.0f}, "
+                f"trained tokens {r['trained_tokens']:.0f}"
             )
-        else:
-            print(f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s')}, sync {fmt(s, '.0f', ' s')})")
+        rss = ", ".join(f"{p}={v:.0f}" for p, v in sorted(r["peak_rss_mb"].items()))
+        if rss:
+            print(f"        peak RSS MB: {rss}")
+    plot(results, out / "learning_curves.png")
+    print(f"curves: {out / 'learning_curves.png'}")
+    by = {r["mode"]: r for r in results}
+    pipe, sync, trl = by.get("async"), by.get("sync"), by.get("trl")
+    if pipe and trl and trl["final_eval"] is not None:
+        target = trl["final_eval"]
+        t = first_reach(pipe["curve"], target)
+        print(
+            f"goal: pipelined reaches TRL's last reward {target:.3f} at {fmt(t, '.0f', ' s')} "
+            f"(goal <= half of TRL's {trl['eval_span_s']:.0f} s: {trl['eval_span_s'] / 2:.0f} s)"
+        )
+        if pipe["final_eval"] is not None:
+            print(f"goal: pipelined last reward - TRL's = {pipe['final_eval'] - target:+.3f} (goal >= +0.1)")
+    if pipe and sync:
+        for t in THRESHOLDS:
+            a, s = pipe["reach"][t], sync["reach"][t]
+            if a and s:
+                print(f"speed-up to {t}: {s / a:.2f}x (sync {s:.0f} s / pipelined {a:.0f} s)")
+            elif a:
+                # Sync ran the whole budget without reaching t: the ratio is at least its span / pipelined.
+                print(
+                    f"speed-up to {t}: > {sync['eval_span_s'] / a:.2f}x (sync not reached in "
+                    f"{sync['eval_span_s']:.0f} s of evaluations / pipelined {a:.0f} s)"
+                )
+            else:
+                print(f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s')}, sync {fmt(s, '.0f', ' s')})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=900.0, help="wall-time budget of each run")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="wall-time budget of each run")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_learning")
     parser.add_argument(
-        "--variant", action="append", default=[], help="NAME:KEY=VALUE,... a run to compare (repeatable)"
+        "--variant", action="append", default=[], help="NAME:KEY=VALUE,... a pipeline_rl run to compare (repeatable)"
     )
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
+    parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for every pipeline_rl run")
     args = parser.parse_args()
     variants = [v.partition(":") for v in args.variant]
     runs = [(name, [o for o in rest.split(",") if o]) for name, _, rest in variants]
+    with_trl = not runs and not args.no_trl
     runs = runs or [(mode, [f"actor.mode={mode}"]) for mode in ("async", "sync")]
-    report([run(name, args.budget_s, args.out, own + args.overrides) for name, own in runs])
+    results = [run(name, args.budget_s, args.out, own + args.overrides) for name, own in runs]
+    if with_trl:
+        if importlib.util.find_spec("trl") is None:
+            print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
+        else:
+            results.append(run_trl(args.budget_s, args.out, args.overrides))
+    report(results, args.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Build the tiny arithmetic model and its data set (see pipeline_rl/demo/tiny_model.py).
 
-    python scripts/make_tiny_model.py [--cache DIR] [--seed N] [--learner]
+    python scripts/make_tiny_model.py [--cache DIR] [--seed N] [--name NAME]
 
---learner builds the second model (DIR/tiny_learner: about half right greedily, not softened).
+NAME is tiny_model (default), tiny_learner (the learning benchmark's second model: about half
+right greedily, not softened), or one of the multi-step task's models (multistep_policy, ...:
+all four are built together; see pipeline_rl/demo/multistep.py).
 
 DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 """
@@ -10,7 +12,6 @@ DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,18 +27,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache")))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learner", action="store_true", help="build tiny_learner instead of tiny_model")
+    parser.add_argument("--name", default="tiny_model", help="which model to build (see above)")
     args = parser.parse_args()
 
     import torch
 
-    from pipeline_rl.demo.tiny_model import LEARNER, TINY, build
+    from pipeline_rl.demo import build_named
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     start = time.time()
-    path = build(args.cache, args.seed, LEARNER if args.learner else TINY)
-    report = json.loads((path / "pretrain_report.json").read_text())
-    print(f"built {path} ({time.time() - start:.0f} s): {json.dumps(report)}")
+    build_named(args.cache, args.name, args.seed)
+    path = args.cache / args.name
+    report = next(path.glob("*report.json"))
+    print(f"built {path} ({time.time() - start:.0f} s): {report.read_text()}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 # One-command setup of the CPU stack into ./.venv, exactly as pinned in scripts/cpu-lock.txt.
 #   bash scripts/setup_cpu.sh            install the locked versions (what the tests passed with)
 #   bash scripts/setup_cpu.sh --relock   resolve the cpu+dev extras again and rewrite the lock
+#   bash scripts/setup_cpu.sh --bench    the locked versions plus the `bench` extra (TRL, for
+#                                        scripts/bench_learning.py) from scripts/bench-lock.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v uv >/dev/null || python3 -m pip install --quiet uv
@@ -21,5 +23,8 @@ else
     # DeepSpeed builds from source against the locked torch (it is in the lock, so nothing replaces it).
     uv pip sync --python .venv/bin/python "${torch_src[@]}" scripts/cpu-lock.txt
     uv pip install --python .venv/bin/python --no-deps -e .
+    if [ "${1:-}" = "--bench" ]; then
+        uv pip install --python .venv/bin/python --no-deps -r scripts/bench-lock.txt
+    fi
 fi
 echo "setup done: activate with 'source .venv/bin/activate'"

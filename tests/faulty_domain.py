@@ -6,7 +6,6 @@ a reward check that raises on half of the problems."""
 from __future__ import annotations
 
 from pipeline_rl.actor.domains import arithmetic
-from pipeline_rl.actor.rewards import call_checked
 
 FAILING = 2
 _calls = 0
@@ -25,17 +24,13 @@ async def rollout(problem, llm, cfg):
     return group
 
 
-def _reward_check_that_raises(answer: str) -> float:
-    raise ArithmeticError(f"injected reward failure on answer {answer}")
+def _score_or_raise(text: str, finish_reason: str, answer: str) -> float:
+    if int(answer) % 2:
+        raise ArithmeticError(f"injected reward failure on answer {answer}")
+    return arithmetic.score(text, finish_reason, answer)
 
 
 async def reward_raises_on_odd_answers(problem, llm, cfg):
     """Arithmetic whose reward check raises on every problem with an odd answer (half of them):
     those rollouts get reward 0 and the error, which the actor counts."""
-    group = await arithmetic.rollout(problem, llm, cfg)
-    if int(problem["answer"]) % 2:
-        for r in group.rollouts:
-            result = call_checked(_reward_check_that_raises, problem["answer"])
-            r.reward = 0.0
-            r.metadata["reward_error"] = result.error
-    return group
+    return await arithmetic.sample_and_score(problem, llm, cfg, _score_or_raise)

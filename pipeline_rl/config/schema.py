@@ -89,9 +89,9 @@ class ModelConfig:
     dtype: DType = DType.float32
     """Parameter dtype everywhere: float32 or bfloat16."""
     make_tiny_if_missing: bool = False
-    """Build the tiny arithmetic model at `path` (scripts/make_tiny_model.py) when it does not exist:
-    a path ending in tiny_model builds the demo's model, one ending in tiny_learner the learning
-    benchmark's second model (pipeline_rl/demo/tiny_model.py)."""
+    """Build the tiny model at `path` (scripts/make_tiny_model.py) when it does not exist; the
+    directory's name says which (pipeline_rl/demo/__init__.py: tiny_model, the demo's;
+    tiny_learner, the learning benchmark's second; multistep_*, the multi-step task's)."""
 
 
 @dataclass

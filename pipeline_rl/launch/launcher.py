@@ -115,16 +115,15 @@ def _ensure_tiny_model(cfg: RunConfig) -> None:
     model = Path(cfg.model.path)
     if (model / "config.json").exists() or not cfg.model.make_tiny_if_missing:
         return
-    from pipeline_rl.demo.tiny_model import LEARNER, TINY, build
+    from pipeline_rl.demo import BUILT, build_named
 
-    recipes = {r.name: r for r in (TINY, LEARNER)}
-    if model.name not in recipes:
+    if model.name not in BUILT:
         raise ConfigError(
             f"model.path={model} does not exist, and model.make_tiny_if_missing builds only "
-            f"{' or '.join(recipes)} (name the directory so, or turn it off)"
+            f"{', '.join(BUILT)} (name the directory so, or turn it off)"
         )
     print(f"building the tiny model into {model} ...", flush=True)
-    build(model.parent, seed=cfg.seed, recipe=recipes[model.name])
+    build_named(model.parent, model.name, seed=cfg.seed)
 
 
 def _end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:

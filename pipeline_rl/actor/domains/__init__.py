@@ -26,7 +26,7 @@ group-relative advantage of `reward` (pipeline_rl/preprocess/advantages.py): kee
 episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
 tests/multiturn_domain.py is a small example.
 
-`load_domain(name)` accepts a built-in name ("arithmetic", "math") or "module:function".
+`load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep") or "module:function".
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from pipeline_rl.streams.records import Rollout
 BUILTIN = {
     "arithmetic": "pipeline_rl.actor.domains.arithmetic:rollout",
     "math": "pipeline_rl.actor.domains.math:rollout",
+    "multistep": "pipeline_rl.actor.domains.multistep:rollout",
 }
 
 RolloutFn = Callable[..., Coroutine[Any, Any, Any]]

@@ -3,6 +3,8 @@ the answer ("85" for "Q: 37+48="), else 0. A completion cut off before EOS gets 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pipeline_rl.actor.domains import make_rollout
 from pipeline_rl.actor.rewards import call_checked
 from pipeline_rl.config import RunConfig
@@ -15,6 +17,14 @@ def score(text: str, finish_reason: str, answer: str) -> float:
 
 
 async def rollout(problem: dict, llm, cfg: RunConfig) -> RolloutGroup:
+    return await sample_and_score(problem, llm, cfg, score)
+
+
+async def sample_and_score(
+    problem: dict, llm, cfg: RunConfig, score_fn: Callable[[str, str, str], float]
+) -> RolloutGroup:
+    """cfg.actor.attempts completions of the problem's prompt, each scored by
+    score_fn(text, finish_reason, answer) (a failure of it is reported, not raised)."""
     prompt_ids = llm.tokenizer.encode(problem["prompt"])
     completions = await llm.generate(
         prompt_ids,
@@ -25,6 +35,6 @@ async def rollout(problem: dict, llm, cfg: RunConfig) -> RolloutGroup:
     )
     rollouts = []
     for completion in completions:
-        result = call_checked(score, completion.text, completion.finish_reason, problem["answer"])
+        result = call_checked(score_fn, completion.text, completion.finish_reason, problem["answer"])
         rollouts.append(make_rollout(prompt_ids, completion, result.value or 0.0, result.error))
     return RolloutGroup(problem_id=problem["id"], group_id="", rollouts=rollouts)
