@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BUILT = ("tiny_model", "tiny_learner", "multistep_policy", "multistep_teacher", "multistep_prm", "multistep_rm")
+BUILT = ("tiny_model", "tiny_learner", "multistep_policy", "multistep_teacher")
 """Directory names under the cache that `build_named` can make."""
 
 
