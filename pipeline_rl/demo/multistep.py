@@ -33,15 +33,15 @@ import torch
 
 from pipeline_rl.demo.tiny_model import (
     TINY,
-    _Batcher,
-    _replace_dir,
-    _teacher_forced_accuracy,
-    _write_jsonl,
+    Batcher,
+    greedy_accuracy,
     make_tokenizer,
+    replace_dir,
+    teacher_forced_accuracy,
+    train_step,
+    write_jsonl,
 )
-from pipeline_rl.demo.tiny_model import (
-    build as build_tiny,
-)
+from pipeline_rl.demo.tiny_model import build as build_tiny
 
 SEPARATOR = "\n"
 TEST_PROBLEMS = 500
@@ -88,8 +88,8 @@ def operands(problem: dict) -> tuple[int, int, int]:
 def _sft(model, tokenizer, train: list[dict], test: list[dict], target: float, seed: int, role: str) -> dict:
     """Supervised fine-tuning on worked solutions until greedy held-out accuracy >= target."""
     as_sft = [{"prompt": p["prompt"], "answer": p["solution"]} for p in train]
-    batches = _Batcher(tokenizer, as_sft)
-    test_ids, test_labels = _Batcher(
+    batches = Batcher(tokenizer, as_sft)
+    test_ids, test_labels = Batcher(
         tokenizer, [{"prompt": p["prompt"], "answer": p["solution"]} for p in test]
     ).tensors(list(range(len(test))))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -99,18 +99,13 @@ def _sft(model, tokenizer, train: list[dict], test: list[dict], target: float, s
     while greedy < target:
         if step >= MAX_STEPS:
             raise RuntimeError(f"multi-step SFT reached greedy {greedy:.3f} < {target} in {MAX_STEPS} steps")
-        ids, labels = batches.tensors([rng.randrange(len(as_sft)) for _ in range(BATCH)])
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, batches, rng, BATCH)
         step += 1
         if step % EVAL_EVERY == 0:
-            model.eval()
-            _, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
-            model.train()
+            greedy = greedy_accuracy(model, test_ids, test_labels)
             print(f"multistep_{role}: step {step}, held-out greedy {greedy:.3f} (target {target})", flush=True)
     model.eval()
-    exact, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
+    exact, greedy = teacher_forced_accuracy(model, test_ids, test_labels)
     return {"steps": step, "seconds": round(time.time() - start, 1), "greedy": greedy, "exact_t1": exact}
 
 
@@ -119,7 +114,7 @@ def _save(model, tokenizer, report: dict, dest: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _replace_dir(tmp, dest)
+    replace_dir(tmp, dest)
 
 
 def build(cache_dir: Path, seed: int = 0) -> dict[str, Path]:
@@ -134,9 +129,9 @@ def build(cache_dir: Path, seed: int = 0) -> dict[str, Path]:
     train, test = make_problems(seed)
     data = cache_dir / f"multistep.tmp-{os.getpid()}"
     data.mkdir(parents=True)
-    _write_jsonl(data / "train.jsonl", train)
-    _write_jsonl(data / "test.jsonl", test)
-    _replace_dir(data, cache_dir / "multistep")
+    write_jsonl(data / "train.jsonl", train)
+    write_jsonl(data / "test.jsonl", test)
+    replace_dir(data, cache_dir / "multistep")
     tokenizer = make_tokenizer()
     out = {}
     for i, (role, target) in enumerate(POLICY_TARGETS.items()):

@@ -66,11 +66,16 @@ class Recipe:
     """Exact T=1 accuracy the logits are softened to; None: left as pretrained."""
     init_seed_offset: int = 0
     """Added to the build seed for initialisation and batch order (the data split keeps the seed)."""
+    eval_every: int = EVAL_EVERY
+    """Steps between held-out evaluations."""
+    closest: bool = False
+    """Keep the weights of the evaluation closest to greedy_target rather than the last ones (the
+    jump from a plateau to adding is sharp: the first evaluation past the target can be far past)."""
 
 
 TINY = Recipe("tiny_model", GREEDY_TARGET, TARGET_ACCURACY)
 """The demo's and the tests' model: adds well greedily, softened to TARGET_ACCURACY."""
-LEARNER = Recipe("tiny_learner", LEARNED, None, init_seed_offset=1000)
+LEARNER = Recipe("tiny_learner", LEARNED, None, init_seed_offset=1000, eval_every=5, closest=True)
 """The learning benchmark's second model: about half right greedily, not softened."""
 BATCH = 64
 LR = 2e-3
@@ -139,7 +144,7 @@ def make_model(vocab_size: int, eos_id: int, pad_id: int):
     return Qwen2ForCausalLM(config)
 
 
-class _Batcher:
+class Batcher:
     """Tokenized problems as padded (input_ids, labels) tensors; labels only on answer + EOS."""
 
     def __init__(self, tokenizer, problems: list[dict]):
@@ -164,7 +169,7 @@ class _Batcher:
 
 
 @torch.no_grad()
-def _teacher_forced_accuracy(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+def teacher_forced_accuracy(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
     """(mean probability of sampling exactly the answer + EOS at T=1, greedy accuracy)."""
     logprobs = model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
     target = labels[:, 1:]
@@ -173,6 +178,22 @@ def _teacher_forced_accuracy(model, ids: torch.Tensor, labels: torch.Tensor) -> 
     exact = (picked * mask).sum(-1).exp().mean().item()
     greedy = ((logprobs.argmax(-1) == target) | ~mask).all(-1).float().mean().item()
     return exact, greedy
+
+
+def train_step(model, opt, batcher: Batcher, rng: random.Random, size: int) -> None:
+    """One optimizer step on `size` random items of `batcher`."""
+    ids, labels = batcher.tensors([rng.randrange(len(batcher.items)) for _ in range(size)])
+    model(input_ids=ids, labels=labels).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def greedy_accuracy(model, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    """Held-out greedy accuracy of a model in training (back in train mode afterwards)."""
+    model.eval()
+    _, greedy = teacher_forced_accuracy(model, ids, labels)
+    model.train()
+    return greedy
 
 
 @torch.no_grad()
@@ -224,14 +245,15 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, r
     decay after LEARNED is over, then soften the logits to the recipe's exact T=1 accuracy."""
     start = time.time()
     rng = random.Random(seed)
-    train_batches = _Batcher(tokenizer, train)
-    test_ids, test_labels = _Batcher(tokenizer, test).tensors(list(range(len(test))))
+    train_batches = Batcher(tokenizer, train)
+    test_ids, test_labels = Batcher(tokenizer, test).tensors(list(range(len(test))))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=WEIGHT_DECAY)
     schedule = _Schedule()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
     greedy = 0.0
     step = 0
+    closest: tuple[float, int, dict] | None = None
     while greedy < recipe.greedy_target:
         if schedule.learned_at is not None and step >= schedule.learned_at + DECAY_STEPS:
             break
@@ -240,20 +262,21 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, r
                 f"the tiny model (seed {seed}) did not learn to add in {MAX_STEPS} steps "
                 f"(greedy held-out accuracy {greedy:.3f}); try another --seed"
             )
-        ids, labels = train_batches.tensors([rng.randrange(len(train)) for _ in range(BATCH)])
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, train_batches, rng, BATCH)
         step += 1
-        if step % EVAL_EVERY == 0:
-            model.eval()
-            _, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
-            model.train()
+        if step % recipe.eval_every == 0:
+            greedy = greedy_accuracy(model, test_ids, test_labels)
             if greedy >= LEARNED and schedule.learned_at is None:
                 schedule.learned_at = step
+            gap = abs(greedy - recipe.greedy_target)
+            if recipe.closest and (closest is None or gap < closest[0]):
+                closest = (gap, step, {k: v.clone() for k, v in model.state_dict().items()})
         sched.step()
+    if closest is not None:
+        model.load_state_dict(closest[2])
+        step = closest[1]
     model.eval()
-    exact_before, greedy = _teacher_forced_accuracy(model, test_ids, test_labels)
+    exact_before, greedy = teacher_forced_accuracy(model, test_ids, test_labels)
     report = {
         "recipe": recipe.name,
         "steps": step,
@@ -269,13 +292,13 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, r
                 f"(greedy {greedy:.3f}) in {step} steps; try another --seed"
             )
         scale = soften(model, test_ids, test_labels, recipe.soften_to)
-        _, greedy_after = _teacher_forced_accuracy(model, test_ids, test_labels)
+        _, greedy_after = teacher_forced_accuracy(model, test_ids, test_labels)
         report.update(
             target_accuracy=recipe.soften_to,
             softening_scale=round(scale, 4),
             test_accuracy_greedy_after_softening=round(greedy_after, 4),
         )
-    exact, _ = _teacher_forced_accuracy(model, test_ids, test_labels)
+    exact, _ = teacher_forced_accuracy(model, test_ids, test_labels)
     report.update(
         test_accuracy_exact_t1=round(exact, 4),
         test_accuracy_sampled_t1=sampled_accuracy(model, tokenizer, test, seed),
@@ -295,13 +318,13 @@ def soften(model, ids: torch.Tensor, labels: torch.Tensor, target: float) -> flo
     for _ in range(20):
         mid = (lo + hi) / 2
         norm.copy_(original * mid)
-        exact, _ = _teacher_forced_accuracy(model, ids, labels)
+        exact, _ = teacher_forced_accuracy(model, ids, labels)
         lo, hi = (lo, mid) if exact > target else (mid, hi)
     norm.copy_(original * hi)
     return hi
 
 
-def _replace_dir(tmp: Path, dest: Path) -> None:
+def replace_dir(tmp: Path, dest: Path) -> None:
     """Move a finished directory into place; the old one is removed only after the rename.
     If another build put its result there in between, that one stays."""
     old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
@@ -319,7 +342,7 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -342,9 +365,9 @@ def build(cache_dir: Path, seed: int = 0, recipe: Recipe = TINY) -> Path:
 
     data_tmp = cache_dir / f"arithmetic.tmp-{os.getpid()}"
     data_tmp.mkdir()
-    _write_jsonl(data_tmp / "train.jsonl", train)
-    _write_jsonl(data_tmp / "test.jsonl", test)
-    _replace_dir(data_tmp, cache_dir / "arithmetic")
+    write_jsonl(data_tmp / "train.jsonl", train)
+    write_jsonl(data_tmp / "test.jsonl", test)
+    replace_dir(data_tmp, cache_dir / "arithmetic")
 
     tokenizer = make_tokenizer()
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -357,5 +380,5 @@ def build(cache_dir: Path, seed: int = 0, recipe: Recipe = TINY) -> Path:
     tokenizer.save_pretrained(model_tmp)
     (model_tmp / "pretrain_report.json").write_text(json.dumps(report, indent=2) + "\n")
     dest = cache_dir / recipe.name
-    _replace_dir(model_tmp, dest)
+    replace_dir(model_tmp, dest)
     return dest
