@@ -338,8 +338,11 @@ def test_http_scorer_against_a_real_server(models, reward_server, tmp_path):
     names = ["ok", "flaky", "slow", "broken", "bad", "ok2"]
     streams = open_streams(cfg)
     writer = streams.writer(Topic.ACTOR)
+    written_at = time.time() - 5.0  # written by an actor 5 s before scoring starts
     for name in names:
-        writer.write(http_group(name))
+        group = http_group(name)
+        group.written_at = written_at
+        writer.write(group)
     writer.flush()
     entries = streams.reader(Topic.ACTOR, RolloutGroup).read(timeout=2, max_count=len(names))
     counters = Counters()
@@ -366,5 +369,8 @@ def test_http_scorer_against_a_real_server(models, reward_server, tmp_path):
     assert sorted(i for e in lost for i in e.record.ids) == ["g-bad", "g-broken", "g-slow"]
     assert counters.totals["scorer_failed_groups"] == 3 and counters.totals["scored_groups"] == 3
     assert counters.totals["scorer_s/HttpScorer"] > 0
+    # The preprocessor's lag: the groups were 5 s old (plus this test's own time) when scoring began.
+    assert counters.totals["lag_groups"] == len(names)
+    assert 5.0 <= counters.totals["lag_s"] / len(names) < 5.0 + elapsed + 5.0
     scorer.close()
     streams.close()

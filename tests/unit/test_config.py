@@ -132,3 +132,11 @@ def test_installed_command_finds_shipped_and_user_configs_outside_the_checkout(t
         [str(command), "conf=nosuch", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "nosuch" in out.stderr
+
+
+def test_make_tiny_if_missing_names_the_models_it_can_build(tmp_path):
+    from pipeline_rl.launch.launcher import _ensure_tiny_model
+
+    cfg = load_config("tiny", [f"model.path={tmp_path / 'my_model'}"])
+    with pytest.raises(ConfigError, match=r"model\.path=.*my_model does not exist.*tiny_model, tiny_learner"):
+        _ensure_tiny_model(cfg)
