@@ -88,6 +88,12 @@ class ModelConfig:
     """Hugging Face model directory (config.json + safetensors) loaded by actors, scorers and trainers."""
     dtype: DType = DType.float32
     """Parameter dtype everywhere: float32 or bfloat16."""
+    logprob_chunk_tokens: int = 2048
+    """Tokens whose float32 log-softmax and entropy over the vocabulary are computed at once, in
+    the trainer and the logprob scorers; backward recomputes them chunk by chunk. The float32
+    intermediates then exist for one chunk at a time (about 4 x chunk x vocabulary x 4 bytes:
+    5 GB for a 152k vocabulary) instead of being kept for every token (about 3 x tokens x
+    vocabulary x 4 bytes: 36 GB for 20k tokens). 0: all tokens at once."""
     make_tiny_if_missing: bool = False
     """Build the tiny model at `path` (scripts/make_tiny_model.py) when it does not exist; the
     directory's name says which (pipeline_rl/demo/__init__.py: tiny_model, the demo's;
@@ -406,7 +412,7 @@ def validate(cfg: RunConfig) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 1")
-    for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every"]:
+    for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every", "model.logprob_chunk_tokens"]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
     high = cfg.trainer.loss.ppo_clip_high

@@ -23,6 +23,7 @@ class CompletionLogprobs:
         self.model = load_model(AutoModelForCausalLM, path, cfg, self.device)
         self.temperature = temperature
         self.seq_length = cfg.preprocess.seq_length
+        self.chunk_tokens = cfg.model.logprob_chunk_tokens
 
     def __call__(self, rollouts: list[Rollout]) -> list[list[float]]:
         from pipeline_rl.trainer.logprobs import packed_logprobs
@@ -38,6 +39,7 @@ class CompletionLogprobs:
                     torch.tensor([ids], device=self.device),
                     torch.tensor([pos], device=self.device),
                     self.temperature,
+                    chunk_tokens=self.chunk_tokens,
                 )
             logprobs = logprobs.tolist()
             start = 0

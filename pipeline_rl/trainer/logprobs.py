@@ -15,11 +15,17 @@ which holds the prompt) and to itself, its positions continue from p, and its fi
 predicted by the logits at the prompt's last token. Position ids cannot express that, so this
 layout passes an explicit [T, T] mask (sdpa and eager take it; flash-attention varlen does
 not): meant for short rows, where it saves recomputing the prompt for every rollout.
+
+Memory: the logits stay in the model's dtype; their float32 log-softmax and entropy ([T, V]
+each, 12 GB apiece for 20k tokens of a 152k vocabulary) are computed `chunk_tokens` rows at a
+time under activation checkpointing, so backward keeps only the logits and recomputes one
+chunk's float32 rows at a time. Each row is computed exactly as without chunking.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -62,6 +68,35 @@ def shared_prefix_layout(
     return allowed, source
 
 
+def _rows_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    token_logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return token_logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits[i] / temperature)[targets[i]] and the entropy of that distribution, for
+    rows [N, V] of logits, in float32; `chunk_tokens` rows at a time (module docstring) when
+    there are more rows than that (0: all at once)."""
+    if chunk_tokens <= 0 or logits.shape[0] <= chunk_tokens:
+        return _rows_logprobs(logits, targets, temperature)
+    parts = [
+        checkpoint(
+            _rows_logprobs,
+            logits[i : i + chunk_tokens],
+            targets[i : i + chunk_tokens],
+            temperature,
+            use_reentrant=False,
+        )
+        for i in range(0, logits.shape[0], chunk_tokens)
+    ]
+    return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -69,24 +104,25 @@ def packed_logprobs(
     temperature: float,
     seq_lengths: list[int] | None = None,
     prefix_lengths: list[int] | None = None,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs[t] = log p(input_ids[t] | earlier tokens of its sequence) at `temperature`, and
     entropy[t] of the distribution that token was drawn from; both 0 at each sequence's first
     token. Inputs are [1, T]; outputs are float32 [T] and carry gradients. With prefix lengths
-    (any > 0), the shared-prompt layout of the module docstring."""
+    (any > 0), the shared-prompt layout of the module docstring; `chunk_tokens` as in
+    `token_logprobs`."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape != position_ids.shape:
         raise ValueError(
             f"expected input_ids and position_ids of shape [1, T], got {tuple(input_ids.shape)} "
             f"and {tuple(position_ids.shape)}"
         )
     if prefix_lengths and any(prefix_lengths):
-        return _shared_prefix_logprobs(model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths)
+        return _shared_prefix_logprobs(
+            model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths, chunk_tokens
+        )
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
     # Logits at t-1 predict token t; the last position predicts nothing.
-    logp_all = torch.log_softmax(logits[:-1].float() / temperature, dim=-1)
-    targets = input_ids[0, 1:]
-    token_logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    token_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    token_logp, token_entropy = token_logprobs(logits[:-1], input_ids[0, 1:], temperature, chunk_tokens)
     keep = ~sequence_starts(position_ids)[1:]
     zero = token_logp.new_zeros(1)
     logprobs = torch.cat([zero, token_logp * keep])
@@ -94,7 +130,7 @@ def packed_logprobs(
     return logprobs, entropy
 
 
-def _shared_prefix_logprobs(model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths):
+def _shared_prefix_logprobs(model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths, chunk_tokens):
     allowed, source = shared_prefix_layout(seq_lengths, prefix_lengths, position_ids)
     allowed, source = allowed.to(input_ids.device), source.to(input_ids.device)
     dtype = next(model.parameters()).dtype
@@ -105,7 +141,5 @@ def _shared_prefix_logprobs(model, input_ids, position_ids, temperature, seq_len
         input_ids=input_ids, position_ids=position_ids, attention_mask=mask[None, None], use_cache=False
     ).logits[0]
     has = source >= 0
-    logp_all = torch.log_softmax(logits[source.clamp(min=0)].float() / temperature, dim=-1)
-    token_logp = logp_all.gather(-1, input_ids[0, :, None]).squeeze(-1)
-    token_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    token_logp, token_entropy = token_logprobs(logits[source.clamp(min=0)], input_ids[0], temperature, chunk_tokens)
     return token_logp * has, token_entropy * has

@@ -341,7 +341,13 @@ class Trainer:
             torch.arange(len(mb.seq_lengths), device=dev), torch.tensor(mb.seq_lengths, device=dev)
         )
         logprobs, entropy = packed_logprobs(
-            self.engine, input_ids, position_ids, self.cfg.actor.temperature, mb.seq_lengths, mb.prefix_lengths
+            self.engine,
+            input_ids,
+            position_ids,
+            self.cfg.actor.temperature,
+            mb.seq_lengths,
+            mb.prefix_lengths,
+            self.cfg.model.logprob_chunk_tokens,
         )
         ref = None if mb.ref_logprobs is None else torch.tensor(mb.ref_logprobs, device=dev)
         return self.loss_fn(

@@ -151,3 +151,32 @@ def test_shared_prompt_layout_errors_name_the_sequence():
         packed_logprobs(model, torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]]), 1.0, [3], [2])
     with pytest.raises(ValueError, match="position_ids"):
         packed_logprobs(model, torch.tensor([[1, 2, 3, 4]]), torch.tensor([[0, 1, 2, 0]]), 1.0, [3, 1], [0, 2])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_chunked_rows_give_the_same_values_and_gradients(shared):
+    """chunk_tokens only changes how many rows of the float32 log-softmax exist at once: values
+    and parameter gradients are those of the unchunked computation (row by row the same ops;
+    the tolerance covers the different order of the gradient sums over chunks), with chunk
+    sizes that do and do not divide the row count."""
+    model = random_qwen2("eager")
+    g = torch.Generator().manual_seed(5)
+    prompt, completions = torch.randint(0, 97, (5,), generator=g).tolist(), [[7, 8, 9], [10, 11], [12, 13, 14, 15]]
+    if shared:
+        seqs, prefix, positions = shared_layout(prompt, completions)
+    else:
+        seqs = [prompt + c for c in completions]
+        prefix, positions = None, [p for s in seqs for p in range(len(s))]
+    input_ids, position_ids = torch.tensor([sum(seqs, [])]), torch.tensor([positions])
+    lengths = [len(s) for s in seqs]
+    results = []
+    for chunk in (0, 4, 7, 1000):
+        model.zero_grad()
+        lp, ent = packed_logprobs(model, input_ids, position_ids, 0.9, lengths, prefix, chunk_tokens=chunk)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    for lp, ent, grads in results[1:]:
+        torch.testing.assert_close(lp, results[0][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ent, results[0][1], atol=1e-6, rtol=1e-6)
+        for a, b in zip(grads, results[0][2]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
