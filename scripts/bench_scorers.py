@@ -47,6 +47,8 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     tok = make_tokenizer()
+    pad = tok.pad_token_id
+    assert isinstance(pad, int)
     tmp = Path(tempfile.mkdtemp(prefix="bench_scorers_"))
 
     def save(cls, name, **extra):
@@ -59,7 +61,7 @@ def main() -> None:
             num_attention_heads=8,
             num_key_value_heads=4,
             max_position_embeddings=1024,
-            pad_token_id=tok.pad_token_id,
+            pad_token_id=pad,
             **extra,
         )
         cls(config).save_pretrained(tmp / name)
@@ -74,12 +76,12 @@ def main() -> None:
     cfg.preprocess.seq_length = 1024
 
     problems = make_problems(0)[1][: args.groups]
-    wrong = {"1": "2", "2": "3", "5": "4"}
+    wrong = str.maketrans("125", "234")  # a wrong digit in every other completion
     groups = []
     for p in problems:
         rollouts = []
         for k in range(8):
-            text = p["solution"] if k % 2 == 0 else "".join(wrong.get(ch, ch) for ch in p["solution"])
+            text = p["solution"] if k % 2 == 0 else p["solution"].translate(wrong)
             ids = tok.encode(p["prompt"], add_special_tokens=False)
             completion = tok.encode(text, add_special_tokens=False)
             rollouts.append(Rollout(ids, completion, [-1.0] * len(completion), [0] * len(completion), 0.0, "stop"))
@@ -121,7 +123,7 @@ def main() -> None:
         for b in range(0, len(order), 16):
             chunk = [rm_inputs[i] for i in order[b : b + 16]]
             width = max(map(len, chunk))
-            ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in chunk])
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
             with torch.no_grad():
                 rm_scorer.model(input_ids=ids, attention_mask=mask)

@@ -19,6 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -44,13 +45,15 @@ def main() -> None:
     opts = parser.parse_args()
 
     import torch
-    from datasets import Dataset
+
+    # The `bench` extra: not installed where only pipeline_rl's own checks run.
+    from datasets import Dataset  # pyright: ignore[reportMissingImports]
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
-    model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(opts.model, dtype=torch.float32)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     train = read_jsonl(opts.data / "train.jsonl")
     test = read_jsonl(opts.data / "test.jsonl")[:EVAL_PROBLEMS]
@@ -69,7 +72,7 @@ def main() -> None:
         text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
         return 1.0 if stopped and text.strip() == answer else 0.0
 
-    def reward_fn(prompts, completions, completion_ids, answer, **kwargs):
+    def reward_fn(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
         return [reward(ids, a) for ids, a in zip(completion_ids, answer)]
 
     @torch.no_grad()
