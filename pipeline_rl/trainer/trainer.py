@@ -282,6 +282,7 @@ class Trainer:
             local += [sum(sum(g.loss_mask) for g in gates[u]), sum(g.samples for g in gates[u])]
         dropped_tokens, dropped_samples, masked_tokens, *per_update = self._all_reduce(local)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
+        consistency = torch.zeros(3, dtype=torch.float64, device=self.device)
         lags: Counter = Counter()
         rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
@@ -296,10 +297,11 @@ class Trainer:
                 tokens += len(mb.input_ids)
                 if step_tokens == 0:
                     continue
-                loss, stats = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
+                loss, stats, mismatch = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
                 # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the sum.
                 self.engine.backward(loss * self.world_size)
                 sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
+                consistency += mismatch.to(consistency)
             if step_tokens > 0:
                 self.engine.step()
                 done += 1
@@ -309,9 +311,20 @@ class Trainer:
         hist = [0.0] * (hi - lo + 1)
         for lag, n in lags.items():
             hist[lag - lo] += n
-        totals = self._all_reduce(sums.tolist() + [rewards, samples, tokens] + hist)
+        totals = self._all_reduce(sums.tolist() + [rewards, samples, tokens] + consistency.tolist() + hist)
         k = len(STAT_KEYS)
         values: dict[str, Any] = dict(summarize(dict(zip(STAT_KEYS, totals[:k]))))
+        lag0_tokens, abs_diff, kl = totals[k + 3 : k + 6]
+        if lag0_tokens:
+            # Inference/training consistency: on tokens sampled by the very weights being trained
+            # (lag 0), behaviour and trainer logprobs differ only by numerics (kernels, dtypes).
+            values.update(
+                {
+                    "mismatch/lag0_tokens": lag0_tokens,
+                    "mismatch/lag0_abs_logprob_diff": abs_diff / lag0_tokens,
+                    "mismatch/lag0_kl": kl / lag0_tokens,
+                }
+            )
         # The per-update losses are means of their mini-batch: report the mean over updates.
         values["loss"] /= max(done, 1)
         values["pg_loss"] /= max(done, 1)
@@ -327,13 +340,16 @@ class Trainer:
             masked_tokens=masked_tokens,
             updated=done > 0,
             optimizer_updates=done,
-            lag_hist={str(lo + i): int(n) for i, n in enumerate(totals[k + 3 :]) if n},
+            lag_hist={str(lo + i): int(n) for i, n in enumerate(totals[k + 6 :]) if n},
         )
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
         return values
 
-    def _micro_batch_loss(self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float):
+    def _micro_batch_loss(
+        self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The loss plug-in's (loss, stats) and the consistency sums of `_mismatch`."""
         dev = self.device
         input_ids = torch.tensor([mb.input_ids], device=dev)
         position_ids = torch.tensor([mb.position_ids], device=dev)
@@ -350,18 +366,28 @@ class Trainer:
             self.cfg.model.logprob_chunk_tokens,
         )
         ref = None if mb.ref_logprobs is None else torch.tensor(mb.ref_logprobs, device=dev)
-        return self.loss_fn(
+        old = torch.tensor(mb.old_logprobs, device=dev)
+        mask = torch.tensor(loss_mask, device=dev)
+        loss, stats = self.loss_fn(
             logprobs,
             entropy,
-            torch.tensor(mb.old_logprobs, device=dev),
+            old,
             torch.tensor(mb.advantages, device=dev),
-            torch.tensor(loss_mask, device=dev),
+            mask,
             seq_index,
             self.cfg.trainer.loss,
             step_tokens,
             step_samples,
             ref,
         )
+        return loss, stats, self._mismatch(logprobs.detach(), old, mask, torch.tensor(mb.versions, device=dev))
+
+    def _mismatch(self, logprobs, old, mask, versions) -> torch.Tensor:
+        """[tokens, sum |logprob - behaviour logprob|, sum of the k3 estimate of KL(behaviour ||
+        trainer)] over the trained tokens sampled by the current version."""
+        lag0 = (mask > 0) & (versions == self.version)
+        d = (logprobs - old)[lag0].double()
+        return torch.stack([lag0.sum().double(), d.abs().sum(), (d.exp() - 1 - d).sum()])
 
     def _publish_weights(self) -> dict:
         """Rank 0 broadcasts the current weights to the actors; under ZeRO-3 every rank takes part

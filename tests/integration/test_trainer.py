@@ -120,6 +120,15 @@ def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     assert metrics[-1]["lag_hist"] == {"0": len(fresh[1]), "1": 1}
     assert trainer_metrics(tmp_path / "kept")[-1]["dropped_samples"] == 0
 
+    # Consistency of behaviour and trainer logprobs on lag-0 tokens. Step 0: the behaviour
+    # logprobs came from the same fp32 weights (only summation order differs: ~1e-6 of
+    # logprobs of size ~5). Step 1: its samples claim version 1, but their logprobs came from
+    # the initial weights, which the first (lr 1) update moved far: the metric must see it.
+    first, second = trainer_metrics(tmp_path / "without")
+    assert first["mismatch/lag0_tokens"] == first["trained_tokens"]
+    assert first["mismatch/lag0_abs_logprob_diff"] < 1e-4 and abs(first["mismatch/lag0_kl"]) < 1e-4
+    assert second["mismatch/lag0_abs_logprob_diff"] > 1e-2 and second["mismatch/lag0_kl"] > 1e-3
+
 
 def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
     """One step of two micro-batches with updates_per_step=2 makes the same two optimizer
