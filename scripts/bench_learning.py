@@ -150,8 +150,8 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
     }
 
 
-def fmt(x, spec=".0f", unit="") -> str:
-    return "not reached" if x is None else f"{x:{spec}}{unit}"
+def fmt(x, spec=".0f", unit="", missing="n/a") -> str:
+    return missing if x is None else f"{x:{spec}}{unit}"
 
 
 def first_reach(curve: list[tuple[float, float]], threshold: float) -> float | None:
@@ -182,7 +182,7 @@ def plot(results: list[dict], path: Path) -> None:
 def report(results: list[dict], out: Path) -> None:
     print("\n=== bench_learning: held-out mean reward (T=1) on the tiny arithmetic task ===")
     for r in results:
-        reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s')}" for t in THRESHOLDS)
+        reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s', 'not reached')}" for t in THRESHOLDS)
         print(
             f"{r['mode']:>6}: time to reach {reach}; last eval {fmt(r['final_eval'], '.3f')} at "
             f"{r['eval_span_s']:.0f} s; {fmt(r['completions_per_s'], '.0f')} completions/s, "
@@ -205,7 +205,7 @@ def report(results: list[dict], out: Path) -> None:
         target = trl["final_eval"]
         t = first_reach(pipe["curve"], target)
         print(
-            f"goal: pipelined reaches TRL's last reward {target:.3f} at {fmt(t, '.0f', ' s')} "
+            f"goal: pipelined reaches TRL's last reward {target:.3f} at {fmt(t, '.0f', ' s', 'never')} "
             f"(goal <= half of TRL's {trl['eval_span_s']:.0f} s: {trl['eval_span_s'] / 2:.0f} s)"
         )
         if pipe["final_eval"] is not None:
