@@ -222,7 +222,9 @@ def report(results: list[dict], out: Path) -> None:
                     f"{sync['eval_span_s']:.0f} s of evaluations / pipelined {a:.0f} s)"
                 )
             else:
-                print(f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s')}, sync {fmt(s, '.0f', ' s')})")
+                print(
+                    f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s', 'not reached')}, sync {fmt(s, '.0f', ' s', 'not reached')})"
+                )
 
 
 def main() -> None:
