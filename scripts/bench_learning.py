@@ -3,7 +3,7 @@ sync and TRL's GRPOTrainer, one after the other on the same model, problems, hel
 reward and time budget.
 
     python scripts/bench_learning.py [--budget-s 600] [--out runs/bench_learning]
-        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
+        [--conf tiny] [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
 
 Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, then
 scripts/bench_trl.py (when the `bench` extra is installed: `bash scripts/setup_cpu.sh --bench`),
@@ -85,12 +85,12 @@ def completions_per_s(records: list[dict]) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def run(name: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
+def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
     run_dir = out / name
     argv = [
         sys.executable,
         "launch.py",
-        "conf=tiny",
+        f"conf={conf}",
         f"run_dir={run_dir}",
         f"name=bench_{name}",
         f"max_time_s={budget_s}",
@@ -235,13 +235,14 @@ def main() -> None:
         "--variant", action="append", default=[], help="NAME:KEY=VALUE,... a pipeline_rl run to compare (repeatable)"
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
+    parser.add_argument("--conf", default="tiny", help="config of the pipeline_rl runs (TRL runs only with tiny)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every pipeline_rl run")
     args = parser.parse_args()
     variants = [v.partition(":") for v in args.variant]
     runs = [(name, [o for o in rest.split(",") if o]) for name, _, rest in variants]
-    with_trl = not runs and not args.no_trl
+    with_trl = not runs and not args.no_trl and args.conf == "tiny"
     runs = runs or [(mode, [f"actor.mode={mode}"]) for mode in ("async", "sync")]
-    results = [run(name, args.budget_s, args.out, own + args.overrides) for name, own in runs]
+    results = [run(name, args.conf, args.budget_s, args.out, own + args.overrides) for name, own in runs]
     if with_trl:
         if importlib.util.find_spec("trl") is None:
             print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
