@@ -11,4 +11,3 @@ def test_the_supported_release_passes_and_others_are_refused_by_name():
     for other in ("0.33.0", "0.3.2", "1.32.0"):
         with pytest.raises(RuntimeError, match=rf"vLLM {other} is installed.*vllm=={SUPPORTED_VLLM}\.0"):
             check_vllm_version(other)
-
