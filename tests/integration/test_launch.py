@@ -14,12 +14,12 @@ from pathlib import Path
 import orjson
 import psutil
 import pytest
+from faulty_domain import MALFORMED
 from helpers import CACHE, ROOT, TESTS, RedisServer, free_port
 
 from pipeline_rl.config import load_saved_config
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams import open_streams
-from pipeline_rl.streams.jsonl_backend import JsonlWriter
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
 from pipeline_rl.trainer.checkpoint import latest_checkpoint
 from pipeline_rl.wire import CACHE_ENV, Topic
@@ -200,36 +200,24 @@ def test_lost_groups_do_not_stall_the_run(tmp_path, tiny_model, mode):
     The config is a user config in ./conf of a directory outside the checkout."""
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "flaky.yaml").write_text(
-        "extends: tiny\nactor:\n  domain: faulty_domain:reward_raises_on_odd_answers\n"
+        "extends: tiny\nactor:\n  domain: faulty_domain:reward_raises_and_stream_breaks\n"
         "preprocess:\n  scorers:\n    - cls: faulty_scorer:EveryThirdBatchFails\n"
     )
     run_dir = tmp_path / "run"
     argv = [sys.executable, str(ROOT / "launch.py"), "conf=flaky", f"run_dir={run_dir}", *QUICK, *ports()]
     argv += ["trainer.max_steps=6", "trainer.checkpoint_every=0", f"actor.mode={mode}", "watchdog_s=120"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), CACHE_ENV: str(CACHE)}
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    bad = [b'{"problem_id": "p1", "rollouts": [', b'{"no_such_field": 1}']
-    try:
-        actor_stream = run_dir / "streams" / "actor" / "0.jsonl"
-        deadline = time.time() + 240
-        while not actor_stream.exists() or actor_stream.read_bytes().count(b"\n") < 2:
-            assert proc.poll() is None and time.time() < deadline, "no actor groups in time"
-            time.sleep(0.5)
-        # The stream's own writer (flock, whole lines), as a buggy producer would append them.
-        writer = JsonlWriter(run_dir / "streams", Topic.ACTOR, 1)
-        for payload in bad:
-            writer.write_raw(payload)
-        writer.close()
-        out, _ = proc.communicate(timeout=420)
-    finally:
-        stop(proc)
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert trainer_steps(run_dir)[-1]["values"]["version"] == 6
     offsets, offset = {}, 0
-    for line in actor_stream.read_bytes().splitlines(keepends=True):
+    lines = (run_dir / "streams" / "actor" / "0.jsonl").read_bytes().splitlines(keepends=True)
+    for line in lines:
         offsets[line.rstrip(b"\n")] = offset
         offset += len(line)
-    bad_ids = {f"actor:0:{offsets[payload]}" for payload in bad}
+    bad_ids = {f"actor:0:{offsets[payload]}" for payload in MALFORMED}
+    assert lines[-1].rstrip(b"\n") not in MALFORMED, "the malformed lines should sit mid-stream"
     lost = stream_records(run_dir, "lost")
     lost_ids = {cause: {i for r in lost if r["cause"] == cause for i in r["ids"]} for cause in ("scorer", "decode")}
     assert {r["cause"] for r in lost} == {"scorer", "decode"}
