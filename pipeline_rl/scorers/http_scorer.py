@@ -65,7 +65,6 @@ class HttpScorer(Scorer):
         self.combine, self.weight = Combine(combine), float(weight)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pool = ThreadPoolExecutor(int(concurrency), thread_name_prefix="http-scorer")
-        self.requests = self.retried = 0
 
     def _items(self, groups: list[RolloutGroup]) -> list[dict[str, Any]]:
         decode = self.tokenizer.decode
@@ -100,13 +99,11 @@ class HttpScorer(Scorer):
     def _post_with_retries(self, body: bytes) -> Any:
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
-            self.requests += 1
             try:
                 return self._post(body)
             except OSError as e:  # timeouts, refused connections, 5xx
                 if attempt == self.retries:
                     raise FinalError(f"{self.url} failed {attempt + 1} times, last: {type(e).__name__}: {e}") from None
-                self.retried += 1
                 time.sleep(delay)
                 delay *= 2
 
