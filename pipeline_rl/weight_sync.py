@@ -2,8 +2,9 @@
 
 The process group is standalone: a TCPStore hosted by the sender at `addr` and a
 ProcessGroupGloo / ProcessGroupNCCL object built directly on it, so the trainer's own
-default process group (DeepSpeed's) and vLLM's are never touched. Rank 0 is the sender,
-actor i is rank i + 1.
+default process group (DeepSpeed's) and vLLM's are never touched. Rank 0 is the sender; the
+receivers are the actors, or with tensor-parallel engines every worker of every actor
+(`group_ranks`).
 
 One update: the sender publishes its version under the store key "latest", announces a
 WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts the bytes
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +42,14 @@ import torch.distributed as dist
 from pipeline_rl.streams.records import WeightUpdate
 
 log = logging.getLogger(__name__)
+
+
+def group_ranks(actor_index: int, actors: int, tensor_parallel_size: int) -> tuple[list[int], int]:
+    """The weight-update group's ranks of one actor's receivers, and the group's size: rank 0 is
+    trainer rank 0, then each actor's tensor-parallel workers in order (one receiver per actor
+    when tensor_parallel_size is 1)."""
+    first = 1 + actor_index * tensor_parallel_size
+    return list(range(first, first + tensor_parallel_size)), 1 + actors * tensor_parallel_size
 
 
 def backend_for(gpus_per_node: int) -> str:
@@ -176,6 +185,8 @@ class _Endpoint:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.staging_device = self.device
+        """Where the kept buffer lives (a receiver may keep it in host memory)."""
         # A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs omit its collectives.
         self._group: Any = None
         self._group_name: str | None = None
@@ -193,7 +204,8 @@ class _Endpoint:
             self._layout = self._buffer = None
             self._views = {}
             size, packed_only = self._buffer_size(layout)
-            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            pin = self.staging_device.type == "cpu" and self.device.type == "cuda"
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.staging_device, pin_memory=pin)
             self._views = layout.views(self._buffer, packed_only)
             self._layout = layout
         return self._layout, self._buffer
@@ -239,21 +251,24 @@ class WeightSender(_Endpoint):
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         announce: Callable[[WeightUpdate], None],
         bucket_mb: int,
+        specs: list[tuple[str, list[int], torch.dtype]] | None = None,
     ) -> float:
         """Announce `version` and broadcast it to every receiver; returns the seconds taken.
-        Raises when a receiver is missing or dies (after at most the timeout); the next send
-        then builds a fresh group."""
+        With `specs` (name, shape, dtype of every tensor, in order) the announcement needs no
+        tensor, and `named_tensors` is consumed one message at a time: a tensor is used before
+        the next is asked for, so a generator of gathered chunks never holds the whole model.
+        Raises when a receiver is missing or dies (after at most the timeout), or when the
+        tensors differ from `specs`; the next send then builds a fresh group."""
         start = time.perf_counter()
-        names, tensors = [], []
-        for name, tensor in named_tensors:
-            names.append(name)
-            tensors.append(tensor)
+        if specs is None:
+            named_tensors = list(named_tensors)
+            specs = [(name, list(t.shape), t.dtype) for name, t in named_tensors]
         update = WeightUpdate(
             version=version,
-            names=names,
-            shapes=[list(t.shape) for t in tensors],
-            dtypes=[_dtype_name(t.dtype) for t in tensors],
-            bucket_sizes=plan_buckets([t.numel() * t.element_size() for t in tensors], bucket_mb),
+            names=[name for name, _, _ in specs],
+            shapes=[list(shape) for _, shape, _ in specs],
+            dtypes=[_dtype_name(dtype) for _, _, dtype in specs],
+            bucket_sizes=plan_buckets([_numel(shape) * dtype.itemsize for _, shape, dtype in specs], bucket_mb),
         )
         if self._store is None:
             raise RuntimeError("WeightSender.send after close()")
@@ -266,7 +281,7 @@ class WeightSender(_Endpoint):
             if self._group is None:
                 assert self._group_name is not None
                 self._group = _new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
-            self._send_buckets(update, tensors)
+            self._send_buckets(update, iter(named_tensors))
         except Exception:
             self._drop_group()
             raise
@@ -275,18 +290,37 @@ class WeightSender(_Endpoint):
     def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
         return layout.pack_bytes, True
 
-    def _send_buckets(self, update: WeightUpdate, tensors: list[torch.Tensor]) -> None:
+    def _send_buckets(self, update: WeightUpdate, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Pack each run of small tensors into the reused pack buffer (a copy_ per tensor, no
-        allocation) and broadcast it; broadcast each large tensor from its own storage."""
+        allocation) and broadcast it; broadcast each large tensor from its own storage. Takes
+        each tensor from `named` only when its message is being built."""
         layout, buffer = self._prepare(update)
+        taken = 0
+
+        def take(i: int) -> torch.Tensor:
+            """Tensor i, passing by the ones before it (tensors of no bytes are in no message)."""
+            nonlocal taken
+            while True:
+                name, tensor = next(named)
+                if name != update.names[taken] or list(tensor.shape) != layout.shapes[taken]:
+                    raise ValueError(
+                        f"weight tensor {taken} is {name} {list(tensor.shape)}, "
+                        f"announced as {update.names[taken]} {layout.shapes[taken]}"
+                    )
+                taken += 1
+                if taken > i:
+                    return tensor.detach()
+
         for start, stop, members, packed in layout.messages:
             if packed:
                 for i in members:
-                    self._views[i].copy_(tensors[i].detach())
+                    self._views[i].copy_(take(i))
                 self._broadcast(buffer[: stop - start])
             else:
-                tensor = tensors[members[0]].detach().to(self.device).contiguous()
+                tensor = take(members[0]).to(self.device).contiguous()
                 self._broadcast(tensor.reshape(-1).view(torch.uint8))
+        if taken < len(layout.nbytes):
+            take(len(layout.nbytes) - 1)
 
     def close(self) -> None:
         super().close()
@@ -294,12 +328,29 @@ class WeightSender(_Endpoint):
 
 
 class WeightReceiver(_Endpoint):
-    """An actor engine's end: joins the sender's store on first use and receives updates."""
+    """An actor engine's end: joins the sender's store on first use and receives updates.
 
-    def __init__(self, addr: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 120):
+    stage_on_host: keep the whole update in host memory (pinned when the group is NCCL) rather
+    than on the device; each message then lands in a bounce buffer on the device, at most the
+    largest message (a bucket, or one tensor larger than a bucket), and is copied out. The GPU
+    then holds no model-sized buffer; the engine copies to it when it loads, under its lock."""
+
+    def __init__(
+        self,
+        addr: str,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 120,
+        stage_on_host: bool = False,
+    ):
         if not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
         super().__init__(addr, rank, world_size, backend, timeout_s)
+        self.stage_on_host = stage_on_host
+        if stage_on_host:
+            self.staging_device = torch.device("cpu")
+        self._bounce: torch.Tensor | None = None
         self._store: dist.TCPStore | None = None
 
     def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
@@ -333,9 +384,26 @@ class WeightReceiver(_Endpoint):
 
     def _receive_buckets(self, update: WeightUpdate) -> list[torch.Tensor]:
         layout, buffer = self._prepare(update)
+        largest = max((stop - start for start, stop, _, _ in layout.messages), default=0)
+        if self.stage_on_host and (self._bounce is None or self._bounce.numel() < largest):
+            self._bounce = torch.empty(largest, dtype=torch.uint8, device=self.device)
         for start, stop, _, _ in layout.messages:
-            self._broadcast(buffer[start:stop])
+            if self._bounce is None:
+                self._broadcast(buffer[start:stop])
+            else:
+                self._broadcast(self._bounce[: stop - start])
+                buffer[start:stop].copy_(self._bounce[: stop - start])
         return [self._views[i] for i in range(len(layout.nbytes))]
+
+    def publish(self, key: str, value: str) -> None:
+        """Set `key` in the sender's store: how a receiver in a process of its own (a
+        tensor-parallel worker) tells its actor that its part of a transfer ended."""
+        self._connect().set(key, value)
+
+    def _connect(self) -> dist.TCPStore:
+        if self._store is None:
+            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+        return self._store
 
     def _store_get(self, key: str) -> bytes:
         if self._store is not None:
@@ -344,11 +412,12 @@ class WeightReceiver(_Endpoint):
             except Exception as e:  # the sender's store went away (trainer restarted): connect again
                 log.warning("weight-sync store at %s:%d: %s; reconnecting", self.host, self.port, e)
                 self._drop_group()
-        self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
-        return self._store.get(key)
+                self._store = None
+        return self._connect().get(key)
 
     def close(self) -> None:
         super().close()
+        self._bounce = None
         self._store = None
 
 

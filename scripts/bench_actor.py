@@ -12,7 +12,10 @@ Prints tokens/s of each, the ratios (2)/(1) and (3)/(2) (overall and the median 
 rounds' ratios), the swap pauses (lock wait and load time, p50/p99), the engine step time
 p50, and the peak RSS of each process.
 
-    python scripts/bench_actor.py [--model DIR] [--seconds 15] [--loads-per-round 2] [--update-every 2]
+With --tp 2 the engine is tensor parallel (two worker processes, each a receiver of the
+broadcast; on CPU each bound to its own cores) and (1) is plain vLLM with the same TP size.
+
+    python scripts/bench_actor.py [--model DIR] [--tp 1] [--seconds 15] [--loads-per-round 2] [--update-every 2]
 """
 
 from __future__ import annotations
@@ -48,13 +51,21 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
 
 
-def run_config(run_dir: str):
+def run_config(run_dir: str, tp: int):
     from pipeline_rl.config import load_config
 
-    return load_config("base", [f"run_dir={run_dir}", "actor.llm.max_model_len=256", "actor.llm.max_num_seqs=256"])
+    return load_config(
+        "base",
+        [
+            f"run_dir={run_dir}",
+            "actor.llm.max_model_len=256",
+            "actor.llm.max_num_seqs=256",
+            f"actor.llm.tensor_parallel_size={tp}",
+        ],
+    )
 
 
-def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
+def sender_main(addr: str, model_dir: str, run_dir: str, tp: str) -> None:
     """The trainer side: one update per `send VERSION` line on stdin, alternating between two
     weight sets; prints `sent VERSION SECONDS`, and its peak RSS when stdin closes."""
     import torch
@@ -63,7 +74,7 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
     from pipeline_rl.streams import open_streams
     from pipeline_rl.weight_sync import WeightSender
 
-    streams = open_streams(run_config(run_dir))
+    streams = open_streams(run_config(run_dir, int(tp)))
     writer = streams.writer("weights")
 
     def announce(update):
@@ -76,7 +87,7 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
     g = torch.Generator().manual_seed(0)
     noisy = {k: t + 0.1 * t.std() * torch.randn(t.shape, generator=g) if t.dim() > 1 else t for k, t in base.items()}
     sets = [noisy, base]
-    sender = WeightSender(addr, world_size=2, timeout_s=60)
+    sender = WeightSender(addr, world_size=1 + int(tp), timeout_s=60)
     print("ready", flush=True)
     for line in sys.stdin:
         version = int(line.split()[1])
@@ -128,10 +139,11 @@ def main() -> None:
     parser.add_argument(
         "--model", default=os.path.join(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache"), "tiny_model")
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the engine")
     parser.add_argument("--seconds", type=float, default=15.0, help="time per phase")
     parser.add_argument("--loads-per-round", type=int, default=2, help="loads per phase in one round")
     parser.add_argument("--update-every", type=float, default=2.0)
-    parser.add_argument("--sender", nargs=3, metavar=("ADDR", "MODEL", "RUN_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--sender", nargs=4, metavar=("ADDR", "MODEL", "RUN_DIR", "TP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sender:
         sender_main(*args.sender)
@@ -140,19 +152,20 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from pipeline_rl.actor.llm_client import LLMClient, engine_args
+    from pipeline_rl.actor.llm_client import LLMClient, engine_args, set_engine_environment
+    from pipeline_rl.actor.tp_swap import TensorParallelSwapHook
     from pipeline_rl.actor.vllm_hook import WeightSwapHook
     from pipeline_rl.streams import open_streams
     from pipeline_rl.streams.records import WeightUpdate
-    from pipeline_rl.weight_sync import WeightReceiver
 
     run_dir = tempfile.mkdtemp(prefix="bench_actor_")
-    cfg = run_config(run_dir)
+    cfg = run_config(run_dir, args.tp)
+    set_engine_environment(cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     sender = subprocess.Popen(
-        [sys.executable, __file__, "--sender", addr, args.model, run_dir],
+        [sys.executable, __file__, "--sender", addr, args.model, run_dir, str(args.tp)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -162,12 +175,12 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(**engine_args(cfg, args.model))
     print(f"engine start-up: {time.perf_counter() - start:.1f} s")
-    hook = WeightSwapHook.install(llm.llm_engine, args.model, version=0)
+    hook_cls = TensorParallelSwapHook if args.tp > 1 else WeightSwapHook
+    hook = hook_cls.install(llm.llm_engine, args.model, version=0)
     client = LLMClient(llm.llm_engine, hook, llm.get_tokenizer())
     streams = open_streams(cfg)
-    client.start_receiver(
-        WeightReceiver(addr, rank=1, world_size=2, timeout_s=60), streams.reader("weights", WeightUpdate)
-    )
+    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")
+    client.start_receiver(receiver, streams.reader("weights", WeightUpdate))
     assert sender.stdout.readline().strip() == "ready"
     updater = Updater(sender.stdin, sender.stdout, args.update_every)
 
@@ -235,7 +248,7 @@ def main() -> None:
     print()
     print(
         f"load: {PROMPTS} prompts x n={N} x {NEW_TOKENS} tokens, {r} rounds of {args.loads_per_round} loads "
-        f"per phase, model {args.model}"
+        f"per phase, model {args.model}, tensor_parallel_size {args.tp}"
     )
     print(f"(1) plain vLLM generate:       {rate[1]:8.0f} tok/s")
     print(
@@ -260,7 +273,12 @@ def main() -> None:
     print(
         f"engine step (2):     p50 {step50:6.2f} ms  -> p99 lock wait / step p50 = {percentile(waits, 0.99) / step50:.2f} (goal <= 1)"
     )
-    print(f"peak RSS: actor (engine) process {peak_rss_mib():.0f} MiB, sender process {sender_rss} MiB")
+    workers = ""
+    if args.tp > 1:
+        with hook.lock:
+            rss = llm.llm_engine.collective_rpc(lambda _worker: peak_rss_mib())
+        workers = ", TP workers " + " / ".join(f"{r:.0f}" for r in rss) + " MiB"
+    print(f"peak RSS: actor (engine) process {peak_rss_mib():.0f} MiB{workers}, sender process {sender_rss} MiB")
     client.close()
     streams.close()
 

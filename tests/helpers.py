@@ -106,14 +106,17 @@ def perturbed(weights: dict, seed: int) -> dict:
 
 
 def hf_model(model_dir, weights: dict):
-    """A transformers model of `model_dir`'s architecture holding `weights`."""
+    """A transformers model of `model_dir`'s architecture holding `weights` (or its own: {})."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)
     if model.config.tie_word_embeddings:
-        model.tie_weights()
+        # Tie by hand: in a long test process that already ran in-process vLLM engines,
+        # transformers has been seen to load this model with lm_head untied and uninitialised
+        # (issue 13), which tie_weights() did not repair.
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_state_dict(weights, strict=False)
     return model
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 import torch
-from helpers import free_port
+from helpers import free_port, hf_model
 from safetensors.torch import load_file
 
 from pipeline_rl.config import RunConfig, load_config, save_config
@@ -81,9 +81,7 @@ def make_steps(
     """Random rollout groups (4 attempts, prompt 4-8 tokens, completion 3-12) laid out as the
     preprocessor would, with behaviour logprobs from the initial model at temperature 0.8.
     Step s's samples carry policy version versions[s] (default s)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = hf_model(model_path, {})
     vocab = model.config.vocab_size
     rng = random.Random(seed)
     out = []
@@ -205,7 +203,10 @@ def trainer_metrics(run_dir: Path) -> list[dict]:
 def final_weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
     found = latest_checkpoint(run_dir)
     assert found is not None and found[1] == version, f"latest checkpoint of {run_dir}: {found}"
-    return load_file(found[0] / "model.safetensors")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(found[0].glob("*.safetensors")):
+        weights.update(load_file(shard))
+    return weights
 
 
 def update_error(

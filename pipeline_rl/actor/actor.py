@@ -15,8 +15,9 @@ evaluates every `actor.eval_every_s` seconds (and once at start) on the first
 
 Weights: the engine starts from the latest checkpoint's Hugging Face model (at that version)
 or from model.path (version 0). With env PIPELINE_RL_WEIGHT_SYNC_ADDR set (the launcher sets
-it), the actor joins the weight-update group as rank I+1 of 1 + world.actors and swaps in
-every version the trainer announces on the "weights" stream. Without it the actor keeps its
+it), the actor's engine joins the weight-update group (as one rank, or one per tensor-parallel
+worker: weight_sync.group_ranks) and swaps in every version the trainer announces on the
+"weights" stream. Without it the actor keeps its
 starting weights (for tests and generation-only runs).
 
 Failures: a reward check that fails is counted and shown with its last error text (the
@@ -129,10 +130,12 @@ class Actor:
         self.receiver = None
         addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         if addr:
-            from pipeline_rl.weight_sync import WeightReceiver, backend_for
+            from pipeline_rl.weight_sync import backend_for
 
             backend = backend_for(cfg.world.gpus_per_node)
-            self.receiver = WeightReceiver(addr, rank=index + 1, world_size=1 + cfg.world.actors, backend=backend)
+            self.receiver = self.llm.weight_receiver(
+                addr, index, cfg.world.actors, backend, cfg.actor.llm.stage_weights_on_host
+            )
             self.llm.start_receiver(self.receiver, self.streams.reader(Topic.WEIGHTS, WeightUpdate))
         else:
             log.warning("%s is not set: no weight updates, the actor keeps version %d", WEIGHT_SYNC_ADDR_ENV, version)

@@ -33,10 +33,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline_rl.actor.tp_swap import WORKER_EXTENSION, TensorParallelReceiver, TensorParallelSwapHook
 from pipeline_rl.actor.vllm_hook import WeightSwapHook, check_vllm_version
 from pipeline_rl.config import RunConfig
 from pipeline_rl.streams.api import Reader
-from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
+from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver, group_ranks
 
 if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this module is
     from vllm import LLMEngine
@@ -124,16 +125,43 @@ def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
         disable_log_stats=True,
     )
     if cfg.world.gpus_per_node > 0:
-        # GPU: vLLM sizes the KV cache from this fraction. Tensor parallel workers live in
-        # other processes, which the in-process hook cannot reach: install() then refuses.
-        args.update(gpu_memory_utilization=llm.gpu_memory_utilization, tensor_parallel_size=cfg.world.actor_gpus)
+        args.update(gpu_memory_utilization=llm.gpu_memory_utilization)  # vLLM sizes the KV cache from it
     else:
         args.update(kv_cache_memory_bytes=int(llm.kv_cache_gib * 2**30))
+    if llm.tensor_parallel_size > 1:
+        # Worker processes (one per shard) that run the swap's worker half; the engine core
+        # stays in this process.
+        args.update(
+            tensor_parallel_size=llm.tensor_parallel_size,
+            distributed_executor_backend="mp",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
     return args
 
 
+def set_engine_environment(cfg: RunConfig) -> None:
+    """Environment an actor's engine needs, set before vLLM starts (also by scripts/bench_actor.py)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the hook reaches it
+    tp = cfg.actor.llm.tensor_parallel_size
+    if tp > 1 and cfg.world.gpus_per_node == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binds(tp, sorted(os.sched_getaffinity(0)))
+
+
+def cpu_thread_binds(workers: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: the cores in that many contiguous
+    groups (vLLM refuses TP on CPU without it when the machine has fewer NUMA nodes than workers)."""
+    if len(cores) < workers:
+        raise ValueError(
+            f"actor.llm.tensor_parallel_size={workers} needs at least {workers} CPU cores, this process may use {len(cores)}"
+        )
+    cores = sorted(cores)
+    size = len(cores) // workers
+    groups = [cores[i * size : (i + 1) * size] for i in range(workers)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
 class LLMClient:
-    def __init__(self, engine: LLMEngine, hook: WeightSwapHook, tokenizer: TokenizerLike):
+    def __init__(self, engine: LLMEngine, hook: WeightSwapHook | TensorParallelSwapHook, tokenizer: TokenizerLike):
         self.engine = engine
         self.hook = hook
         self.tokenizer = tokenizer
@@ -159,14 +187,29 @@ class LLMClient:
     @classmethod
     def create(cls, cfg: RunConfig, model_path: str, version: int) -> LLMClient:
         """Start an in-process engine for `model_path` (weights of policy `version`) and hook it."""
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        set_engine_environment(cfg)
+        tp = cfg.actor.llm.tensor_parallel_size
         import vllm
         from vllm import EngineArgs, LLMEngine
 
         check_vllm_version(vllm.__version__)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
-        hook = WeightSwapHook.install(engine, model_path, version)
+        if tp > 1:
+            hook: WeightSwapHook | TensorParallelSwapHook = TensorParallelSwapHook.install(engine, model_path, version)
+        else:
+            hook = WeightSwapHook.install(engine, model_path, version)
         return cls(engine, hook, engine.get_tokenizer())
+
+    def weight_receiver(
+        self, addr: str, actor_index: int, actors: int, backend: str, stage_on_host: bool = False
+    ) -> WeightReceiver | TensorParallelReceiver:
+        """This engine's end of the weight-update group: the actor process itself, or with TP > 1
+        every worker of the engine (see weight_sync.group_ranks)."""
+        if isinstance(self.hook, TensorParallelSwapHook):
+            ranks, world = group_ranks(actor_index, actors, self.hook.tensor_parallel_size)
+            return self.hook.receiver(addr, ranks[0], world, backend, stage_on_host)
+        [rank], world = group_ranks(actor_index, actors, 1)
+        return WeightReceiver(addr, rank=rank, world_size=world, backend=backend, stage_on_host=stage_on_host)
 
     @property
     def version(self) -> int:
@@ -299,7 +342,9 @@ class LLMClient:
             if group.remaining == 0:
                 _post(group, group.completions)
 
-    def start_receiver(self, receiver: WeightReceiver, updates_reader: Reader) -> threading.Thread:
+    def start_receiver(
+        self, receiver: WeightReceiver | TensorParallelReceiver, updates_reader: Reader
+    ) -> threading.Thread:
         """Start a daemon thread that takes part in every announced weight broadcast (no lock
         held while receiving) and then swaps the weights in. A failed transfer or check is
         logged and counted; the engine keeps serving the last complete version."""
@@ -378,8 +423,10 @@ class LLMClient:
         }
 
     def close(self) -> None:
-        """Stop the engine thread; pending generate calls raise RuntimeError."""
+        """Stop the engine thread and the engine; pending generate calls raise RuntimeError."""
         self._closed.set()
         with self._cv:
             self._cv.notify()
         self._thread.join(timeout=30)
+        # Stops the engine's worker processes (TP > 1), which would otherwise live until exit.
+        self.engine.engine_core.shutdown()

@@ -132,77 +132,24 @@ class _ExpectedReloadWarnings(logging.Filter):
         )
 
 
-class WeightSwapHook:
-    """Gates `model_runner.execute_model` with `lock` and swaps weights between forward passes."""
+class EngineWeights:
+    """The weights of one model runner (a whole model, or one tensor-parallel shard): checks an
+    update against the checkpoint's names and shapes, and loads it in place."""
 
-    def __init__(
-        self,
-        model_runner,
-        version: int,
-        expected_shapes: dict[str, list[int]],
-        optional_names: Iterable[str] = (),
-        history: int = 10000,
-    ):
-        self.lock = threading.Lock()
-        self._turnstile = threading.Lock()
-        self.version = version
-        """Version of the weights loaded now."""
-        self.on_new_version: Callable[[int], None] | None = None
-        """Called in the engine's thread, under the lock, right before the first forward pass
-        with a new version: the moment that splits the tokens of the old version from the new."""
-        self.forward_passes = 0
-        self._forward_version = version
-        self.swaps: deque[SwapStats] = deque(maxlen=history)
-        self.swap_count = 0
-        self.failures = 0
+    def __init__(self, model_runner, expected_shapes: dict[str, list[int]], optional_names: Iterable[str] = ()):
+        self._runner = model_runner
         self._expected = expected_shapes
         self._optional = set(optional_names)
-        self._broken: str | None = None
-        self._runner = model_runner
         model = model_runner.get_model()
         self._tied = _tied_modules(model)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _ExpectedReloadWarnings(_not_reloaded_classes(model, self._tied))
         )
-        self._execute_model = model_runner.execute_model
-        model_runner.execute_model = self._gated_execute_model
 
     @classmethod
-    def install(cls, llm_engine, model_path: str | Path, version: int) -> WeightSwapHook:
-        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process)."""
-        try:
-            runner = llm_engine.model_executor.driver_worker.worker.model_runner
-        except AttributeError:
-            raise RuntimeError(
-                "the weight-swap hook needs the model runner in this process: set "
-                "VLLM_ENABLE_V1_MULTIPROCESSING=0 and use one worker (tensor_parallel_size=1)"
-            ) from None
+    def of(cls, model_runner, model_path: str | Path) -> EngineWeights:
         shapes, optional = checkpoint_shapes(model_path)
-        return cls(runner, version, shapes, optional)
-
-    def _gated_execute_model(self, *args, **kwargs):
-        with self._turnstile:
-            pass
-        with self.lock:
-            if self._broken is not None:
-                raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
-            if self.version != self._forward_version:
-                if self.on_new_version is not None:
-                    self.on_new_version(self.version)
-                self._forward_version = self.version
-            self.forward_passes += 1
-            return self._execute_model(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def bypassed(self):
-        """Forward passes without the per-pass gate, for benchmarks that compare against plain
-        vLLM; the lock is held for the whole block, so swaps wait until it ends."""
-        with self._turnstile, self.lock:
-            self._runner.execute_model = self._execute_model
-            try:
-                yield
-            finally:
-                self._runner.execute_model = self._gated_execute_model
+        return cls(model_runner, shapes, optional)
 
     def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Raise ValueError unless the update has every parameter of the engine's model with
@@ -223,12 +170,97 @@ class WeightSwapHook:
         if missing:
             raise ValueError(f"weight update lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
 
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a checked update in place (each tensor-parallel worker takes its own shard of
+        the full tensors); the caller makes sure no forward pass runs meanwhile."""
+        self._runner.reload_weights(weights_iterator=iter(named_tensors))
+        for module in self._tied:
+            quant_method: Any = module.quant_method
+            quant_method.process_weights_after_loading(module)
+
+
+class SwapGate:
+    """The lock both hooks share: it wraps one engine callable (`owner.attr`: the model
+    runner's forward pass with TP = 1, the engine core's step with TP > 1), tells its owner when
+    a call is the first with a new version, and lets a swap in between two calls, with priority
+    (a turnstile: once a swap waits, no new call starts before it has run)."""
+
+    def __init__(self, owner: Any, attr: str, version: int, history: int = 10000):
+        self.lock = threading.Lock()
+        self._turnstile = threading.Lock()
+        self.version = version
+        """Version of the weights loaded now."""
+        self.on_new_version: Callable[[int], None] | None = None
+        """Called in the engine's thread, under the lock, right before the first forward pass
+        with a new version: the moment that splits the tokens of the old version from the new."""
+        self.forward_passes = 0
+        self._forward_version = version
+        self.swaps: deque[SwapStats] = deque(maxlen=history)
+        self.swap_count = 0
+        self.failures = 0
+        self._broken: str | None = None
+        self._owner, self._attr = owner, attr
+        self._call = getattr(owner, attr)
+        setattr(owner, attr, self._gated)
+
+    def _gated(self, *args, **kwargs):
+        with self._turnstile:
+            pass
+        with self.lock:
+            if self._broken is not None:
+                raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
+            if self.version != self._forward_version:
+                if self.on_new_version is not None:
+                    self.on_new_version(self.version)
+                self._forward_version = self.version
+            self.forward_passes += 1
+            return self._call(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def bypassed(self):
+        """Engine calls without the gate, for benchmarks that compare against plain vLLM; the
+        lock is held for the whole block, so swaps wait until it ends."""
+        with self._turnstile, self.lock:
+            setattr(self._owner, self._attr, self._call)
+            try:
+                yield
+            finally:
+                setattr(self._owner, self._attr, self._gated)
+
+    def _loaded(self, version: int, asked: float, got: float) -> SwapStats:
+        """Record a swap whose load just ended (called under the lock)."""
+        self.version = version
+        stats = SwapStats(version, got - asked, time.perf_counter() - got)
+        self.swaps.append(stats)
+        self.swap_count += 1
+        return stats
+
+
+class WeightSwapHook(SwapGate):
+    """Gates `model_runner.execute_model` and swaps weights between forward passes."""
+
+    def __init__(self, model_runner, version: int, weights: EngineWeights, history: int = 10000):
+        super().__init__(model_runner, "execute_model", version, history)
+        self.weights = weights
+
+    @classmethod
+    def install(cls, llm_engine, model_path: str | Path, version: int) -> WeightSwapHook:
+        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process)."""
+        try:
+            runner = llm_engine.model_executor.driver_worker.worker.model_runner
+        except AttributeError:
+            raise RuntimeError(
+                "the weight-swap hook needs the model runner in this process: set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 and use one worker (tensor_parallel_size=1)"
+            ) from None
+        return cls(runner, version, EngineWeights.of(runner, model_path))
+
     def swap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
         """Check the update, then load it between two forward passes and set `version`.
         A failed check raises before anything is loaded (the old version keeps serving)."""
         named = list(named_tensors)
         try:
-            self.check(named)
+            self.weights.check(named)
         except ValueError:
             self.failures += 1
             raise
@@ -236,17 +268,9 @@ class WeightSwapHook:
         with self._turnstile, self.lock:
             got = time.perf_counter()
             try:
-                self._runner.reload_weights(weights_iterator=iter(named))
-                for module in self._tied:
-                    quant_method: Any = module.quant_method
-                    quant_method.process_weights_after_loading(module)
+                self.weights.load(named)
             except Exception as e:
                 self.failures += 1
                 self._broken = f"loading version {version} failed: {e}"
                 raise
-            self.version = version
-            done = time.perf_counter()
-        stats = SwapStats(version, got - asked, done - got)
-        self.swaps.append(stats)
-        self.swap_count += 1
-        return stats
+            return self._loaded(version, asked, got)

@@ -38,7 +38,13 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
     return keys
 
 
+_RENAMED = {"world.actor_gpus": "actor.llm.tensor_parallel_size"}
+"""Keys of earlier releases and their names now."""
+
+
 def _suggest(key: str) -> str:
+    if key in _RENAMED:
+        return f" (renamed '{_RENAMED[key]}')"
     keys = _all_keys(RunConfig)
     leaf = key.rsplit(".", 1)[-1]
     # A right name at the wrong depth (trainer.lr) is the commonest slip: match the last part first.

@@ -133,11 +133,10 @@ class WorldConfig:
     """Number of nodes; one launch.py runs on each (RANK / SLURM_NODEID tells which)."""
     gpus_per_node: int = 0
     """GPUs on each node; 0 means CPU only (every process gets one CPU thread)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU; `--dry-run` checks the memory plan against it."""
     actors: int = 1
-    """Actor processes (each owns one vLLM engine)."""
-    actor_gpus: int = 1
-    """GPUs per actor engine (vLLM tensor parallel size); ignored on CPU. Only 1 for now: the
-    weight-swap hook runs in the engine's own process, which tensor parallelism splits."""
+    """Actor processes (each owns one vLLM engine, which takes actor.llm.tensor_parallel_size GPUs)."""
     preprocessors: int = 1
     """Preprocessor processes."""
     preprocessor_gpus: int = 0
@@ -172,6 +171,14 @@ class LLMConfig:
     """Most sequences one engine step batches."""
     max_model_len: int = 256
     """Longest prompt + completion the engine accepts."""
+    stage_weights_on_host: bool = False
+    """Keep each received weight update in host memory (pinned) instead of on the GPU: the GPU
+    then needs room for one bucket, not a copy of the whole model, and the swap copies to it
+    under the lock (a longer pause). Host memory: one model copy per receiver (per TP worker)."""
+    tensor_parallel_size: int = 1
+    """Shards of each actor's engine (vLLM's tensor parallelism): on GPU that many GPUs of one
+    node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
+    engine steps and every shard swaps between the same two steps (pipeline_rl/actor/tp_swap.py)."""
 
 
 @dataclass
@@ -443,10 +450,9 @@ def validate(cfg: RunConfig) -> None:
     from pipeline_rl.trainer.loss import load_loss  # the loss is the plug-in most often swapped: fail at launch
 
     load_loss(cfg.trainer.loss)
-    if cfg.world.gpus_per_node and cfg.world.actor_gpus != 1:
+    if cfg.actor.llm.tensor_parallel_size < 1:
         raise ConfigError(
-            f"bad value for 'world.actor_gpus': {cfg.world.actor_gpus}; only 1 is supported "
-            "(the in-flight weight swap does not reach tensor-parallel workers yet)"
+            f"bad value for 'actor.llm.tensor_parallel_size': {cfg.actor.llm.tensor_parallel_size}, expected >= 1"
         )
     if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
         raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")

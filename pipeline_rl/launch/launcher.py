@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline_rl.config import ConfigError, RunConfig, load_config, parse_overrides, save_config
+from pipeline_rl.launch.memory_plan import memory_plan
 from pipeline_rl.launch.placement import Node, child_env, describe, plan, this_node
 from pipeline_rl.launch.supervisor import ChildFailed, Supervisor, describe_exit, last_lines
 from pipeline_rl.launch.watchdog import Watchdog
@@ -41,7 +42,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--fresh", action="store_true", help="delete the run directory (and its Redis keys) and start over"
     )
     parser.add_argument(
-        "--dry-run", action="store_true", help="validate the config, print the placement, start nothing"
+        "--dry-run",
+        action="store_true",
+        help="validate the config, print the placement and the GPU memory plan, start nothing",
     )
     return parser.parse_known_args(argv)
 
@@ -289,6 +292,12 @@ def main(argv: list[str]) -> int:
         specs = plan(cfg)
         if args.dry_run:
             print("\n".join(describe(cfg, specs)))
+            if cfg.world.gpus_per_node:
+                lines = memory_plan(cfg)
+                print("\n".join(lines))
+                if any(line.endswith("DOES NOT FIT") for line in lines):
+                    print("config error: the memory plan does not fit (world.gpu_memory_gib)", file=sys.stderr)
+                    return 2
             return 0
         node = this_node(cfg)
         if node.nodes > 1 and cfg.streams.redis.start_server:

@@ -19,6 +19,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.weight_sync import group_ranks
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 
 
@@ -44,12 +45,19 @@ class Node:
     """Address of node 0, reachable from every node."""
 
 
+_GPU_KEYS = {
+    "trainer": "one GPU per trainer",
+    "preprocessor": "world.preprocessor_gpus",
+    "actor": "actor.llm.tensor_parallel_size",
+}
+
+
 def _pools(cfg: RunConfig) -> list[tuple[str, int, int]]:
     w = cfg.world
     return [
         ("trainer", w.trainers, 1),
         ("preprocessor", w.preprocessors, w.preprocessor_gpus),
-        ("actor", w.actors, w.actor_gpus),
+        ("actor", w.actors, cfg.actor.llm.tensor_parallel_size),
     ]
 
 
@@ -71,16 +79,17 @@ def plan(cfg: RunConfig) -> list[ProcessSpec]:
     for pool, count, gpus in _pools(cfg):
         if gpus > w.gpus_per_node:
             raise ConfigError(
-                f"world.{pool}_gpus={gpus} but world.gpus_per_node={w.gpus_per_node}: one {pool} cannot span nodes"
+                f"{_GPU_KEYS[pool]}={gpus} but world.gpus_per_node={w.gpus_per_node}: one {pool} cannot span nodes"
             )
         for i in range(count):
             while node < w.nodes and len(free[node]) < gpus:
                 node += 1
             if node >= w.nodes:
-                need = w.trainers + w.preprocessors * w.preprocessor_gpus + w.actors * w.actor_gpus
+                tp = cfg.actor.llm.tensor_parallel_size
+                need = w.trainers + w.preprocessors * w.preprocessor_gpus + w.actors * tp
                 raise ConfigError(
                     f"placement impossible: the pools need {need} GPUs (world.trainers={w.trainers}, "
-                    f"world.actors={w.actors} x world.actor_gpus={w.actor_gpus}, world.preprocessors="
+                    f"world.actors={w.actors} x actor.llm.tensor_parallel_size={tp}, world.preprocessors="
                     f"{w.preprocessors} x world.preprocessor_gpus={w.preprocessor_gpus}) but world.nodes="
                     f"{w.nodes} x world.gpus_per_node={w.gpus_per_node} = {w.nodes * w.gpus_per_node} exist"
                 )
@@ -167,5 +176,9 @@ def describe(cfg: RunConfig, specs: list[ProcessSpec], env: dict[str, str] | Non
         binding = f"CUDA_VISIBLE_DEVICES={child['CUDA_VISIBLE_DEVICES'] or '(none: cpu)'}"
         if spec.pool == "trainer":
             binding += f" RANK={child['RANK']} LOCAL_RANK={child['LOCAL_RANK']}"
+        if spec.pool == "actor":
+            tp = cfg.actor.llm.tensor_parallel_size
+            ranks, world = group_ranks(spec.index, cfg.world.actors, tp)
+            binding += f" tensor_parallel_size={tp} weight-update ranks {ranks[0]}-{ranks[-1]} of {world}"
         lines.append(f"node {spec.node}: {spec.name:<14} {spec.pool:<12} {binding}")
     return lines

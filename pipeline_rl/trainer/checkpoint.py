@@ -2,7 +2,8 @@
 
 Layout under RUN_DIR/checkpoints:
 
-    step_000050/hf/                    Hugging Face model (save_pretrained + the tokenizer files)
+    step_000050/hf/                    Hugging Face model: config, safetensors shards (one per
+                                       weight bucket, with their index), the tokenizer files
     step_000050/deepspeed/             engine.save_checkpoint: ZeRO shards, optimizer, LR schedule
     step_000050/position_rank{r}.json  rank r's position in the "trainer" stream
     step_000050/state.json             {"version", "world_size", ...}
@@ -14,6 +15,9 @@ point leaves `latest` naming a complete checkpoint; the leftovers (a temp dir, o
 dir that `latest` never named) are removed by `clean_leftovers` when the trainer restarts.
 All ranks must call `save` (DeepSpeed writes each rank's ZeRO shards); the directory must be
 on a file system every trainer node sees.
+
+The Hugging Face weights are written as they are gathered, one weight bucket per shard, so
+rank 0 never holds the whole model (under ZeRO-3) and the host never holds more than a shard.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from pipeline_rl.streams import PositionStore
 
@@ -118,6 +124,31 @@ def copy_tokenizer_files(model_path: str | os.PathLike, hf_dir: Path) -> None:
             shutil.copy2(src, hf_dir / src.name)
 
 
+def write_hf_weights(chunks: Iterable[list[tuple[str, torch.Tensor]]], hf_dir: Path) -> None:
+    """One safetensors shard per chunk, written as it comes, and the index Hugging Face loaders
+    read (a single chunk is `model.safetensors`, with no index)."""
+    parts: list[tuple[Path, list[str]]] = []
+    total = 0
+    for i, chunk in enumerate(chunks):
+        if not chunk:
+            continue
+        part = hf_dir / f".part-{i:05d}.safetensors"
+        tensors = {name: t.detach().cpu().contiguous() for name, t in chunk}
+        save_file(tensors, str(part), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        parts.append((part, list(tensors)))
+    if len(parts) == 1:
+        os.rename(parts[0][0], hf_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for k, (part, names) in enumerate(parts):
+        name = f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.rename(part, hf_dir / name)
+        weight_map.update(dict.fromkeys(names, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def save(
     engine: Any,
     run_dir: str | os.PathLike,
@@ -126,11 +157,12 @@ def save(
     position: dict,
     rank: int,
     world_size: int,
-    full_state: dict[str, torch.Tensor] | None,
+    weights: Iterable[list[tuple[str, torch.Tensor]]],
     keep: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. `full_state` is the gathered model state dict (rank 0)."""
+    """Collective: every rank calls it, and iterates `weights` (trainer.gathered_chunks: the
+    model's parameters chunk by chunk, full size on rank 0, empty elsewhere)."""
     root = checkpoints_root(run_dir)
     name = f"step_{version:06d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -143,8 +175,16 @@ def save(
     engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
     PositionStore(tmp / f"position_rank{rank}.json").save(position)
     if rank == 0:
-        engine.module.save_pretrained(tmp / HF_DIR, state_dict=full_state, safe_serialization=True)
-        copy_tokenizer_files(model_path, tmp / HF_DIR)
+        hf_dir = tmp / HF_DIR
+        hf_dir.mkdir()
+        engine.module.config.save_pretrained(hf_dir)
+        if getattr(engine.module, "generation_config", None) is not None:
+            engine.module.generation_config.save_pretrained(hf_dir)
+        write_hf_weights(weights, hf_dir)
+        copy_tokenizer_files(model_path, hf_dir)
+    else:
+        for _ in weights:  # the gathers are collective
+            pass
     dist.barrier()
     if rank == 0:
         _write_atomic(tmp / STATE, json.dumps({"version": version, "world_size": world_size, **(extra or {})}))

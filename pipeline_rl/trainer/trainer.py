@@ -18,7 +18,9 @@ write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes fro
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -42,7 +44,7 @@ from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
-from pipeline_rl.weight_sync import WeightSender, backend_for
+from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, plan_buckets
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
@@ -67,24 +69,28 @@ def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
     return lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
-def full_parameters(module: torch.nn.Module, rank: int, chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter at full size with its Hugging Face name, yielded on rank 0. Under ZeRO-3
-    the parameters are gathered chunk by chunk and every rank must iterate to the end."""
-    params = list(module.named_parameters())
-    if not any(hasattr(p, "ds_id") for _, p in params):
-        if rank == 0:
-            yield from ((name, p.detach()) for name, p in params)
-        return
-    chunk, size = [], 0
-    for i, (name, p) in enumerate(params):
-        chunk.append((name, p))
-        size += p.ds_numel * p.element_size()  # pyright: ignore[reportAttributeAccessIssue]  (set by ZeRO-3)
-        if size >= chunk_bytes or i == len(params) - 1:
-            with deepspeed.zero.GatheredParameters([q for _, q in chunk], modifier_rank=None):
-                if rank == 0:
-                    # Clone: the gathered storage is released when the context exits.
-                    yield from ((n, q.detach().clone()) for n, q in chunk)
-            chunk, size = [], 0
+def parameter_specs(module: torch.nn.Module) -> list[tuple[str, list[int], torch.dtype]]:
+    """Hugging Face name, full shape and dtype of every parameter, without gathering anything
+    (ZeRO-3 keeps a partitioned parameter's full shape in ds_shape)."""
+    return [(name, list(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in module.named_parameters()]
+
+
+def gathered_chunks(module: torch.nn.Module, rank: int, bucket_mb: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The parameters at full size with their Hugging Face names, in the weight broadcast's
+    buckets (weight_sync.plan_buckets), so that no GPU holds more than its own share plus one
+    bucket. On rank 0 a chunk's tensors are valid until the next chunk is asked for (under
+    ZeRO-3 they are gathered storage, released then); other ranks get empty chunks and, under
+    ZeRO-3, must iterate to the end too (each gather is collective)."""
+    specs = parameter_specs(module)
+    params = [p for _, p in module.named_parameters()]
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in specs]
+    first = 0
+    for count in plan_buckets(sizes, bucket_mb):
+        names, chunk = [n for n, _, _ in specs[first : first + count]], params[first : first + count]
+        first += count
+        with deepspeed.zero.GatheredParameters(chunk, modifier_rank=None) if zero3 else contextlib.nullcontext():
+            yield [(n, p.detach()) for n, p in zip(names, chunk)] if rank == 0 else []
 
 
 def update_slices(micro_batches: int, updates: int) -> list[slice]:
@@ -194,7 +200,8 @@ class Trainer:
         self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
         if rank == 0 and addr:
             backend = backend_for(cfg.world.gpus_per_node)
-            self.sender = WeightSender(addr, world_size=1 + cfg.world.actors, backend=backend)
+            _, world = group_ranks(0, cfg.world.actors, cfg.actor.llm.tensor_parallel_size)
+            self.sender = WeightSender(addr, world_size=world, backend=backend)
             self.weights_writer = self.streams.writer(Topic.WEIGHTS)
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -394,21 +401,27 @@ class Trainer:
         in the gathers."""
         if not self.broadcast:
             return {}
-        params = full_parameters(self.model, self.rank, self.cfg.trainer.weight_bucket_mb << 20)
+        bucket_mb = self.cfg.trainer.weight_bucket_mb
+        chunks = gathered_chunks(self.model, self.rank, bucket_mb)
         if self.rank != 0:
-            for _ in params:
+            for _ in chunks:
                 pass
             return {}
         assert self.sender is not None, "rank 0 broadcasts only with a sender"
         try:
             seconds = self.sender.send(
-                self.version, params, announce=self._announce, bucket_mb=self.cfg.trainer.weight_bucket_mb
+                self.version,
+                (pair for chunk in chunks for pair in chunk),
+                announce=self._announce,
+                bucket_mb=bucket_mb,
+                specs=parameter_specs(self.model),
             )
         except Exception as e:  # an actor died or stalled: keep training, the next send rebuilds the group
-            for _ in params:  # finish the gathers the other ranks are in
-                pass
             log.error("weight broadcast of version %d failed: %s", self.version, e)
             return {"weight_broadcast_failed": 1}
+        finally:
+            for _ in chunks:  # leave the last gather, and finish any the other ranks are still in
+                pass
         return {"weight_broadcast_s": seconds}
 
     def _announce(self, update: WeightUpdate) -> None:
@@ -421,7 +434,6 @@ class Trainer:
         if self.saved_version == self.version:
             return 0.0
         start = time.perf_counter()
-        state = dict(full_parameters(self.model, self.rank, self.cfg.trainer.weight_bucket_mb << 20))
         path = checkpoint.save(
             self.engine,
             self.run_dir,
@@ -430,7 +442,7 @@ class Trainer:
             self.trained_position,
             self.rank,
             self.world_size,
-            state if self.rank == 0 else None,
+            gathered_chunks(self.model, self.rank, self.cfg.trainer.weight_bucket_mb),
             self.cfg.trainer.keep_checkpoints,
             {"dropped_total": self.dropped_total},
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, hf_model
 from safetensors.torch import load_file
 from trainer_runs import (
     LINEAR_ADAM,
@@ -32,6 +32,7 @@ from trainer_runs import (
 
 from pipeline_rl.preprocess.packing import pack_step
 from pipeline_rl.streams import open_streams
+from pipeline_rl.trainer.checkpoint import latest_checkpoint
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 
 pytestmark = pytest.mark.deepspeed
@@ -63,9 +64,15 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
 
     # ZeRO-3: two ranks stopped by SIGTERM (as the launcher does) once both steps are trained;
     # they save the final checkpoint and exit 0. An actor's weight receiver runs in a thread
-    # here: rank 0 broadcasts the gathered weights after each step.
+    # here: rank 0 broadcasts the gathered weights after each step. 1 MiB buckets: the ~3 MB
+    # model is gathered, broadcast and written to the checkpoint in several chunks.
     three = trainer_config(
-        tmp_path / "zero3_2ranks", tiny_model, "trainer.max_steps=50", "world.trainers=2", *cases[1][1:]
+        tmp_path / "zero3_2ranks",
+        tiny_model,
+        "trainer.max_steps=50",
+        "world.trainers=2",
+        "trainer.weight_bucket_mb=1",
+        *cases[1][1:],
     )
     write_steps(three, steps, ranks=2)
     sync_addr = f"127.0.0.1:{free_port()}"
@@ -84,6 +91,11 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     wait_all(procs, Path(three.run_dir), timeout=120)
     final = final_weights(three.run_dir, 2)
     assert update_error(final, results["zero3"], initial) < REL_TOL
+    hf_dir = latest_checkpoint(Path(three.run_dir))[0]
+    shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    assert len(shards) >= 2 and (hf_dir / "model.safetensors.index.json").exists(), shards
+    loaded = hf_model(hf_dir, {})
+    assert all(torch.equal(p, final[n]) for n, p in loaded.named_parameters())
     receiver.join(30)
     assert not errors and sorted(received) == [1, 2], f"received versions {sorted(received)}, errors {errors}"
     assert received[2].keys() == final.keys()

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 
 import pytest
 import torch
 from helpers import hf_model, perturbed
 from safetensors.torch import load_file
+from swap_checks import swap_during_generation
 
 from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
@@ -84,63 +84,12 @@ def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, trained):
     assert any(len(set(c.token_ids)) > 1 for g in groups for c in g)
 
 
-def argmax_agreement(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]:
-    """(positions whose argmax is the token, positions where argmax is clear: top-2 gap > 1e-3)."""
-    top2 = logits.topk(2, dim=-1)
-    clear = (top2.values[:, 0] - top2.values[:, 1]) > 1e-3
-    agree = top2.indices[:, 0] == torch.tensor(tokens)
-    return int((agree | ~clear).sum()), len(tokens)
-
-
 def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_model, trained):
     weights_a, weights_b = perturbed(trained, seed=1), perturbed(trained, seed=2)
     with serving(client, weights_a, trained):
-        swap_during_generation(client, tiny_model, weights_a, weights_b)
-
-
-def swap_during_generation(client, tiny_model, weights_a, weights_b):
-    hook = client.hook
-    old, new = hook.version, hook.version + 1
-    prompt = client.tokenizer.encode("12 + 7 =")
-    swap_after = 40
-    swapped = []
-
-    def swap_when_k_tokens_done(start: int):
-        while hook.forward_passes < start + swap_after:
-            time.sleep(0.0005)
-        swapped.append(hook.swap(weights_b.items(), new))
-
-    swaps_before = hook.swap_count
-    thread = threading.Thread(target=swap_when_k_tokens_done, args=(hook.forward_passes,))
-    thread.start()
-    [c] = asyncio.run(client.generate(prompt, 1, 160, 0.0, ignore_eos=True))
-    thread.join()
-
-    assert hook.swap_count == swaps_before + 1 and client.version == new
-    assert swapped[0].lock_wait_s < 1.0 and swapped[0].load_s < 1.0
-    s = c.versions.index(new)  # first token produced by the new weights
-    assert c.versions == [old] * s + [new] * (len(c.token_ids) - s)
-    assert swap_after <= s < len(c.token_ids) - 20
-
-    tokens = c.token_ids
-    model_a, model_b = hf_model(tiny_model, weights_a), hf_model(tiny_model, weights_b)
-    P = len(prompt)
-    with torch.no_grad():
-        full_a = model_a(torch.tensor([prompt + tokens])).logits[0, P - 1 : -1]
-        # B's decode steps start from A's KV cache of the prompt and of tokens[:s-1].
-        cache = model_a(torch.tensor([prompt + tokens[: s - 1]]), use_cache=True).past_key_values
-        after = model_b(torch.tensor([tokens[s - 1 : -1]]), past_key_values=cache).logits[0]
-    agree, total = argmax_agreement(full_a[:s], tokens[:s])
-    assert agree == total, f"only {agree}/{total} tokens before the swap are model A's greedy choice"
-    agree, total = argmax_agreement(after, tokens[s:])
-    assert agree == total, f"only {agree}/{total} tokens after the swap are model B's greedy choice on A's cache"
-    # Model A would have continued differently: the swap changed the generation.
-    assert (full_a[s:].argmax(-1) != torch.tensor(tokens[s:])).any()
-    # Greedy logprobs are the plain log-softmax; they match on both sides of the swap.
-    expected = torch.cat([full_a[:s].log_softmax(-1), after.log_softmax(-1)]).gather(-1, torch.tensor(tokens)[:, None])[
-        :, 0
-    ]
-    assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+        swap_during_generation(
+            client, tiny_model, weights_a, weights_b, lambda: client.hook.swap(weights_b.items(), client.version + 1)
+        )
 
 
 def test_stop_strings_cancellation_and_bad_requests(client):

@@ -176,14 +176,16 @@ def test_buckets_are_consecutive_and_bounded():
         WeightReceiver("127.0.0.1:1", rank=0, world_size=2)
 
 
-def test_mixed_tensors_arrive_intact_in_reused_buffers():
+@pytest.mark.parametrize("stage_on_host", [False, True])
+def test_mixed_tensors_arrive_intact_in_reused_buffers(stage_on_host):
     """Packed small tensors and large ones sent from their own storage (>= 1 MiB), several
-    dtypes, 0-d, empty and non-contiguous tensors; the second update reuses the buffers."""
+    dtypes, 0-d, empty and non-contiguous tensors; the second update reuses the buffers.
+    Staged on host, each message goes through a bounce buffer of the largest message's size."""
     import threading
 
     addr = f"127.0.0.1:{free_port()}"
     sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
-    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S, stage_on_host=stage_on_host)
     for version in (1, 2):
         g = torch.Generator().manual_seed(version)
         weights = [
@@ -201,6 +203,62 @@ def test_mixed_tensors_arrive_intact_in_reused_buffers():
         assert [n for n, _ in got[0]] == [n for n, _ in weights]
         for (_, sent), (_, received) in zip(weights, got[0]):
             assert received.dtype == sent.dtype and torch.equal(received, sent)
+        bounce = receiver._bounce
+        if stage_on_host:
+            # The largest message is "big" on its own (600 x 600 fp32); the packed rest is smaller.
+            assert bounce is not None and bounce.numel() == 600 * 600 * 4
+        else:
+            assert bounce is None
+    sender.close()
+    receiver.close()
+
+
+def test_sender_takes_each_tensor_only_when_its_message_is_built():
+    """With specs, the announcement needs no tensor and the tensors are pulled from a generator
+    one message at a time (what lets the trainer gather one bucket at a time); a generator
+    that strays from the specs is refused, naming the tensor."""
+    import threading
+
+    g = torch.Generator().manual_seed(0)
+    weights = [(f"w{i}", torch.randn(300, 300, generator=g)) for i in range(6)]  # 360 kB each
+    weights.insert(3, ("empty", torch.empty(0)))
+    specs = [(n, list(t.shape), t.dtype) for n, t in weights]
+    events: list[str] = []
+
+    def generate(items):
+        for name, tensor in items:
+            events.append(f"take {name}")
+            yield name, tensor
+
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    broadcast = sender._broadcast
+    sender._broadcast = lambda buffer: (events.append(f"send {buffer.numel()}"), broadcast(buffer))
+    announced, got = [], []
+    thread = threading.Thread(target=lambda: got.append(receiver.receive(announced[0])))
+
+    def announce(update):
+        events.append("announce")
+        announced.append(update)
+        thread.start()
+
+    sender.send(1, generate(weights), announce, bucket_mb=1, specs=specs)
+    thread.join(10)
+    assert [n for n, _ in got[0]] == [n for n, _ in weights]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got[0], weights))
+    # 1 MiB buckets of two 360 kB tensors each: a bucket's tensors are taken, then it is sent.
+    msg = 300 * 300 * 4 * 2
+    assert events == [
+        "announce",
+        *["take w0", "take w1", f"send {msg}"],
+        *["take w2", "take empty", "take w3", f"send {msg}"],
+        *["take w4", "take w5", f"send {msg}"],
+    ], events
+
+    wrong = [("other", weights[0][1]), *weights[1:]]
+    with pytest.raises(ValueError, match=r"weight tensor 0 is other \[300, 300\], announced as w0"):
+        sender.send(2, generate(wrong), lambda update: None, bucket_mb=1, specs=specs)
     sender.close()
     receiver.close()
 

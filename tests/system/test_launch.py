@@ -82,6 +82,17 @@ def run_processes(run_dir: Path) -> dict[int, str]:
     return found
 
 
+def pool_process_once_running(proc: subprocess.Popen, run_dir: Path, module: str, timeout: float) -> int:
+    """The pid of the run's `pipeline_rl.<module>` process, once the actor has written a group."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and not list((run_dir / "streams" / "actor").glob("*.jsonl")):
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+    found = [pid for pid, args in run_processes(run_dir).items() if f"-m pipeline_rl.{module} " in args]
+    assert found, f"no {module} process among {run_processes(run_dir)}"
+    return found[0]
+
+
 def stream_records(run_dir: Path, topic: str) -> list[dict]:
     records = []
     for path in sorted((run_dir / "streams" / topic).glob("*.jsonl")):
@@ -123,17 +134,45 @@ def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
     assert run_processes(run_dir) == {}
 
 
+def test_tensor_parallel_actor_trains(tmp_path, tiny_model):
+    """conf=tiny with a TP = 2 actor (two vLLM worker processes, each a weight-update rank): the
+    version rises, every version is swapped into both shards, and the held-out reward improves.
+    Eval: 500 problems at T=1, so one eval's sd is <= 0.022 and that of (mean of the last two -
+    the first) <= 0.027; untrained, a rise of 0.1 would be a 3.7-sd fluke, and the demo gains
+    0.15-0.2 by version 50-90 (TP = 2 on 2 cores: 0.315 -> 0.45-0.5)."""
+    run_dir = tmp_path / "run"
+    steps = 90
+    code, out = launch(
+        run_dir,
+        "actor.llm.tensor_parallel_size=2",
+        "actor.attempts=8",
+        "trainer.groups_per_step=32",
+        "actor.max_groups_in_flight=64",
+        "trainer.max_lag=1",
+        f"trainer.max_steps={steps}",
+        "trainer.checkpoint_every=0",
+        "actor.eval_every_s=15",
+        "actor.eval_problems=500",
+        timeout=600,
+    )
+    assert code == 0, out
+    actor = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0"]
+    assert max(v.get("swaps_total", 0) for v in actor) >= steps // 2
+    assert all(v.get("swap_failures_total", 0) == 0 for v in actor)
+    versions = {v for g in stream_records(run_dir, "actor") for r in g["rollouts"] for v in r["versions"]}
+    assert len(versions) >= steps // 2, f"rollouts came from only {len(versions)} versions"
+    evals = [(v["eval/version"], v["eval/reward"]) for v in actor if "eval/reward" in v]
+    assert evals[0][0] == 0 and evals[-1][0] >= steps // 2, evals
+    gain = (evals[-1][1] + evals[-2][1]) / 2 - evals[0][1]
+    assert gain >= 0.1, f"held-out reward {evals}"
+    assert run_processes(run_dir) == {}
+
+
 def test_kill_9_of_one_process_stops_the_run(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "trainer.max_steps=1000", wait=False)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and not list((run_dir / "streams" / "actor").glob("*.jsonl")):
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read()
-        victim = [pid for pid, args in run_processes(run_dir).items() if "-m pipeline_rl.preprocess " in args]
-        assert victim, f"no preprocessor process among {run_processes(run_dir)}"
-        os.kill(victim[0], signal.SIGKILL)
+        os.kill(pool_process_once_running(proc, run_dir, "preprocess", 180), signal.SIGKILL)
         killed_at = time.time()
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -141,6 +180,25 @@ def test_kill_9_of_one_process_stops_the_run(tmp_path, tiny_model):
     assert time.time() - killed_at < 10.0 + 2.0  # 10 s promise, 2 s for Python start-up slack
     assert proc.returncode != 0
     assert "preprocessor0" in out and "SIGKILL" in out
+    assert run_processes(run_dir) == {}
+
+
+def test_a_dead_tensor_parallel_worker_stops_the_run_naming_the_actor(tmp_path, tiny_model):
+    """SIGKILL one of a TP = 2 actor's vLLM workers mid-run: vLLM fails the engine (no step on
+    the shard that is left), the actor's rollouts fail, it exits non-zero, and the launcher
+    stops the run and says it was actor0."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "actor.llm.tensor_parallel_size=2", "trainer.max_steps=100000", wait=False)
+    try:
+        children = psutil.Process(pool_process_once_running(proc, run_dir, "actor", 300)).children()
+        workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(workers) == 2, [c.cmdline() for c in children]
+        workers[1].kill()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode != 0
+    assert "actor0" in out and "rollouts in a row failed" in out, out[-3000:]
     assert run_processes(run_dir) == {}
 
 

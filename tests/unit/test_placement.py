@@ -75,9 +75,27 @@ def test_dry_run_prints_every_process_binding():
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("memory: ")]
     specs = plan(load_config("math_32b"))
     assert len(lines) == len(specs)
     for line, s in zip(lines, specs):
         assert line.startswith(f"node {s.node}: {s.name} ") and "CUDA_VISIBLE_DEVICES=" in line
         assert ("LOCAL_RANK=0" in line) == (s.pool == "trainer")
+    # math_32b: 8 actors of two GPUs each on nodes 2-3; each of their 16 workers is a rank of the
+    # weight-update group after trainer rank 0.
+    actors = [line for line in lines if " actor " in line]
+    assert len(actors) == 8
+    for i, line in enumerate(actors):
+        gpus = f"{2 * (i % 4)},{2 * (i % 4) + 1}"
+        assert line.startswith(f"node {2 + i // 4}: actor{i} ") and f"CUDA_VISIBLE_DEVICES={gpus} " in line
+        assert line.endswith(f"tensor_parallel_size=2 weight-update ranks {1 + 2 * i}-{2 + 2 * i} of 17")
+
+
+def test_cpu_tensor_parallel_workers_get_disjoint_cores():
+    from pipeline_rl.actor.llm_client import cpu_thread_binds
+
+    assert cpu_thread_binds(2, [1, 0]) == "0|1"
+    assert cpu_thread_binds(2, list(range(8))) == "0-3|4-7"
+    assert cpu_thread_binds(1, [4, 5, 6]) == "4-6"
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 needs at least 3 CPU cores"):
+        cpu_thread_binds(3, [0, 1])

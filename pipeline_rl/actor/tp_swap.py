@@ -1,0 +1,300 @@
+"""The in-flight weight swap for tensor-parallel engines (actor.llm.tensor_parallel_size > 1).
+
+With TP > 1, vLLM runs one model shard per worker process, while the engine core and its
+scheduler stay in the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0). The gate therefore
+moves up one level: `TensorParallelSwapHook` wraps the engine core's step (schedule, forward
+pass in every worker, sample, update) in the lock. `on_new_version` fires at the same moment
+as with TP = 1 (before the first forward pass with new weights), so per-token versions work
+as they do there.
+
+A swap has two phases:
+1. Staging, without the lock: each worker receives the whole update into a buffer of its own,
+   in a thread of the worker process (every TP worker is a rank of the weight-update group,
+   see weight_sync.group_ranks), and sets a key in the sender's store when done. The engine
+   keeps stepping meanwhile.
+2. Under the lock, in one hold: every worker checks what it staged (this swap's, complete, the
+   checkpoint's names and shapes); only when all pass do all load. So every shard changes
+   between the same two engine steps. A failed check on any worker loads nothing: the old
+   version keeps serving. A load that fails on any worker may leave others loaded: the hook
+   then refuses every later step, the engine thread fails, and the actor exits with that error.
+   A worker that dies makes vLLM fail the engine: no step runs on the shards that are left.
+
+Every call into the workers shares one message queue with the engine's own step messages, so
+each takes the lock. The worker methods never raise: vLLM raises on the first failing worker
+and leaves the other workers' replies in their queues, where the next call would read them;
+they return an error text instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from pipeline_rl.actor.vllm_hook import EngineWeights, SwapGate, SwapStats
+from pipeline_rl.streams.records import WeightUpdate, decode, encode
+from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "pipeline_rl.actor.tp_swap.TensorParallelWorker"
+"""vLLM's worker_extension_cls for TP > 1 engines."""
+
+_STALE = "stale: "
+
+
+def _staged_key(ticket: str, rank: int) -> str:
+    return f"staged/{ticket}/{rank}"
+
+
+@dataclass
+class Staged:
+    """An update every worker of the engine holds in its staging buffer."""
+
+    ticket: str
+
+
+class _WorkerState:
+    def __init__(self, weights: EngineWeights):
+        self.weights = weights
+        self.receiver: WeightReceiver | None = None
+        self.staged: tuple[str, list[tuple[str, torch.Tensor]]] | None = None
+        self.receiving: threading.Thread | None = None
+
+
+class TensorParallelWorker:
+    """Methods vLLM mixes into each of an engine's worker processes (worker_extension_cls);
+    the actor calls them through `collective_rpc`."""
+
+    model_runner: Any
+    rank: int
+    _pipeline_rl: _WorkerState
+
+    def pipeline_rl_setup(self, model_path: str) -> str | None:
+        try:
+            self._pipeline_rl = _WorkerState(EngineWeights.of(self.model_runner, model_path))
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        return None
+
+    def pipeline_rl_stage(self, ticket: str, blob: bytes) -> str | None:
+        """Stage an update sent inline as safetensors bytes (small models, tests)."""
+        try:
+            self._pipeline_rl.staged = (ticket, list(load_safetensors(blob).items()))
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        return None
+
+    def pipeline_rl_receive(
+        self,
+        ticket: str,
+        addr: str,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        stage_on_host: bool,
+        update: bytes,
+    ) -> str | None:
+        """Start receiving an announced broadcast as weight-update rank `rank + self.rank`, in a
+        thread; it reports to the sender's store under _staged_key(ticket, that rank)."""
+        state = self._pipeline_rl
+        if state.receiving is not None and state.receiving.is_alive():
+            return f"worker {self.rank}: still receiving the previous update"
+        my_rank = rank + self.rank
+        try:
+            if state.receiver is None:
+                state.receiver = WeightReceiver(addr, my_rank, world_size, backend, timeout_s, stage_on_host)
+            announced = decode(update, WeightUpdate)
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        receiver = state.receiver
+        state.staged = None
+
+        def receive() -> None:
+            try:
+                if receiver.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(receiver.device)
+                named = receiver.receive(announced)
+                if receiver.device.type == "cuda":
+                    # The engine loads from these buffers on its own streams: the broadcast's
+                    # kernels must be done before the actor is told so.
+                    torch.cuda.synchronize(receiver.device)
+                state.staged = (ticket, named)
+                status = "ok"
+            except StaleUpdate as e:
+                status = f"{_STALE}{e}"
+            except Exception as e:
+                status = f"worker {self.rank} (weight-update rank {my_rank}): {e}"
+            try:
+                receiver.publish(_staged_key(ticket, my_rank), status)
+            except Exception:
+                log.exception("worker %d could not report the end of weight update %d", self.rank, announced.version)
+
+        state.receiving = threading.Thread(target=receive, name="weight-receiver", daemon=True)
+        state.receiving.start()
+        return None
+
+    def pipeline_rl_check(self, ticket: str) -> str | None:
+        state = self._pipeline_rl
+        if state.staged is None or state.staged[0] != ticket:
+            return f"worker {self.rank}: this update is not staged"
+        try:
+            state.weights.check(state.staged[1])
+        except ValueError as e:
+            state.staged = None
+            return f"worker {self.rank}: {e}"
+        return None
+
+    def pipeline_rl_load(self, ticket: str) -> str | None:
+        state = self._pipeline_rl
+        staged, state.staged = state.staged, None
+        if staged is None or staged[0] != ticket:
+            return f"worker {self.rank}: this update is not staged"
+        try:
+            state.weights.load(staged[1])
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        return None
+
+
+def _failures(replies: list[str | None]) -> str | None:
+    failed = [r for r in replies if r is not None]
+    return "; ".join(failed) if failed else None
+
+
+class TensorParallelSwapHook(SwapGate):
+    """Gates the engine core's step and swaps the weights of every TP worker between two
+    steps. Same interface as WeightSwapHook (pipeline_rl/actor/vllm_hook.py)."""
+
+    def __init__(self, llm_engine, version: int, tensor_parallel_size: int, history: int = 10000):
+        # The in-process engine core, which vLLM's annotation types as the general client.
+        super().__init__(llm_engine.engine_core.engine_core, "step_fn", version, history)
+        self.tensor_parallel_size = tensor_parallel_size
+        self._engine = llm_engine
+
+    @classmethod
+    def install(cls, llm_engine, model_path: str | Path, version: int) -> TensorParallelSwapHook:
+        """Hook an in-process LLMEngine whose workers run WORKER_EXTENSION."""
+        tp = llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        hook = cls(llm_engine, version, tp)
+        with hook.lock:
+            failed = _failures(hook._rpc("pipeline_rl_setup", str(model_path)))
+        if failed:
+            raise RuntimeError(f"tensor-parallel weight swap set-up failed: {failed}")
+        return hook
+
+    def _rpc(self, method: str, *args: Any) -> list[str | None]:
+        """Call `method` in every worker; the caller holds the lock."""
+        return self._engine.collective_rpc(method, args=args)
+
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """Send an update to every worker inline (as safetensors bytes through vLLM's RPC queue:
+        fine for small models and tests; real updates come by broadcast, see `receiver`)."""
+        blob = save_safetensors({name: t.detach().contiguous() for name, t in named_tensors})
+        ticket = uuid.uuid4().hex
+        with self._turnstile, self.lock:
+            failed = _failures(self._rpc("pipeline_rl_stage", ticket, blob))
+        if failed:
+            raise RuntimeError(f"staging a weight update failed: {failed}")
+        return Staged(ticket)
+
+    def swap(self, update: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
+        """Check the staged update in every worker and, only if all pass, load it in all of them
+        between two engine steps; then set `version`. Raises ValueError (nothing loaded) when a
+        check fails, RuntimeError (engine unusable) when a load fails."""
+        staged = update if isinstance(update, Staged) else self.stage(update)
+        asked = time.perf_counter()
+        with self._turnstile, self.lock:
+            got = time.perf_counter()
+            failed = _failures(self._rpc("pipeline_rl_check", staged.ticket))
+            if failed:
+                self.failures += 1
+                raise ValueError(f"weight update {version} not loaded: {failed}")
+            failed = _failures(self._rpc("pipeline_rl_load", staged.ticket))
+            if failed:
+                self.failures += 1
+                self._broken = f"loading version {version} failed: {failed}"
+                raise RuntimeError(self._broken)
+            return self._loaded(version, asked, got)
+
+    def receiver(
+        self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False
+    ) -> TensorParallelReceiver:
+        return TensorParallelReceiver(self, addr, first_rank, world_size, backend, stage_on_host)
+
+
+class TensorParallelReceiver:
+    """An actor's end of the weight broadcast when its TP workers are the receivers:
+    `receive` has every worker stage the update and returns a `Staged` for the hook's swap
+    (the same two calls as with a WeightReceiver and WeightSwapHook)."""
+
+    def __init__(
+        self,
+        hook: TensorParallelSwapHook,
+        addr: str,
+        first_rank: int,
+        world_size: int,
+        backend: str,
+        stage_on_host: bool,
+        timeout_s: float = 120,
+    ):
+        self.hook, self.addr, self.first_rank, self.world_size = hook, addr, first_rank, world_size
+        self.backend, self.stage_on_host, self.timeout = backend, stage_on_host, timedelta(seconds=timeout_s)
+        host, _, port = addr.rpartition(":")
+        self._host, self._port = host, int(port)
+        self._store: dist.TCPStore | None = None
+
+    def receive(self, update: WeightUpdate) -> Staged:
+        ticket = f"{update.version}-{uuid.uuid4().hex[:8]}"
+        hook = self.hook
+        with hook._turnstile, hook.lock:  # the sender is waiting: start before the next step
+            failed = _failures(
+                hook._rpc(
+                    "pipeline_rl_receive",
+                    ticket,
+                    self.addr,
+                    self.first_rank,
+                    self.world_size,
+                    self.backend,
+                    self.timeout.total_seconds(),
+                    self.stage_on_host,
+                    encode(update),
+                )
+            )
+        if failed:
+            raise RuntimeError(f"weight update {update.version}: {failed}")
+        keys = [_staged_key(ticket, self.first_rank + r) for r in range(hook.tensor_parallel_size)]
+        try:
+            if self._store is None:
+                self._store = dist.TCPStore(
+                    self._host, self._port, self.world_size, is_master=False, timeout=self.timeout
+                )
+            self._store.wait(keys, self.timeout)
+            statuses = [self._store.get(k).decode() for k in keys]
+            for k in keys:
+                self._store.delete_key(k)
+        except Exception:
+            self._store = None  # the sender's store went away (trainer restarted): connect again next time
+            raise
+        stale = [s for s in statuses if s.startswith(_STALE)]
+        if stale:
+            raise StaleUpdate(stale[0].removeprefix(_STALE))
+        failed = _failures([None if s == "ok" else s for s in statuses])
+        if failed:
+            raise RuntimeError(f"weight update {update.version}: {failed}")
+        return Staged(ticket)
+
+    def close(self) -> None:
+        self._store = None

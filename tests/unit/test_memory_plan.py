@@ -1,0 +1,91 @@
+"""The --dry-run memory plan: parameter counts against real models, and the 32B facts the
+cluster configs rest on (one 80 GB GPU cannot hold a 32B actor with its staging; math_32b fits)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, random_qwen2
+
+from pipeline_rl.config import load_config
+from pipeline_rl.launch.memory_plan import ModelShape, plan_lines
+
+# Qwen2.5-32B's published shape (config.json values).
+QWEN32B = {
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_matches_a_real_model(tmp_path, tied):
+    model = random_qwen2()
+    model.config.tie_word_embeddings = tied
+    model.config.save_pretrained(tmp_path)
+    if tied:  # by hand: see helpers.hf_model
+        model.lm_head.weight = model.model.embed_tokens.weight
+    real = sum(p.numel() for p in model.parameters())  # shared tensors counted once
+    assert ModelShape.read(tmp_path).params == real
+
+
+QWEN7B = {
+    **QWEN32B,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+}
+
+
+def plan(tmp_path, *overrides, conf="math_32b", shape=QWEN32B):
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = load_config(conf, [f"model.path={tmp_path}", *overrides])
+    return plan_lines(cfg, ModelShape.read(tmp_path))
+
+
+def test_math_7b_fits_and_needs_its_lower_vllm_share(tmp_path):
+    lines = plan(tmp_path, conf="math_7b", shape=QWEN7B)
+    assert lines[0].startswith("memory: model 7.6") and all(line.endswith("fits") for line in lines[1:]), lines
+    # At vLLM's usual 0.9 the 14 GiB staging buffer has only 8 GiB outside vLLM's share.
+    lines = plan(tmp_path, "actor.llm.gpu_memory_utilization=0.9", conf="math_7b", shape=QWEN7B)
+    assert next(line for line in lines if "actor GPU" in line).endswith("DOES NOT FIT")
+
+
+def test_math_32b_fits_80_gb_gpus(tmp_path):
+    lines = plan(tmp_path)
+    assert lines[0].startswith("memory: model 32.")
+    assert all(not line.endswith("DOES NOT FIT") for line in lines), lines
+    actor = next(line for line in lines if "actor GPU" in line)
+    assert "tensor_parallel_size=2" in actor and actor.endswith("fits")
+
+
+def test_a_32b_actor_on_one_80_gb_gpu_does_not_fit(tmp_path):
+    """61 GiB of bf16 weights leave ~9 GiB of KV cache (3 sequences of 9216 tokens), and a
+    model-sized staging buffer cannot fit in the 8 GiB outside vLLM's share."""
+    lines = plan(tmp_path, "actor.llm.tensor_parallel_size=1", "actor.llm.stage_weights_on_host=false")
+    actor = next(line for line in lines if "actor GPU" in line)
+    assert actor.endswith("DOES NOT FIT") and "3 sequences" in actor
+
+
+def test_dry_run_prints_the_plan_and_refuses_one_that_does_not_fit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN32B))
+
+    def dry_run(*overrides):
+        argv = [sys.executable, "launch.py", "conf=math_32b", f"model.path={tmp_path}", *overrides, "--dry-run"]
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    ok = dry_run()
+    assert ok.returncode == 0, ok.stderr
+    assert sum(line.startswith("memory: ") for line in ok.stdout.splitlines()) == 4
+    bad = dry_run("world.gpu_memory_gib=40")
+    assert bad.returncode == 2 and "memory plan does not fit" in bad.stderr
