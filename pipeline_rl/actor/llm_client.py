@@ -181,6 +181,10 @@ class LLMClient:
         self._scheduler = engine.engine_core.engine_core.scheduler  # pyright: ignore[reportAttributeAccessIssue]
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         hook.on_new_version = self._mark_new_version
+        # With TP > 1, a worker that dies mid-step leaves the step waiting up to
+        # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s) for a reply that never comes; vLLM's worker
+        # monitor calls this at once (a no-op for the in-process executor of TP = 1).
+        engine.engine_core.engine_core.model_executor.register_failure_callback(self._executor_failed)  # pyright: ignore[reportAttributeAccessIssue]
         self._thread = threading.Thread(target=self._run_engine, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -302,6 +306,10 @@ class LLMClient:
             self._fail_pending(RuntimeError(f"the vLLM engine failed: {e!r}"))
             return
         self._fail_pending(RuntimeError("LLMClient closed"))
+
+    def _executor_failed(self) -> None:
+        self._error = RuntimeError("a vLLM worker process died; vLLM shut the engine down (its log says which)")
+        self._fail_pending(RuntimeError(f"the vLLM engine failed: {self._error}"))
 
     def _fail_pending(self, error: BaseException) -> None:
         with self._cv:
@@ -427,6 +435,7 @@ class LLMClient:
         self._closed.set()
         with self._cv:
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._error is None:  # a failed engine's thread may be stuck in a step for good
+            self._thread.join(timeout=30)
         # Stops the engine's worker processes (TP > 1), which would otherwise live until exit.
         self.engine.engine_core.shutdown()

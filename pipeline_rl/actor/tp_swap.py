@@ -197,6 +197,9 @@ class TensorParallelSwapHook(SwapGate):
 
     def _rpc(self, method: str, *args: Any) -> list[str | None]:
         """Call `method` in every worker; the caller holds the lock."""
+        if self._engine.engine_core.engine_core.model_executor.is_failed:
+            # Set by vLLM's worker monitor when a worker died; the executor is then shut down.
+            raise RuntimeError("a vLLM worker process of this engine died; vLLM shut the engine down")
         return self._engine.collective_rpc(method, args=args)
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
