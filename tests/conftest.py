@@ -20,6 +20,18 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.fixture(autouse=True)
+def transformers_left_intact():
+    """Fail the test that leaves transformers' loading no-ops in place (see
+    pipeline_rl/scorers/hf.py, _LOADING) rather than the later tests whose models they break."""
+    from transformers import PreTrainedModel
+
+    before = PreTrainedModel.tie_weights, PreTrainedModel.init_weights
+    yield
+    after = PreTrainedModel.tie_weights, PreTrainedModel.init_weights
+    assert after == before, "PreTrainedModel.tie_weights/init_weights were left replaced by this test"
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return build_tiny_model()

@@ -111,11 +111,6 @@ def hf_model(model_dir, weights: dict):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if model.config.tie_word_embeddings:
-        # Tie by hand: in a long test process that already ran in-process vLLM engines,
-        # transformers has been seen to load this model with lm_head untied and uninitialised
-        # (issue 13), which tie_weights() did not repair.
-        model.lm_head.weight = model.model.embed_tokens.weight
     model.load_state_dict(weights, strict=False)
     return model
 

@@ -57,6 +57,21 @@ class RatioLevel(StrEnum):
     pairs it with `normalize: sequence` and a small `ppo_clip` (about 3e-4)."""
 
 
+class Attention(StrEnum):
+    """The trainer's attention kernel for packed rows (several sequences per row, their
+    position_ids restarting at 0)."""
+
+    auto = "auto"
+    """flash_attention_2 on GPU when the flash-attn package is installed and prompts are not
+    shared; sdpa otherwise."""
+    flash_attention_2 = "flash_attention_2"
+    """Varlen flash-attention: sequence boundaries come from position_ids, no [T, T] mask."""
+    sdpa = "sdpa"
+    """torch's scaled_dot_product_attention with a block-diagonal mask built from position_ids."""
+    eager = "eager"
+    """Plain matmul attention with the same mask (slow; for debugging)."""
+
+
 class LagGateMode(StrEnum):
     """What the max_lag gate removes from a stale sample (pipeline_rl/trainer/lag_gate.py)."""
 
@@ -335,6 +350,8 @@ class TrainerConfig:
     """Size of one weight-broadcast bucket."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    attention: Attention = Attention.auto
+    """Attention kernel for packed rows; works with gradient checkpointing either way."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer settings."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -430,6 +447,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.trainer.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
+    if cfg.trainer.attention == Attention.flash_attention_2 and cfg.preprocess.share_prompts:
+        raise ConfigError(
+            "'trainer.attention' flash_attention_2 cannot run 'preprocess.share_prompts' rows (they need an "
+            "explicit [T, T] mask): use sdpa or auto"
+        )
     if cfg.actor.temperature <= 0:
         raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
     for i, scorer in enumerate(cfg.preprocess.scorers):

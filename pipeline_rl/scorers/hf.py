@@ -10,6 +10,7 @@ them alike.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -23,10 +24,19 @@ def scorer_device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda" if use_gpu else "cpu")
 
 
+_LOADING = threading.Lock()
+"""transformers' from_pretrained swaps PreTrainedModel.tie_weights and init_weights for no-ops
+at class level while it loads, and puts back what it found: two loads in two threads can leave
+the no-ops in place for good, and every later model of the process loads with its embeddings
+untied and new weights uninitialised (measured with transformers 5.19)."""
+
+
 def load_model(auto_class: Any, path: str, cfg: RunConfig, device: torch.device, **kwargs: Any) -> Any:
     """A frozen model of `auto_class` (e.g. AutoModelForCausalLM) from `path`, in cfg.model.dtype:
-    a transformers PreTrainedModel (typed Any: its `.config` is dynamic)."""
-    model = auto_class.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype), **kwargs)
+    a transformers PreTrainedModel (typed Any: its `.config` is dynamic). Loads are serialised
+    in a process (see _LOADING)."""
+    with _LOADING:
+        model = auto_class.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype), **kwargs)
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -5,7 +5,7 @@ attention_mask=None and no KV cache, transformers (>= 4.53, masking_utils
 `find_packed_sequence_indices`) turns restarting position_ids into a block-diagonal causal
 mask for the sdpa/eager/flex kernels, and flash-attention uses them as varlen boundaries.
 `use_cache=False` matters: with a cache object present, transformers skips that detection
-and the sequences would attend to each other. tests/test_logprobs.py checks the result
+and the sequences would attend to each other. tests/unit/test_logprobs.py checks the result
 against each sequence run alone.
 
 Shared prompts (`preprocess.share_prompts`): a group's rollouts are laid out as one prompt
@@ -15,6 +15,7 @@ which holds the prompt) and to itself, its positions continue from p, and its fi
 predicted by the logits at the prompt's last token. Position ids cannot express that, so this
 layout passes an explicit [T, T] mask (sdpa and eager take it; flash-attention varlen does
 not): meant for short rows, where it saves recomputing the prompt for every rollout.
+`attention_kernel` picks the kernel from trainer.attention.
 
 Memory: the logits stay in the model's dtype; their float32 log-softmax and entropy ([T, V]
 each, 12 GB apiece for 20k tokens of a 152k vocabulary) are computed `chunk_tokens` rows at a
@@ -24,8 +25,21 @@ chunk's float32 rows at a time. Each row is computed exactly as without chunking
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.config.schema import Attention
+
+
+def attention_kernel(cfg: RunConfig, cuda: bool) -> str:
+    """transformers' attn_implementation for trainer.attention (see config.schema.Attention)."""
+    if cfg.trainer.attention != Attention.auto:
+        return str(cfg.trainer.attention)
+    flash = cuda and not cfg.preprocess.share_prompts and importlib.util.find_spec("flash_attn") is not None
+    return str(Attention.flash_attention_2 if flash else Attention.sdpa)
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,9 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.process import run_pool_process
@@ -42,7 +44,7 @@ from pipeline_rl.streams.api import Reader, Writer
 from pipeline_rl.streams.records import MicroBatch, WeightUpdate
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
-from pipeline_rl.trainer.logprobs import packed_logprobs
+from pipeline_rl.trainer.logprobs import attention_kernel, packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
 from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, plan_buckets
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
@@ -62,6 +64,25 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
         "steps_per_print": 2**31 - 1,
     }
+
+
+def load_model(cfg: RunConfig) -> PreTrainedModel:
+    """The policy at model.path, in fp32 (DeepSpeed casts it to bf16 when model.dtype asks and
+    keeps fp32 master weights in the optimizer). Under ZeRO-3 it is built already partitioned
+    (deepspeed.zero.Init, through transformers' DeepSpeed integration): no rank ever holds the
+    full model; rank 0 reads the checkpoint one module at a time and scatters it."""
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, attn_implementation=attention_kernel(cfg, torch.cuda.is_available())
+    )
+    if cfg.trainer.zero_stage != 3:
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
+    # Registers itself (a weak reference) as the config transformers' from_pretrained obeys.
+    zero3 = HfDeepSpeedConfig(deepspeed_config(cfg))
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
+    finally:
+        unset_hf_deepspeed_config()  # later loads in this process (tests) are plain again
+        del zero3
 
 
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
@@ -155,7 +176,13 @@ class Trainer:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.loss_fn = load_loss(cfg.trainer.loss)
         self.run_dir = Path(cfg.run_dir)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        model = load_model(cfg)
+        log.info(
+            "rank %d holds %d of the model's %d parameter elements after loading",
+            rank,
+            sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters()),  # ZeRO-3: its partition
+            sum(math.prod(shape) for _, shape, _ in parameter_specs(model)),
+        )
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         opt_cfg = cfg.trainer.optimizer

@@ -6,6 +6,7 @@ SIGTERM, as the launcher does)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -91,6 +92,14 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     wait_all(procs, Path(three.run_dir), timeout=120)
     final = final_weights(three.run_dir, 2)
     assert update_error(final, results["zero3"], initial) < REL_TOL
+    # Built partitioned (zero.Init): each rank held its share from the start; ZeRO-3 pads
+    # every parameter to a multiple of the world size, so at most one element more per parameter.
+    for rank in range(2):
+        log = (Path(three.run_dir) / f"trainer{rank}.log").read_text()
+        found = re.search(r"holds (\d+) of the model's (\d+) parameter elements", log)
+        assert found, log[-3000:]
+        held, total = int(found[1]), int(found[2])
+        assert held <= total // 2 + len(initial), f"rank {rank} held {held} of {total} elements after loading"
     hf_dir = latest_checkpoint(Path(three.run_dir))[0]
     shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     assert len(shards) >= 2 and (hf_dir / "model.safetensors.index.json").exists(), shards

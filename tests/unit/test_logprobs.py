@@ -1,10 +1,13 @@
 """packed_logprobs: packed sequences give the same logprobs/entropies as each run alone."""
 
+import importlib.util
+
 import helpers
 import pytest
 import torch
 
-from pipeline_rl.trainer.logprobs import packed_logprobs, sequence_starts
+from pipeline_rl.config import ConfigError, load_config
+from pipeline_rl.trainer.logprobs import attention_kernel, packed_logprobs, sequence_starts
 
 
 def random_qwen2(attn: str) -> torch.nn.Module:
@@ -180,3 +183,21 @@ def test_chunked_rows_give_the_same_values_and_gradients(shared):
         torch.testing.assert_close(ent, results[0][1], atol=1e-6, rtol=1e-6)
         for a, b in zip(grads, results[0][2]):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_kernel_follows_the_config(monkeypatch):
+    cfg = load_config("tiny", ["preprocess.share_prompts=false"])
+    assert attention_kernel(cfg, cuda=False) == "sdpa"
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else found(name))
+    assert attention_kernel(cfg, cuda=True) == "flash_attention_2"
+    assert attention_kernel(cfg, cuda=False) == "sdpa"  # flash-attn is CUDA only
+    shared = load_config("tiny", ["preprocess.share_prompts=true"])
+    assert attention_kernel(shared, cuda=True) == "sdpa"  # shared prompts need an explicit mask
+    assert attention_kernel(load_config("tiny", ["trainer.attention=eager"]), cuda=True) == "eager"
+    with pytest.raises(
+        ConfigError, match=r"'trainer\.attention' flash_attention_2 cannot run 'preprocess\.share_prompts'"
+    ):
+        load_config("tiny", ["trainer.attention=flash_attention_2", "preprocess.share_prompts=true"])
+    with pytest.raises(ConfigError, match=r"trainer\.attention"):
+        load_config("tiny", ["trainer.attention=flash"])

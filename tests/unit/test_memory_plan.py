@@ -31,8 +31,8 @@ def test_parameter_count_matches_a_real_model(tmp_path, tied):
     model = random_qwen2()
     model.config.tie_word_embeddings = tied
     model.config.save_pretrained(tmp_path)
-    if tied:  # by hand: see helpers.hf_model
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if tied:
+        model.tie_weights()
     real = sum(p.numel() for p in model.parameters())  # shared tensors counted once
     assert ModelShape.read(tmp_path).params == real
 
