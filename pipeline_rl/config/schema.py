@@ -319,6 +319,10 @@ class OptimizerConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables; DeepSpeed's own default would be 1.0)."""
+    offload: bool = False
+    """Keep the optimizer state (fp32 master weights, both Adam moments: 12 bytes a parameter)
+    in host memory and step it on the CPU (DeepSpeed ZeRO-Offload with DeepSpeedCPUAdam, an op
+    DeepSpeed compiles on first use). Needs trainer.zero_stage >= 1."""
 
 
 @dataclass
@@ -447,6 +451,8 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.trainer.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
+    if cfg.trainer.optimizer.offload and cfg.trainer.zero_stage == 0:
+        raise ConfigError("'trainer.optimizer.offload' needs 'trainer.zero_stage' >= 1 (ZeRO-Offload)")
     if cfg.trainer.attention == Attention.flash_attention_2 and cfg.preprocess.share_prompts:
         raise ConfigError(
             "'trainer.attention' flash_attention_2 cannot run 'preprocess.share_prompts' rows (they need an "

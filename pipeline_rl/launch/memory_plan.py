@@ -8,7 +8,7 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
   buffer lies outside it (a whole model, or one message when staged on host).
 - trainer GPU (DeepSpeed, r ranks): 16 bytes per parameter (bf16 weights and gradients, fp32
   master weights and two Adam moments), divided by r under ZeRO-3 (only the 12 optimizer bytes
-  are divided under ZeRO-2); checkpointed activations (one hidden vector per layer per token);
+  are divided under ZeRO-2; with trainer.optimizer.offload they are in host memory); checkpointed activations (one hidden vector per layer per token);
   one layer's activations being recomputed; the fp32 logits chunk, its log-softmax and gradient.
 """
 
@@ -109,7 +109,8 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
 
     ranks = cfg.world.trainers
     t = cfg.trainer
-    state = shape.params * (2 + 2 + 12) / ranks if t.zero_stage == 3 else shape.params * (4 + 12 / ranks)
+    optimizer = 0 if t.optimizer.offload else 12 / ranks  # offloaded: in host memory
+    state = shape.params * (4 / ranks + optimizer if t.zero_stage == 3 else 4 + optimizer)
     tokens_step = cfg.preprocess.seq_length
     checkpoints = tokens_step * shape.hidden * shape.layers * size if t.gradient_checkpointing else 0
     per_layer = tokens_step * (6 * shape.hidden + 3 * shape.intermediate) * size
@@ -122,4 +123,6 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
         f"{logits / GIB:.1f} GiB = {total / GIB:.1f} GiB of {cfg.world.gpu_memory_gib:g} GiB: "
         f"{'fits' if total <= gpu else 'DOES NOT FIT'}"
     )
+    if t.optimizer.offload:
+        lines.append(f"memory: trainer host optimizer state {shape.params * 12 / ranks / GIB:.1f} GiB per rank")
     return lines

@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:
+    zero: dict[str, Any] = {"stage": cfg.trainer.zero_stage}
+    if cfg.trainer.optimizer.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -60,7 +63,7 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         "managed_gradient_accumulation": False,
         # Always explicit: DeepSpeed clips at 1.0 when the key is absent; 0 disables.
         "gradient_clipping": cfg.trainer.optimizer.grad_clip,
-        "zero_optimization": {"stage": cfg.trainer.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
         "steps_per_print": 2**31 - 1,
     }
@@ -83,6 +86,18 @@ def load_model(cfg: RunConfig) -> PreTrainedModel:
     finally:
         unset_hf_deepspeed_config()  # later loads in this process (tests) are plain again
         del zero3
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; with trainer.optimizer.offload DeepSpeed's CPU AdamW, which steps the offloaded
+    fp32 state on the host (DeepSpeed refuses a torch optimizer there: too slow)."""
+    o = cfg.trainer.optimizer
+    kwargs: dict[str, Any] = dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay)
+    if o.offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
@@ -186,13 +201,7 @@ class Trainer:
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         opt_cfg = cfg.trainer.optimizer
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=opt_cfg.lr,
-            betas=(opt_cfg.betas[0], opt_cfg.betas[1]),
-            eps=opt_cfg.eps,
-            weight_decay=opt_cfg.weight_decay,
-        )
+        optimizer = make_optimizer(model.parameters(), cfg)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -201,6 +210,8 @@ class Trainer:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_factor(opt_cfg.warmup_steps)),  # pyright: ignore[reportArgumentType]
         )
         self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
+        offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""
+        log.info("optimizer %s%s", type(optimizer).__name__, offload)
         self.device = self.engine.device
         self.streams = open_streams(cfg)
         self.metrics = MetricsLogger(cfg, f"trainer{rank}", self.streams) if rank == 0 else None

@@ -151,6 +151,24 @@ def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     assert second["mismatch/lag0_abs_logprob_diff"] > 1e-2 and second["mismatch/lag0_kl"] > 1e-3
 
 
+def test_optimizer_offload_gives_the_same_update(tiny_model, tmp_path):
+    """ZeRO-Offload (fp32 state on the host, DeepSpeed's CPU AdamW) trains to the same weights
+    as torch's AdamW on the device, within the fp32 reduction-order bound REL_TOL."""
+    steps = make_steps(tiny_model, steps=2, groups=4, seed=2)
+    initial = load_file(tiny_model / "model.safetensors")
+    results = {}
+    for name, offload in [("device", "false"), ("offload", "true")]:
+        cfg = trainer_config(
+            tmp_path / name, tiny_model, "trainer.max_steps=2", f"trainer.optimizer.offload={offload}", *LINEAR_ADAM
+        )
+        write_steps(cfg, steps, ranks=1)
+        train(cfg, timeout=400)  # DeepSpeed compiles its CPU Adam op on first use (~1-2 min)
+        results[name] = final_weights(cfg.run_dir, 2)
+    log = (tmp_path / "offload" / "trainer0.log").read_text()
+    assert "optimizer DeepSpeedCPUAdam with its state in host memory (ZeRO-Offload)" in log, log[-3000:]
+    assert update_error(results["offload"], results["device"], initial) < REL_TOL
+
+
 def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
     """One step of two micro-batches with updates_per_step=2 makes the same two optimizer
     updates (each normalised over its own micro-batch) as two steps of one micro-batch each;

@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import ROOT, random_qwen2
 
-from pipeline_rl.config import load_config
+from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.launch.memory_plan import ModelShape, plan_lines
 
 # Qwen2.5-32B's published shape (config.json values).
@@ -89,3 +89,20 @@ def test_dry_run_prints_the_plan_and_refuses_one_that_does_not_fit(tmp_path):
     assert sum(line.startswith("memory: ") for line in ok.stdout.splitlines()) == 4
     bad = dry_run("world.gpu_memory_gib=40")
     assert bad.returncode == 2 and "memory plan does not fit" in bad.stderr
+
+
+def test_optimizer_offload_moves_the_12_optimizer_bytes_to_the_host(tmp_path):
+    """math_32b: 16 ZeRO-3 ranks, 32.76 B parameters; the fp32 master weights and two moments are
+    12 bytes a parameter, 12 x 32.76e9 / 16 / 2**30 = 22.9 GiB a rank."""
+
+    def trainer_state(lines: list[str]) -> float:
+        line = next(line for line in lines if "trainer GPU" in line)
+        return float(line.split("model and optimizer state ")[1].split(" GiB")[0])
+
+    on_gpu, offloaded = plan(tmp_path), plan(tmp_path, "trainer.optimizer.offload=true")
+    params = float(on_gpu[0].split("memory: model ")[1].split(" B")[0]) * 1e9
+    expected = params * 12 / 16 / 2**30
+    assert trainer_state(on_gpu) - trainer_state(offloaded) == pytest.approx(expected, abs=0.1)
+    assert offloaded[-1] == f"memory: trainer host optimizer state {expected:.1f} GiB per rank"
+    with pytest.raises(ConfigError, match=r"'trainer\.optimizer\.offload' needs 'trainer\.zero_stage' >= 1"):
+        load_config("tiny", ["trainer.optimizer.offload=true", "trainer.zero_stage=0"])
