@@ -22,8 +22,9 @@ starting weights (for tests and generation-only runs).
 
 Failures: a reward check that fails is counted and shown with its last error text (the
 rollout gets the failure reward); a rollout that raises is logged, counted and skipped. The
-actor exits non-zero when MAX_CONSECUTIVE_FAILURES rollouts in a row fail (a dead engine, a
-broken domain). SIGTERM/SIGINT stop it cleanly (exit 0).
+actor exits non-zero when its engine has failed (at once, whether or not a rollout is in
+flight) and when MAX_CONSECUTIVE_FAILURES rollouts in a row fail (a broken domain).
+SIGTERM/SIGINT stop it cleanly (exit 0).
 
 Lost groups: a group that no step will take (its rollout raised here; or a preprocessor's
 scorer failed on it, or its record could not be decoded, reported on the "lost" stream)
@@ -176,6 +177,10 @@ class Actor:
         blocked_since: float | None = None
         try:
             while not stop():
+                if self.llm.failure is not None:
+                    # Fatal even when no rollout is in flight to fail (admission may be waiting
+                    # for a version that this engine can no longer receive).
+                    raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
                 while len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()

@@ -216,6 +216,11 @@ class LLMClient:
         return WeightReceiver(addr, rank=rank, world_size=world, backend=backend, stage_on_host=stage_on_host)
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (a failed step, a dead worker), or None."""
+        return None if self._error is None else repr(self._error)
+
+    @property
     def version(self) -> int:
         return self.hook.version
 

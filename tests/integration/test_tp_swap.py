@@ -28,4 +28,5 @@ def test_tensor_parallel_engine_checks_in_a_fresh_process(tiny_model):
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    assert "5 passed" in out.stdout, out.stdout[-3000:]
+    checks_in_file = checks.read_text().count("\ndef test_")
+    assert f"{checks_in_file} passed" in out.stdout, out.stdout[-3000:]

@@ -112,8 +112,28 @@ def test_a_dead_worker_fails_the_engine_instead_of_serving(tiny_model, tmp_path)
         # vLLM's worker monitor gives the workers 5 s to exit, then 4 s after SIGTERM, then calls
         # the client; a step in flight would otherwise wait 300 s for the dead worker's reply.
         assert time.monotonic() - started < 30
+        # Either the cancelled step or vLLM's failure callback said it first.
+        assert llm.failure is not None
         with pytest.raises(RuntimeError, match="worker process of this engine died"):
             llm.hook.stage([("model.norm.weight", torch.ones(1))])
+    finally:
+        llm.close()
+
+
+def test_a_worker_that_dies_while_the_engine_idles_is_reported(tiny_model, tmp_path):
+    """No request in flight (an actor waiting for a new version): the client still learns of
+    the death (the actor checks `failure` on every turn of its loop), within vLLM's 9 s of
+    worker shutdown plus slack."""
+    llm = start_engine(tmp_path, tiny_model)
+    try:
+        pids = on_worker(llm, lambda w: os.getpid())
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while llm.failure is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert llm.failure is not None and "worker process died" in llm.failure
+        with pytest.raises(RuntimeError, match="engine failed"):
+            asyncio.run(llm.generate(llm.tokenizer.encode("1 + 1 ="), 1, 4, 0.0))
     finally:
         llm.close()
 
