@@ -161,7 +161,7 @@ def save(
     keep: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank calls it, and iterates `weights` (trainer.gathered_chunks: the
+    """Collective: every rank calls it, and iterates `weights` (full_weights.gathered_chunks: the
     model's parameters chunk by chunk, full size on rank 0, empty elsewhere)."""
     root = checkpoints_root(run_dir)
     name = f"step_{version:06d}"

@@ -18,172 +18,37 @@ write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes fro
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, PreTrainedModel
-from transformers.integrations import HfDeepSpeedConfig
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.preprocess.packing import PAD_GROUP_ID
 from pipeline_rl.streams import open_streams
-from pipeline_rl.streams.api import Reader, Writer
+from pipeline_rl.streams.api import Writer
 from pipeline_rl.streams.records import MicroBatch, WeightUpdate
 from pipeline_rl.trainer import checkpoint
+from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
-from pipeline_rl.trainer.logprobs import attention_kernel, packed_logprobs
+from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
-from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, plan_buckets
+from pipeline_rl.trainer.model import deepspeed_config, load_model, make_optimizer, warmup_factor
+from pipeline_rl.trainer.steps import StepCollector, update_slices
+from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
-
-
-def deepspeed_config(cfg: RunConfig) -> dict:
-    zero: dict[str, Any] = {"stage": cfg.trainer.zero_stage}
-    if cfg.trainer.optimizer.offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        # A step's micro-batch count varies: backward() only accumulates, step() is the boundary.
-        "managed_gradient_accumulation": False,
-        # Always explicit: DeepSpeed clips at 1.0 when the key is absent; 0 disables.
-        "gradient_clipping": cfg.trainer.optimizer.grad_clip,
-        "zero_optimization": zero,
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
-        "steps_per_print": 2**31 - 1,
-    }
-
-
-def load_model(cfg: RunConfig) -> PreTrainedModel:
-    """The policy at model.path, in fp32 (DeepSpeed casts it to bf16 when model.dtype asks and
-    keeps fp32 master weights in the optimizer). Under ZeRO-3 it is built already partitioned
-    (deepspeed.zero.Init, through transformers' DeepSpeed integration): no rank ever holds the
-    full model; rank 0 reads the checkpoint one module at a time and scatters it."""
-    kwargs: dict[str, Any] = dict(
-        dtype=torch.float32, attn_implementation=attention_kernel(cfg, torch.cuda.is_available())
-    )
-    if cfg.trainer.zero_stage != 3:
-        return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
-    # Registers itself (a weak reference) as the config transformers' from_pretrained obeys.
-    zero3 = HfDeepSpeedConfig(deepspeed_config(cfg))
-    try:
-        return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
-    finally:
-        unset_hf_deepspeed_config()  # later loads in this process (tests) are plain again
-        del zero3
-
-
-def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
-    """AdamW; with trainer.optimizer.offload DeepSpeed's CPU AdamW, which steps the offloaded
-    fp32 state on the host (DeepSpeed refuses a torch optimizer there: too slow)."""
-    o = cfg.trainer.optimizer
-    kwargs: dict[str, Any] = dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay)
-    if o.offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
-def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
-    """LR multiplier of optimizer step s (0-based): linear up to 1 over `warmup_steps` steps."""
-    return lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-
-
-def parameter_specs(module: torch.nn.Module) -> list[tuple[str, list[int], torch.dtype]]:
-    """Hugging Face name, full shape and dtype of every parameter, without gathering anything
-    (ZeRO-3 keeps a partitioned parameter's full shape in ds_shape)."""
-    return [(name, list(getattr(p, "ds_shape", p.shape)), p.dtype) for name, p in module.named_parameters()]
-
-
-def gathered_chunks(module: torch.nn.Module, rank: int, bucket_mb: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The parameters at full size with their Hugging Face names, in the weight broadcast's
-    buckets (weight_sync.plan_buckets), so that no GPU holds more than its own share plus one
-    bucket. On rank 0 a chunk's tensors are valid until the next chunk is asked for (under
-    ZeRO-3 they are gathered storage, released then); other ranks get empty chunks and, under
-    ZeRO-3, must iterate to the end too (each gather is collective)."""
-    specs = parameter_specs(module)
-    params = [p for _, p in module.named_parameters()]
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in specs]
-    first = 0
-    for count in plan_buckets(sizes, bucket_mb):
-        names, chunk = [n for n, _, _ in specs[first : first + count]], params[first : first + count]
-        first += count
-        with deepspeed.zero.GatheredParameters(chunk, modifier_rank=None) if zero3 else contextlib.nullcontext():
-            yield [(n, p.detach()) for n, p in zip(names, chunk)] if rank == 0 else []
-
-
-def update_slices(micro_batches: int, updates: int) -> list[slice]:
-    """Consecutive, near-equal slices of a step's micro-batches, one per optimizer update
-    (fewer when there are fewer micro-batches than updates)."""
-    n = min(updates, micro_batches)
-    return [slice(i * micro_batches // n, (i + 1) * micro_batches // n) for i in range(n)]
-
-
-class StepCollector:
-    """Assembles the micro-batches of one step from this rank's partition, reading only as
-    many entries as the step still needs so that the stream position falls on step boundaries."""
-
-    def __init__(self, reader: Reader, rank: int):
-        self.reader = reader
-        self.rank = rank
-        self.skipped = 0
-        """Micro-batches of steps already trained (a preprocessor rewrote them after a restart)."""
-        self.restarted = 0
-        """Partial steps dropped because the step began again."""
-
-    def next_step(
-        self, version: int, stop: Callable[[], bool], waiting: Callable[[str], None] = lambda _: None
-    ) -> list[MicroBatch] | None:
-        """The micro-batches of the next untrained step, or None once `stop()` is true.
-        `waiting` is told, while it waits, what it waits for."""
-        batch: list[MicroBatch] = []
-        while not stop():
-            need = batch[0].count - len(batch) if batch else 1
-            have = f"{len(batch)} of {batch[0].count}" if batch else "none yet"
-            waiting(f"micro-batches of step {version} on trainer stream partition {self.rank} ({have})")
-            for entry in self.reader.read(timeout=0.2, max_count=need):
-                mb: MicroBatch = entry.record
-                if mb.step < version:
-                    self.skipped += 1
-                    continue
-                if batch and (mb.step != batch[0].step or mb.index == 0):
-                    log.warning(
-                        "dropping partial step %d (%d of %d micro-batches): step %d index %d follows at offset %s",
-                        batch[0].step,
-                        len(batch),
-                        batch[0].count,
-                        mb.step,
-                        mb.index,
-                        entry.offset,
-                    )
-                    self.restarted += 1
-                    batch = []
-                if mb.index != len(batch) or mb.count < 1 or (batch and mb.count != batch[0].count):
-                    raise ValueError(
-                        f"trainer stream partition {self.rank} offset {entry.offset}: micro-batch "
-                        f"{mb.index} of {mb.count} of step {mb.step}, expected index {len(batch)}"
-                    )
-                batch.append(mb)
-                if len(batch) == mb.count:
-                    return batch
-        return None
 
 
 class Trainer:

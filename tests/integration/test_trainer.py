@@ -205,7 +205,7 @@ def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
 def test_step_collector_skips_trained_steps_and_restarts_rewritten_ones(tmp_path):
     """Without DeepSpeed: the collector over a real JSONL trainer stream."""
     from pipeline_rl.streams.records import MicroBatch
-    from pipeline_rl.trainer.trainer import StepCollector
+    from pipeline_rl.trainer.steps import StepCollector
 
     def mb(step, index, count, tag=0):
         return MicroBatch(

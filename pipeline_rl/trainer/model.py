@@ -1,0 +1,68 @@
+"""The policy the trainer optimises: the model as loaded (partitioned from the start under
+ZeRO-3), its optimizer (on the device or offloaded) and the DeepSpeed config that wraps both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.trainer.logprobs import attention_kernel
+
+
+def deepspeed_config(cfg: RunConfig) -> dict:
+    zero: dict[str, Any] = {"stage": cfg.trainer.zero_stage}
+    if cfg.trainer.optimizer.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # A step's micro-batch count varies: backward() only accumulates, step() is the boundary.
+        "managed_gradient_accumulation": False,
+        # Always explicit: DeepSpeed clips at 1.0 when the key is absent; 0 disables.
+        "gradient_clipping": cfg.trainer.optimizer.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def load_model(cfg: RunConfig) -> PreTrainedModel:
+    """The policy at model.path, in fp32 (DeepSpeed casts it to bf16 when model.dtype asks and
+    keeps fp32 master weights in the optimizer). Under ZeRO-3 it is built already partitioned
+    (deepspeed.zero.Init, through transformers' DeepSpeed integration): no rank ever holds the
+    full model; rank 0 reads the checkpoint one module at a time and scatters it."""
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, attn_implementation=attention_kernel(cfg, torch.cuda.is_available())
+    )
+    if cfg.trainer.zero_stage != 3:
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
+    # Registers itself as the config from_pretrained obeys; transformers keeps only a weak
+    # reference, so the local keeps it alive.
+    _zero3 = HfDeepSpeedConfig(deepspeed_config(cfg))
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
+    finally:
+        unset_hf_deepspeed_config()  # later loads in this process (tests) are plain again
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; with trainer.optimizer.offload DeepSpeed's CPU AdamW, which steps the offloaded
+    fp32 state on the host (DeepSpeed refuses a torch optimizer there: too slow)."""
+    o = cfg.trainer.optimizer
+    kwargs: dict[str, Any] = dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay)
+    if o.offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
+    """LR multiplier of optimizer step s (0-based): linear up to 1 over `warmup_steps` steps."""
+    return lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
