@@ -179,8 +179,8 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def report(results: list[dict], out: Path) -> None:
-    print("\n=== bench_learning: held-out mean reward (T=1) on the tiny arithmetic task ===")
+def report(results: list[dict], out: Path, conf: str) -> None:
+    print(f"\n=== bench_learning: held-out mean reward (T=1), conf={conf} ===")
     for r in results:
         reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s', 'not reached')}" for t in THRESHOLDS)
         print(
@@ -248,7 +248,7 @@ def main() -> None:
             print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
         else:
             results.append(run_trl(args.budget_s, args.out, args.overrides))
-    report(results, args.out)
+    report(results, args.out, args.conf)
 
 
 if __name__ == "__main__":
