@@ -334,8 +334,17 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
         for payload in ('{"problem_id": "p1", "rollouts": [', '{"no_such_field": 1}'):
             xadd = ["redis-cli", "-p", str(port), "XADD", "pipeline_rl:tiny:actor:0", "*", "data", payload]
             bad_ids.add("actor:0:" + subprocess.run(xadd, capture_output=True, text=True, check=True).stdout.strip())
-        while not (run_dir / "checkpoints" / "latest").exists() or len(trainer_steps(run_dir)) < 3:
-            assert first.poll() is None and time.time() < deadline, "no checkpoint and three steps in time"
+        # The preprocessor reads on only as steps need groups: wait until it has reported both
+        # records lost, or a kill (or the resumed run's end) can come before it reaches the second.
+        lost_key = "pipeline_rl:tiny:lost:0"
+
+        def reported() -> bool:
+            xrange = ["redis-cli", "-p", str(port), "XRANGE", lost_key, "-", "+"]
+            lost_log = subprocess.run(xrange, capture_output=True, text=True, check=True).stdout
+            return all(i in lost_log for i in bad_ids)
+
+        while not (run_dir / "checkpoints" / "latest").exists() or len(trainer_steps(run_dir)) < 3 or not reported():
+            assert first.poll() is None and time.time() < deadline, "no checkpoint, three steps and both lost in time"
             time.sleep(1)
         launcher = psutil.Process(first.pid)
         everything = [launcher, *launcher.children(recursive=True)]
