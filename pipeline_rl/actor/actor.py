@@ -49,7 +49,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline_rl.actor.admission import Admission, effective_max_lag
+from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.actor.domains import load_domain
 from pipeline_rl.config import RunConfig
@@ -143,8 +143,7 @@ class Actor:
 
         self.position = PositionStore(run_dir / "positions" / f"{self.name}.json")
         saved = self.position.load() or {}
-        max_lag = effective_max_lag(cfg.trainer.max_lag, cfg.trainer.weight_update_interval, cfg.actor.mode == "sync")
-        self.admission = Admission(cfg.trainer.groups_per_step, cfg.world.actors, max_lag)
+        self.admission = Admission(cfg.trainer.groups_per_step, cfg.world.actors, admission_lag(cfg))
         # Groups the preprocessors reported lost give their admission slots back (see admission.py).
         self.lost_reader = self.streams.reader(
             Topic.LOST, GroupsLost, partitions=(index,), position=saved.get("lost_position")

@@ -9,7 +9,9 @@ starts group g only while
 
     floor(g / share) - v <= max_lag
 
-and otherwise waits for newer weights. That bounds what an actor has generated ahead of the
+and otherwise waits for newer weights. (The bound is `actor.admission_lag` when set; a value
+above max_lag trades staler samples, which the trainer's gate then drops or masks, for actors
+that keep generating while the trainer is slow.) That bounds what an actor has generated ahead of the
 trainer by (max_lag + 1) * share groups, the trainer's lag gate rarely has to drop anything,
 and a stalled trainer stalls its actors instead of letting them fill the streams.
 
@@ -29,10 +31,21 @@ file), and at least from checkpoint version x share, the first group the resumed
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline_rl.config import RunConfig
+
 
 def effective_max_lag(max_lag: int, weight_update_interval: int, sync: bool) -> int:
     """The bound an actor admits by: 0 in sync mode, never below interval - 1."""
     return max(0 if sync else max_lag, weight_update_interval - 1)
+
+
+def admission_lag(cfg: RunConfig) -> int:
+    """The bound an actor of run `cfg` admits by: actor.admission_lag, by default trainer.max_lag."""
+    lag = cfg.trainer.max_lag if cfg.actor.admission_lag is None else cfg.actor.admission_lag
+    return effective_max_lag(lag, cfg.trainer.weight_update_interval, cfg.actor.mode == "sync")
 
 
 class Admission:

@@ -229,6 +229,11 @@ class ActorConfig:
     """Longest completion."""
     max_groups_in_flight: int = 64
     """Most groups one actor generates at once (continuous batching fills the engine)."""
+    admission_lag: int | None = None
+    """How many versions behind the trainer a group may land and still be started
+    (pipeline_rl/actor/admission.py); null: trainer.max_lag, so the lag gate rarely has anything
+    to drop. A larger value keeps actors generating when training is slow, and what then lands
+    beyond max_lag is dropped or masked by `trainer.lag_gate`. Ignored in sync mode."""
     reward_timeout_s: float = 5.0
     """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
     reward_workers: int = 2
@@ -332,7 +337,8 @@ class TrainerConfig:
     max_lag: int = 4
     """A sample whose oldest token comes from a policy more than this many versions behind the
     trainer is not trained on (counted), or only its stale tokens are not (`lag_gate: token`).
-    Actors also stop admitting groups beyond this budget."""
+    Actors also stop admitting groups beyond this budget (unless `actor.admission_lag` says
+    otherwise)."""
     lag_gate: LagGateMode = LagGateMode.sample
     """sample: drop a stale sample whole; token: mask only its tokens older than max_lag."""
     updates_per_step: int = 1
@@ -443,6 +449,8 @@ def validate(cfg: RunConfig) -> None:
     for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every", "model.logprob_chunk_tokens"]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
+    if cfg.actor.admission_lag is not None and cfg.actor.admission_lag < 0:
+        raise ConfigError(f"bad value for 'actor.admission_lag': {cfg.actor.admission_lag}, must be >= 0 or null")
     high = cfg.trainer.loss.ppo_clip_high
     if high is not None and high < cfg.trainer.loss.ppo_clip:
         raise ConfigError(

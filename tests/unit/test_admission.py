@@ -11,7 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from pipeline_rl.actor.admission import Admission, effective_max_lag
+from pipeline_rl.actor.admission import Admission, admission_lag, effective_max_lag
+from pipeline_rl.config import load_config
 
 
 def admit_all(adm: Admission, version: int) -> list[int]:
@@ -133,3 +134,15 @@ def test_bad_settings_are_rejected():
         if args != (16, 1, 2):
             with pytest.raises(ValueError):
                 Admission(*args)
+
+
+def test_admission_lag_defaults_to_max_lag_and_can_exceed_it():
+    assert admission_lag(load_config("tiny", ["trainer.max_lag=2"])) == 2
+    cfg = load_config("tiny", ["trainer.max_lag=1", "actor.admission_lag=3"])
+    assert admission_lag(cfg) == 3
+    # Admitting 3 versions ahead while the gate allows 1: groups land up to 3 steps late, so the
+    # trainer's gate, not the actor, is what keeps stale tokens out of training.
+    lags = simulate(8, 1, admission_lag(cfg), 1, steps=20)
+    assert max(lags) == 3
+    cfg.actor.mode = "sync"
+    assert admission_lag(cfg) == 0

@@ -60,6 +60,7 @@ def test_extends_chain_and_overrides():
         (["trainer.loss.kl_coef=0.1"], "needs a scorer in 'preprocess.scorers' that produces ref_logprobs"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
+        (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),
         (["trainer.lag_gate=tokens"], "bad value for 'trainer.lag_gate': Invalid value 'tokens'"),
         (["trainer.loss.ratio=seq"], "bad value for 'trainer.loss.ratio': Invalid value 'seq'"),
         (["noequals"], "not of the form key=value"),
