@@ -12,8 +12,9 @@ and prints for each the wall time until the held-out reward (T=1, 200 problems) 
 fractions and peak RSS per process; then the issue's goals against TRL and the pipelined/sync
 speed-up. The curves go to OUT/learning_curves.png. Overrides apply to the pipeline_rl runs;
 `model.path=.cache/tiny_learner` also moves TRL to that model (built if missing). With
---variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:trainer.lag_gate=sample
---variant token:trainer.lag_gate=token`), with dropped samples and masked tokens.
+--variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2
+--variant token:actor.admission_lag=2,trainer.lag_gate=token`: with the default admission almost
+nothing is stale), with dropped samples and masked tokens.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
     t0 = min(r["time"] for r in records)
     latest = last_values(records)
     curve = eval_curve(records, t0)
+    steps = [r["values"] for r in records if r["process"] == "trainer0"]
     return {
         "mode": name,
         "wall_s": wall_s,
@@ -147,9 +149,7 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
         "trainer_idle": trainer_idle(records),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
-        "masked_tokens": sum(r["values"].get("masked_tokens", 0) for r in records if r["process"] == "trainer0"),
-        "trained_tokens": sum(r["values"].get("trained_tokens", 0) for r in records if r["process"] == "trainer0"),
-        "samples": sum(r["values"].get("samples", 0) for r in records if r["process"] == "trainer0"),
+        **{k: sum(s.get(k, 0) for s in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
     }
 
 
