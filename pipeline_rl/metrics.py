@@ -50,11 +50,13 @@ class MetricsLogger:
 
     def log(self, values: dict[str, Any], step: int | None = None) -> None:
         """Record scalar (or small dict) values; `step` is the x-axis in TensorBoard. Every
-        record also carries the process's uptime and peak RSS."""
+        record also carries the process's uptime, CPU seconds (all its threads, not its child
+        processes) and peak RSS."""
         now = time.time()
         values = {
             **values,
             "uptime_s": now - self._start,
+            "cpu_s": time.process_time(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         record = Metrics(process=self.process, time=now, values=values, step=step)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -70,6 +71,38 @@ def trainer_idle(records: list[dict]) -> float | None:
     steps = [r["values"] for r in records if r["process"] == "trainer0" and "wait_s" in r["values"]]
     total = sum(v["wait_s"] + v["compute_s"] for v in steps)
     return sum(v["wait_s"] for v in steps) / total if total else None
+
+
+def step_split(records: list[dict]) -> tuple[float, float] | None:
+    """Mean seconds per version that trainer rank 0 spent waiting for data and training
+    (compute plus weight broadcast)."""
+    steps = [r["values"] for r in records if r["process"] == "trainer0" and "wait_s" in r["values"]]
+    if not steps:
+        return None
+    train = sum(v["compute_s"] + v.get("weight_broadcast_s", 0.0) for v in steps)
+    return sum(v["wait_s"] for v in steps) / len(steps), train / len(steps)
+
+
+def cpu_per_version(records: list[dict]) -> float | None:
+    """CPU seconds of all processes together per version, over the trainer's steps (start-up
+    excluded): each process's `cpu_s` from its last record before the first step to its last
+    record before the last step."""
+    steps = [
+        (r["time"], r["values"]["version"])
+        for r in records
+        if r["process"] == "trainer0" and "compute_s" in r["values"]
+    ]
+    if len(steps) < 2:
+        return None
+    (t0, v0), (t1, v1) = steps[0], steps[-1]
+    total = 0.0
+    for process in {r["process"] for r in records}:
+        cpu = [(r["time"], r["values"]["cpu_s"]) for r in records if r["process"] == process and "cpu_s" in r["values"]]
+        before = [c for t, c in cpu if t <= t0] or [0.0]
+        upto = [c for t, c in cpu if t <= t1]
+        if upto:
+            total += upto[-1] - before[-1]
+    return total / (v1 - v0)
 
 
 def versions_per_s(records: list[dict]) -> float | None:
@@ -147,6 +180,8 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
         "completions_per_s": completions_per_s(records),
         "actor_idle": actor_idle(latest),
         "trainer_idle": trainer_idle(records),
+        "step_split": step_split(records),
+        "cpu_per_version": cpu_per_version(records),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
         **{k: sum(s.get(k, 0) for s in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
@@ -203,7 +238,7 @@ def report(results: list[dict], out: Path, conf: str) -> None:
     plot(results, out / "learning_curves.png")
     print(f"curves: {out / 'learning_curves.png'}")
     by = {r["mode"]: r for r in results}
-    pipe, sync, trl = by.get("async"), by.get("sync"), by.get("trl")
+    pipe, trl = by.get("async"), by.get("trl")
     if pipe and trl and trl["final_eval"] is not None:
         target = trl["final_eval"]
         t = first_reach(pipe["curve"], target)
@@ -213,21 +248,61 @@ def report(results: list[dict], out: Path, conf: str) -> None:
         )
         if pipe["final_eval"] is not None:
             print(f"goal: pipelined last reward - TRL's = {pipe['final_eval'] - target:+.3f} (goal >= +0.1)")
-    if pipe and sync:
-        for t in THRESHOLDS:
-            a, s = pipe["reach"][t], sync["reach"][t]
-            if a and s:
-                print(f"speed-up to {t}: {s / a:.2f}x (sync {s:.0f} s / pipelined {a:.0f} s)")
-            elif a:
-                # Sync ran the whole budget without reaching t: the ratio is at least its span / pipelined.
-                print(
-                    f"speed-up to {t}: > {sync['eval_span_s'] / a:.2f}x (sync not reached in "
-                    f"{sync['eval_span_s']:.0f} s of evaluations / pipelined {a:.0f} s)"
-                )
-            else:
-                print(
-                    f"speed-up to {t}: n/a (pipelined {fmt(a, '.0f', ' s', 'not reached')}, sync {fmt(s, '.0f', ' s', 'not reached')})"
-                )
+    for name, pipe in by.items():
+        # Each pipelined run "async<suffix>" is compared with the sync run of the same suffix.
+        sync = by.get("sync" + name[len("async") :]) if name.startswith("async") else None
+        if sync:
+            pipelining_cap(pipe, sync)
+            speed_ups(pipe, sync)
+
+
+def speed_ups(pipe: dict, sync: dict) -> None:
+    pair = f"{sync['mode']} / {pipe['mode']}"
+    for t in THRESHOLDS:
+        a, s = pipe["reach"][t], sync["reach"][t]
+        if a and s:
+            print(f"speed-up to {t} ({pair}): {s / a:.2f}x ({s:.0f} s / {a:.0f} s)")
+        elif a:
+            # Sync ran the whole budget without reaching t: the ratio is at least its span / pipelined.
+            print(
+                f"speed-up to {t} ({pair}): > {sync['eval_span_s'] / a:.2f}x (sync not reached in "
+                f"{sync['eval_span_s']:.0f} s of evaluations / pipelined {a:.0f} s)"
+            )
+        else:
+            print(
+                f"speed-up to {t} ({pair}): n/a (pipelined {fmt(a, '.0f', ' s', 'not reached')}, sync {fmt(s, '.0f', ' s', 'not reached')})"
+            )
+
+
+def pipelining_cap(pipe: dict, sync: dict) -> None:
+    """Two bounds on the pipelined speed-up at the same per-step work, from the sync run. A sync
+    version costs generation (the trainer's wait) plus training, one after the other: perfect
+    overlap costs only the longer of the two, (wait + train) / max(wait, train). And all
+    processes together need C CPU seconds per version: on N cores a version takes at least C / N
+    seconds, however well it overlaps."""
+    if not (pipe["step_split"] and sync["step_split"]):
+        return
+    wait, train = sync["step_split"]
+    a_wait, a_train = pipe["step_split"]
+    overlap_cap = (wait + train) / max(wait, train)
+    print(
+        f"pipelining cap ({sync['mode']} / {pipe['mode']}): sync spends {wait:.3f} s per version waiting for "
+        f"generation and {train:.3f} s training; perfect overlap gives {overlap_cap:.2f}x. Pipelined: {a_wait:.3f} s "
+        f"waiting, {a_train:.3f} s training per version; measured versions/s ratio "
+        f"{fmt(ratio(pipe['versions_per_s'], sync['versions_per_s']), '.2f')}x"
+    )
+    cpu, a_cpu = sync["cpu_per_version"], pipe["cpu_per_version"]
+    if cpu and a_cpu:
+        cores = len(os.sched_getaffinity(0))
+        print(
+            f"        CPU: sync uses {cpu:.3f} CPU s per version, pipelined {a_cpu:.3f}; on {cores} cores a sync "
+            f"version takes at least {cpu / cores:.3f} s, so pipelining gains at most "
+            f"{min(overlap_cap, (wait + train) / (cpu / cores)):.2f}x"
+        )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def main() -> None:
