@@ -10,7 +10,9 @@ scripts/bench_trl.py (when the `bench` extra is installed: `bash scripts/setup_c
 and prints for each the wall time until the held-out reward (T=1, 200 problems) first reaches
 0.7 and 0.9, the last held-out reward, completions/s, versions/s (optimizer steps), idle
 fractions and peak RSS per process; then the issue's goals against TRL and the pipelined/sync
-speed-up. The curves go to OUT/learning_curves.png. Overrides apply to the pipeline_rl runs;
+speed-up, with its bounds from the sync run (overlap, and CPU seconds per version over the
+cores). Variants named async<suffix> and sync<suffix> are compared the same way. The curves go
+to OUT/learning_curves.png. Overrides apply to the pipeline_rl runs;
 `model.path=.cache/tiny_learner` also moves TRL to that model (built if missing). With
 --variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2
 --variant token:actor.admission_lag=2,trainer.lag_gate=token`: with the default admission almost
