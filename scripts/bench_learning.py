@@ -88,7 +88,8 @@ def step_split(records: list[dict]) -> tuple[float, float] | None:
 def cpu_per_version(records: list[dict]) -> float | None:
     """CPU seconds of all processes together per version, over the trainer's steps (start-up
     excluded): each process's `cpu_s` from its last record before the first step to its last
-    record before the last step."""
+    record before the last step. vLLM's TP worker processes (tensor_parallel_size > 1 on CPU)
+    have no records, so their CPU is left out and the bound is then too optimistic."""
     steps = [
         (r["time"], r["values"]["version"])
         for r in records
