@@ -68,52 +68,59 @@ def actor_idle(latest: dict[str, dict]) -> float | None:
     return sum(fractions) / len(fractions) if fractions else None
 
 
-def trainer_idle(records: list[dict]) -> float | None:
+def step_records(records: list[dict]) -> list[dict]:
+    """The trainer's step records (trainer rank 0's, or TRL's), in time order."""
+    return [r for r in records if r["process"] in TRAINERS and "compute_s" in r["values"]]
+
+
+def waits(steps: list[dict]) -> list[dict]:
+    """Values of the step records that say how long the step waited for data (not TRL's)."""
+    return [r["values"] for r in steps if "wait_s" in r["values"]]
+
+
+def trainer_idle(steps: list[dict]) -> float | None:
     """Share of trainer rank 0's step time spent waiting for data."""
-    steps = [r["values"] for r in records if r["process"] == "trainer0" and "wait_s" in r["values"]]
-    total = sum(v["wait_s"] + v["compute_s"] for v in steps)
-    return sum(v["wait_s"] for v in steps) / total if total else None
+    values = waits(steps)
+    total = sum(v["wait_s"] + v["compute_s"] for v in values)
+    return sum(v["wait_s"] for v in values) / total if total else None
 
 
-def step_split(records: list[dict]) -> tuple[float, float] | None:
+def step_split(steps: list[dict]) -> tuple[float, float] | None:
     """Mean seconds per version that trainer rank 0 spent waiting for data and training
     (compute plus weight broadcast)."""
-    steps = [r["values"] for r in records if r["process"] == "trainer0" and "wait_s" in r["values"]]
-    if not steps:
+    values = waits(steps)
+    if not values:
         return None
-    train = sum(v["compute_s"] + v.get("weight_broadcast_s", 0.0) for v in steps)
-    return sum(v["wait_s"] for v in steps) / len(steps), train / len(steps)
+    train = sum(v["compute_s"] + v.get("weight_broadcast_s", 0.0) for v in values)
+    return sum(v["wait_s"] for v in values) / len(values), train / len(values)
 
 
-def cpu_per_version(records: list[dict]) -> float | None:
+def cpu_per_version(records: list[dict], steps: list[dict]) -> float | None:
     """CPU seconds of all processes together per version, over the trainer's steps (start-up
     excluded): each process's `cpu_s` from its last record before the first step to its last
     record before the last step. vLLM's TP worker processes (tensor_parallel_size > 1 on CPU)
     have no records, so their CPU is left out and the bound is then too optimistic."""
-    steps = [
-        (r["time"], r["values"]["version"])
-        for r in records
-        if r["process"] == "trainer0" and "compute_s" in r["values"]
-    ]
     if len(steps) < 2:
         return None
-    (t0, v0), (t1, v1) = steps[0], steps[-1]
-    total = 0.0
-    for process in {r["process"] for r in records}:
-        cpu = [(r["time"], r["values"]["cpu_s"]) for r in records if r["process"] == process and "cpu_s" in r["values"]]
-        before = [c for t, c in cpu if t <= t0] or [0.0]
-        upto = [c for t, c in cpu if t <= t1]
-        if upto:
-            total += upto[-1] - before[-1]
-    return total / (v1 - v0)
+    t0, t1 = steps[0]["time"], steps[-1]["time"]
+    before: dict[str, float] = defaultdict(float)
+    upto: dict[str, float] = {}
+    for r in records:  # in time order: the last value seen is the latest
+        if "cpu_s" in r["values"] and r["time"] <= t1:
+            upto[r["process"]] = r["values"]["cpu_s"]
+            if r["time"] <= t0:
+                before[r["process"]] = r["values"]["cpu_s"]
+    return sum(c - before[p] for p, c in upto.items()) / (
+        steps[-1]["values"]["version"] - steps[0]["values"]["version"]
+    )
 
 
-def versions_per_s(records: list[dict]) -> float | None:
+def versions_per_s(steps: list[dict]) -> float | None:
     """Policy versions (optimizer steps) per second of the trainer's run."""
-    steps = [
-        (r["time"], r["values"]["version"]) for r in records if r["process"] in TRAINERS and "compute_s" in r["values"]
-    ]
-    return (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]) if len(steps) > 1 else None
+    if len(steps) < 2:
+        return None
+    first, last = steps[0], steps[-1]
+    return (last["values"]["version"] - first["values"]["version"]) / (last["time"] - first["time"])
 
 
 def completions_per_s(records: list[dict]) -> float | None:
@@ -169,7 +176,7 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
     t0 = min(r["time"] for r in records)
     latest = last_values(records)
     curve = eval_curve(records, t0)
-    steps = [r["values"] for r in records if r["process"] == "trainer0"]
+    steps = step_records(records)
     return {
         "mode": name,
         "wall_s": wall_s,
@@ -179,15 +186,15 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
         # One evaluation of 200 problems has a standard error of up to 0.035: rank runs by more than one.
         "last3_eval": sum(v for _, v in curve[-3:]) / len(curve[-3:]) if curve else None,
         "eval_span_s": curve[-1][0] if curve else 0.0,
-        "versions_per_s": versions_per_s(records),
+        "versions_per_s": versions_per_s(steps),
         "completions_per_s": completions_per_s(records),
         "actor_idle": actor_idle(latest),
-        "trainer_idle": trainer_idle(records),
-        "step_split": step_split(records),
-        "cpu_per_version": cpu_per_version(records),
+        "trainer_idle": trainer_idle(steps),
+        "step_split": step_split(steps),
+        "cpu_per_version": cpu_per_version(records, steps),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
-        **{k: sum(s.get(k, 0) for s in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
+        **{k: sum(r["values"].get(k, 0) for r in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
     }
 
 

@@ -9,11 +9,12 @@ starts group g only while
 
     floor(g / share) - v <= max_lag
 
-and otherwise waits for newer weights. (The bound is `actor.admission_lag` when set; a value
-above max_lag trades staler samples, which the trainer's gate then drops or masks, for actors
-that keep generating while the trainer is slow.) That bounds what an actor has generated ahead of the
+and otherwise waits for newer weights. That bounds what an actor has generated ahead of the
 trainer by (max_lag + 1) * share groups, the trainer's lag gate rarely has to drop anything,
 and a stalled trainer stalls its actors instead of letting them fill the streams.
+`actor.admission_lag`, when set, takes max_lag's place in this rule: a larger value keeps
+actors generating while the trainer is slow, and the trainer's gate drops or masks what then
+lands too stale.
 
 The landing step is a prediction: it assumes the actors produce at similar rates (the
 preprocessor takes groups as they arrive) and a share that divides groups_per_step (an
