@@ -264,6 +264,11 @@ def test_config_errors_name_the_key(models):
         load_scorers(cfg)
 
 
+# The client's time limit per request: long enough that a quick answer never misses it on a slow,
+# loaded CI machine.
+HTTP_TIMEOUT_S = 2.0
+
+
 class RewardServer:
     """A real HTTP reward server on a free loopback port. Reward = completion length; problem
     "slow" sleeps past the client's time limit; problem "flaky" fails with 500 twice per
@@ -286,7 +291,7 @@ class RewardServer:
                 server.calls.append(problems)
                 server.seen[body] = server.seen.get(body, 0) + 1
                 if "slow" in problems:
-                    time.sleep(1.0)
+                    time.sleep(2 * HTTP_TIMEOUT_S)
                 status = 200
                 if "broken" in problems or ("flaky" in problems and server.seen[body] <= 2):
                     status = 500
@@ -333,7 +338,7 @@ def test_http_scorer_against_a_real_server(models, reward_server, tmp_path):
     cfg = config(models)
     cfg.run_dir = str(tmp_path)
     scorer = HttpScorer(
-        cfg, url=reward_server.url, batch_groups=1, concurrency=3, timeout_s=0.3, retries=2, backoff_s=0.05
+        cfg, url=reward_server.url, batch_groups=1, concurrency=3, timeout_s=HTTP_TIMEOUT_S, retries=2, backoff_s=0.05
     )
     names = ["ok", "flaky", "slow", "broken", "bad", "ok2"]
     streams = open_streams(cfg)
@@ -358,9 +363,9 @@ def test_http_scorer_against_a_real_server(models, reward_server, tmp_path):
     # the broken ones were tried 1 + retries times.
     tries = {name: sum(name in c for c in reward_server.calls) for name in names}
     assert tries == {"ok": 1, "flaky": 3, "slow": 3, "broken": 3, "bad": 1, "ok2": 1}
-    # Three requests in flight at once: the slow one's three timed-out tries (3 x 0.3 s plus
+    # Three requests in flight at once: the slow one's three timed-out tries (3 time limits plus
     # backoff) bound the batch's time, not the sum of all tries.
-    assert elapsed < 3 * 0.3 + 0.05 + 0.1 + 1.5
+    assert elapsed < 3 * HTTP_TIMEOUT_S + 0.05 + 0.1 + 1.5
     dead = {e.record.payload: e.record for e in streams.reader(Topic.SCORER_DEAD, DeadLetter).read(timeout=2)}
     errors = {orjson.loads(p)["problem_id"]: letter.error for p, letter in dead.items()}
     assert set(errors) == {"slow", "broken", "bad"}

@@ -14,8 +14,9 @@ from pipeline_rl.actor.domains.math import last_boxed
 from pipeline_rl.actor.rewards import RewardPool
 from pipeline_rl.config import load_config
 
-LIMIT_S = 1.0
-SLACK_S = 0.5
+# Generous: a legitimate check must finish within the limit on a slow, loaded CI machine too.
+LIMIT_S = 3.0
+SLACK_S = 1.5
 
 
 @pytest.mark.parametrize(
