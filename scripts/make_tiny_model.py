@@ -3,8 +3,10 @@
     python scripts/make_tiny_model.py [--cache DIR] [--seed N] [--name NAME]
 
 NAME is tiny_model (default), tiny_learner (the learning benchmark's second model: about half
-right greedily, not softened), or one of the multi-step task's models (multistep_policy, ...:
-all four are built together; see pipeline_rl/demo/multistep.py).
+right greedily, not softened), multistep_policy or multistep_teacher (the multi-step task's
+policy and distillation teacher, built together: pipeline_rl/demo/multistep.py), multistep_prm
+(its process reward model: pipeline_rl/demo/prm.py) or multistep_rm (its outcome reward model:
+pipeline_rl/demo/outcome_rm.py). A model's prerequisites are built first when missing.
 
 DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 """

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BUILT = ("tiny_model", "tiny_learner", "multistep_policy", "multistep_teacher")
+BUILT = ("tiny_model", "tiny_learner", "multistep_policy", "multistep_teacher", "multistep_prm", "multistep_rm")
 """Directory names under the cache that `build_named` can make."""
 
 
 def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     """Build the demo model called `name` (one of BUILT) under `cache_dir`, with what it comes with."""
-    from pipeline_rl.demo import multistep, tiny_model
+    from pipeline_rl.demo import multistep, outcome_rm, prm, tiny_model
 
     if name == tiny_model.TINY.name:
         tiny_model.build(cache_dir, seed, tiny_model.TINY)
     elif name == tiny_model.LEARNER.name:
         tiny_model.build(cache_dir, seed, tiny_model.LEARNER)
+    elif name == "multistep_prm":
+        prm.build(cache_dir, seed)
+    elif name == "multistep_rm":
+        outcome_rm.build(cache_dir, seed)
     elif name in BUILT:
         multistep.build(cache_dir, seed)
     else:

@@ -15,25 +15,8 @@ line ends in "=<answer>" and that stops by EOS.
 - multistep_teacher: the same, until POLICY_TARGETS["teacher"] greedy (for distillation);
 each with a report.json of its held-out accuracy.
 
-No PRM or outcome RM is built yet, and the PRM scorer's contracts are tested on random models
-instead (tests/integration/test_model_scorers.py). The information is there: marking a step
-wrong as soon as one of its tokens differs from the teacher's greedy prediction classifies
-held-out steps (half of them corrupted) 0.98 right. No classifier trained on right vs
-corrupted steps has learned it here (held-out step accuracy):
-- the whole teacher fine-tuned as a step classifier (2,500 steps of 64): 0.53-0.69;
-- the frozen teacher with two new layers on top (1,000 steps; new layers zero-initialised,
-  copied from the teacher, or with a built-in previous-token head): within the same range;
-- a token classifier from scratch: 2 layers, labels at the markers (1,000 steps of 128): 0.64;
-  3 layers with labels on every token too (3,000 steps): 0.70;
-- an MLP over the teacher's last hidden states at a token and the one before it (3,000 steps):
-  0.85 of the completion tokens right, where comparing the teacher's own prediction with the
-  token gets 0.965;
-- the whole tiny arithmetic model fine-tuned with a label on every completion token ("the
-  prefix up to here is right"; lr 3e-4, batches of 32, half the solutions corrupted): 0.69
-  after 1,000 steps, catching 0.15-0.22 of the wrong steps from step 500 on (stopped early by
-  a slow machine).
-The prediction is there, but not in a form that a small head learns to compare with the next
-token.
+The task's process reward model and outcome reward model are built in prm.py and
+outcome_rm.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""The trained tiny PRM (pipeline_rl/demo/prm.py) and outcome RM (pipeline_rl/demo/outcome_rm.py)
+through the real ProcessRewardScorer and RewardModelScorer, on held-out problems: wrong steps
+(answers) score low and right ones high, at the rates their builds measured, each PRM score
+sits on exactly the last token of its step, and the scorers rebuild the text the models were
+trained on."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from helpers import CACHE
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.demo import build_named, outcome_rm, prm
+from pipeline_rl.demo.multistep import make_problems
+from pipeline_rl.demo.tiny_model import make_tokenizer
+from pipeline_rl.scorers import ProcessRewardScorer, RewardModelScorer
+from pipeline_rl.streams.records import Rollout
+
+pytestmark = pytest.mark.slow
+
+COPIES = 2
+"""Solutions drawn per held-out problem (the build's evaluation draws as many, from another seed)."""
+
+
+def built(name: str) -> Path:
+    path = CACHE / name
+    if not (path / "config.json").exists():
+        build_named(CACHE, name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prm_dir(tiny_model):
+    return built("multistep_prm")
+
+
+@pytest.fixture(scope="module")
+def rm_dir(prm_dir):
+    return built("multistep_rm")
+
+
+def policy_config(tiny_model) -> RunConfig:
+    cfg = RunConfig()
+    cfg.model.path = str(tiny_model)  # the policy's tokenizer: the same bytes as the scorers'
+    cfg.preprocess.seq_length = 256
+    return cfg
+
+
+def tolerance(n: int, n_build: int) -> float:
+    """A build stopped once its rates reached prm.CLASS_TARGET on its own held-out draw; a fresh
+    draw's rates differ from those by sampling error only: four standard errors of the two
+    binomial estimates together (p = CLASS_TARGET, n = the two draws' counts)."""
+    p = prm.CLASS_TARGET
+    return 4 * math.sqrt(p * (1 - p) * (1 / n + 1 / n_build))
+
+
+def held_out_solutions(seed: int) -> list[tuple[str, str, list[int], list[int]]]:
+    """(prompt, completion, labels at the step markers, PRM ids) of fresh draws from the
+    distribution the build evaluated on."""
+    tok = make_tokenizer()
+    rng = random.Random(seed)
+    out = []
+    for problem in make_problems(0)[1]:
+        for _ in range(COPIES):
+            ids, labels, marks = prm.example(problem, rng, tok)
+            prompt = problem["prompt"]
+            completion = tok.decode(ids[len(tok.encode(prompt, add_special_tokens=False)) :])
+            out.append((prompt, completion.removesuffix(prm.MARKER), [labels[m] for m in marks], ids))
+    return out
+
+
+def rollout(tok, prompt: str, completion: str) -> Rollout:
+    """A finished rollout of `completion` (EOS-terminated, as the actor's are)."""
+    ids = tok.encode(completion, add_special_tokens=False) + [tok.eos_token_id]
+    return Rollout(
+        prompt_ids=tok.encode(prompt, add_special_tokens=False),
+        completion_ids=ids,
+        logprobs=[0.0] * len(ids),
+        versions=[0] * len(ids),
+        reward=0.0,
+        finish_reason="stop",
+    )
+
+
+def test_trained_prm_scores_wrong_steps_low_on_their_last_token(tiny_model, prm_dir):
+    report = json.loads((prm_dir / "report.json").read_text())
+    scorer = ProcessRewardScorer(
+        policy_config(tiny_model), path=str(prm_dir), kind="token_classification", marker="\n", separator="\n"
+    )
+    tok = make_tokenizer()
+    solutions = held_out_solutions(seed=12345)
+    rollouts = [rollout(tok, p, c) for p, c, _, _ in solutions]
+    scored = scorer.step_scores(rollouts)
+
+    caught, wrong, kept, right = 0, 0, 0, 0
+    intermediate = {0: [], 1: []}
+    for (_, completion, labels, prm_ids), r, (ends, scores) in zip(solutions, rollouts, scored):
+        # The scorer rebuilds the text the PRM was trained on, and puts step 1's score on its
+        # "\n" and step 2's on the completion's last token (EOS).
+        newline = completion.index("\n")
+        assert ends == [newline, len(r.completion_ids) - 1]
+        assert tok.decode(r.completion_ids[newline]) == "\n"
+        assert scorer.prm_input(r, ends)[0] == prm_ids
+        for label, score in zip(labels, scores):
+            if label:
+                right, kept = right + 1, kept + (score >= 0.5)
+            else:
+                wrong, caught = wrong + 1, caught + (score < 0.5)
+        intermediate[labels[0]].append(scores[0])
+
+    assert report["wrong_caught"] >= prm.CLASS_TARGET and report["right_kept"] >= prm.CLASS_TARGET
+    assert caught / wrong >= prm.CLASS_TARGET - tolerance(wrong, report["held_out_wrong"])
+    assert kept / right >= prm.CLASS_TARGET - tolerance(right, report["held_out_right"])
+    # A wrong intermediate step scores low, a right one high.
+    assert len(intermediate[0]) > 50 and len(intermediate[1]) > 50
+    assert sum(intermediate[0]) / len(intermediate[0]) < 0.5 < sum(intermediate[1]) / len(intermediate[1])
+    scorer.close()
+
+
+def test_trained_outcome_rm_scores_wrong_answers_below_right_ones(tiny_model, rm_dir):
+    report = json.loads((rm_dir / "report.json").read_text())
+    scorer = RewardModelScorer(policy_config(tiny_model), path=str(rm_dir))
+    tok = make_tokenizer()
+    rng = random.Random(12345)
+    problems = [p for p in make_problems(0)[1] for _ in range(COPIES)]
+    items = [outcome_rm.example(p, rng, tok) for p in problems]
+    rollouts = []
+    for problem, (ids, _) in zip(problems, items):
+        prompt_ids = tok.encode(problem["prompt"], add_special_tokens=False)
+        rollouts.append(rollout(tok, problem["prompt"], tok.decode(ids[len(prompt_ids) :])))
+        # The scorer rebuilds the text the RM was trained on (EOS dropped, no chat template).
+        assert scorer.encode(rollouts[-1].prompt_ids, rollouts[-1].completion_ids) == ids
+    scores = scorer.scores([scorer.encode(r.prompt_ids, r.completion_ids) for r in rollouts])
+    wrong = [s for (_, label), s in zip(items, scores) if not label]
+    right = [s for (_, label), s in zip(items, scores) if label]
+    assert report["wrong_caught"] >= prm.CLASS_TARGET and report["right_kept"] >= prm.CLASS_TARGET
+    assert sum(s < 0 for s in wrong) / len(wrong) >= prm.CLASS_TARGET - tolerance(len(wrong), report["held_out_wrong"])
+    assert sum(s > 0 for s in right) / len(right) >= prm.CLASS_TARGET - tolerance(len(right), report["held_out_right"])
+    scorer.close()
