@@ -21,7 +21,8 @@ from pipeline_rl.demo.tiny_model import make_tokenizer
 from pipeline_rl.scorers import ProcessRewardScorer, RewardModelScorer
 from pipeline_rl.streams.records import Rollout
 
-pytestmark = pytest.mark.slow
+# Building the PRM and then the RM, when .ci/run has not, takes about 10 + 7 minutes on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 COPIES = 2
 """Solutions drawn per held-out problem (the build's evaluation draws as many, from another seed)."""
