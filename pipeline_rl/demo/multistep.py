@@ -21,7 +21,6 @@ outcome_rm.py.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -35,6 +34,7 @@ from pipeline_rl.demo.tiny_model import (
     greedy_accuracy,
     make_tokenizer,
     replace_dir,
+    save_model,
     teacher_forced_accuracy,
     train_step,
     write_jsonl,
@@ -107,14 +107,6 @@ def _sft(model, tokenizer, train: list[dict], test: list[dict], target: float, s
     return {"steps": step, "seconds": round(time.time() - start, 1), "greedy": greedy, "exact_t1": exact}
 
 
-def _save(model, tokenizer, report: dict, dest: Path) -> None:
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    replace_dir(tmp, dest)
-
-
 def build(cache_dir: Path, seed: int = 0) -> dict[str, Path]:
     """Build the data set and the models under `cache_dir` (the tiny arithmetic model first, if
     missing); returns their directories by role."""
@@ -137,5 +129,5 @@ def build(cache_dir: Path, seed: int = 0) -> dict[str, Path]:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         report = _sft(model, tokenizer, train, test, target, seed + i, role)
         out[role] = cache_dir / f"multistep_{role}"
-        _save(model, tokenizer, report, out[role])
+        save_model(model, tokenizer, report, out[role])
     return out

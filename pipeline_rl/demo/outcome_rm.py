@@ -15,8 +15,6 @@ prm.CLASS_TARGET. It writes cache_dir/multistep_rm with a report.json.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ import torch
 
 from pipeline_rl.demo import prm
 from pipeline_rl.demo.multistep import make_problems
-from pipeline_rl.demo.tiny_model import PAD_TOKEN, SPECIAL_TOKENS, make_tokenizer, replace_dir
+from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
 
@@ -75,7 +73,8 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
     if not (base / "config.json").exists():
         prm.build(cache_dir, seed)
     tokenizer = make_tokenizer()
-    pad_id = SPECIAL_TOKENS.index(PAD_TOKEN)  # the byte tokenizer numbers its special tokens first
+    pad_id = tokenizer.pad_token_id
+    assert isinstance(pad_id, int)
     train, test = make_problems(seed)
     held_out = random.Random(seed + 1)
     evalset = [example(p, held_out, tokenizer) for p in test for _ in range(prm.EVAL_COPIES)]
@@ -106,9 +105,5 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
     model.eval()
     report.update(steps=step, seconds=round(time.time() - start, 1), seed=seed)
     dest = cache_dir / "multistep_rm"
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    replace_dir(tmp, dest)
+    save_model(model, tokenizer, report, dest)
     return dest

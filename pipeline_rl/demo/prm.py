@@ -27,8 +27,6 @@ the share of wrong steps scored below 0.5 and of right steps above it).
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from pathlib import Path
 import torch
 
 from pipeline_rl.demo.multistep import make_problems, operands
-from pipeline_rl.demo.tiny_model import PAD_TOKEN, SPECIAL_TOKENS, TINY, make_tokenizer, replace_dir
+from pipeline_rl.demo.tiny_model import TINY, make_tokenizer, save_model
 from pipeline_rl.demo.tiny_model import build as build_tiny
 
 MARKER = "\n"
@@ -139,7 +137,8 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
     if not (base / "config.json").exists():
         build_tiny(cache_dir, seed)
     tokenizer = make_tokenizer()
-    pad_id = SPECIAL_TOKENS.index(PAD_TOKEN)  # the byte tokenizer numbers its special tokens first
+    pad_id = tokenizer.pad_token_id
+    assert isinstance(pad_id, int)
     train, test = make_problems(seed)
     held_out = random.Random(seed + 1)
     evalset = [example(p, held_out, tokenizer) for p in test for _ in range(EVAL_COPIES)]
@@ -166,9 +165,5 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
     model.eval()
     report.update(steps=step, seconds=round(time.time() - start, 1), marker=MARKER, seed=seed)
     dest = cache_dir / "multistep_prm"
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    replace_dir(tmp, dest)
+    save_model(model, tokenizer, report, dest)
     return dest

@@ -342,6 +342,15 @@ def replace_dir(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old)
 
 
+def save_model(model, tokenizer, report: dict, dest: Path, report_name: str = "report.json") -> None:
+    """Write model, tokenizer and report to a temporary sibling of `dest`, then move it into place."""
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / report_name).write_text(json.dumps(report, indent=2) + "\n")
+    replace_dir(tmp, dest)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -375,10 +384,6 @@ def build(cache_dir: Path, seed: int = 0, recipe: Recipe = TINY) -> Path:
     model = make_model(len(tokenizer), eos_id, pad_id)
     report = pretrain(model, tokenizer, train, test, init_seed, recipe)
 
-    model_tmp = cache_dir / f"{recipe.name}.tmp-{os.getpid()}"
-    model.save_pretrained(model_tmp, safe_serialization=True)
-    tokenizer.save_pretrained(model_tmp)
-    (model_tmp / "pretrain_report.json").write_text(json.dumps(report, indent=2) + "\n")
     dest = cache_dir / recipe.name
-    replace_dir(model_tmp, dest)
+    save_model(model, tokenizer, report, dest, "pretrain_report.json")
     return dest
