@@ -20,9 +20,9 @@ one balanced bit per digit, the check the PRM has to learn, and the step labels 
 have to gather it.
 
 `build(cache_dir, seed)` fine-tunes the tiny arithmetic model (which adds two 2-digit numbers)
-as a 2-label `Qwen2ForTokenClassification` until its held-out step accuracy reaches TARGET, and
-writes cache_dir/multistep_prm with a report.json (steps, seconds, held-out step accuracy, and
-the share of wrong steps scored below 0.5 and of right steps above it).
+as a 2-label `Qwen2ForTokenClassification` until, on held-out problems, its step accuracy
+reaches TARGET and the shares of wrong steps scored below 0.5 and of right steps at or above it
+reach CLASS_TARGET, and writes cache_dir/multistep_prm with a report.json of those figures.
 """
 
 from __future__ import annotations
