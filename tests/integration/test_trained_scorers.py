@@ -19,7 +19,7 @@ from pipeline_rl.demo import build_named, outcome_rm, prm
 from pipeline_rl.demo.multistep import make_problems
 from pipeline_rl.demo.tiny_model import make_tokenizer
 from pipeline_rl.scorers import ProcessRewardScorer, RewardModelScorer
-from pipeline_rl.streams.records import Rollout
+from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 # Building the PRM and then the RM, when .ci/run has not, takes about 10 + 7 minutes on 2 cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -90,22 +90,31 @@ def rollout(tok, prompt: str, completion: str) -> Rollout:
 
 def test_trained_prm_scores_wrong_steps_low_on_their_last_token(tiny_model, prm_dir):
     report = json.loads((prm_dir / "report.json").read_text())
+    # Raw step scores as token rewards: each step's reward is its score, on its last token.
     scorer = ProcessRewardScorer(
-        policy_config(tiny_model), path=str(prm_dir), kind="token_classification", marker="\n", separator="\n"
+        policy_config(tiny_model),
+        path=str(prm_dir),
+        kind="token_classification",
+        marker="\n",
+        separator="\n",
+        step_reward="raw",
     )
     tok = make_tokenizer()
     solutions = held_out_solutions(seed=12345)
     rollouts = [rollout(tok, p, c) for p, c, _, _ in solutions]
-    scored = scorer.step_scores(rollouts)
+    scorer.score([RolloutGroup(problem_id=str(i), group_id=str(i), rollouts=[r]) for i, r in enumerate(rollouts)])
 
     caught, wrong, kept, right = 0, 0, 0, 0
     intermediate = {0: [], 1: []}
-    for (_, completion, labels, prm_ids), r, (ends, scores) in zip(solutions, rollouts, scored):
-        # The scorer rebuilds the text the PRM was trained on, and puts step 1's score on its
-        # "\n" and step 2's on the completion's last token (EOS).
-        newline = completion.index("\n")
-        assert ends == [newline, len(r.completion_ids) - 1]
-        assert tok.decode(r.completion_ids[newline]) == "\n"
+    for (_, completion, labels, prm_ids), r in zip(solutions, rollouts):
+        # Step 1's score sits on its "\n", step 2's on the completion's last token (EOS), and
+        # the scorer rebuilt the text the PRM was trained on.
+        scores = r.metadata["prm_step_scores"]
+        ends = [completion.index("\n"), len(r.completion_ids) - 1]
+        assert tok.decode(r.completion_ids[ends[0]]) == "\n"
+        assert r.token_rewards is not None
+        assert [t for t, x in enumerate(r.token_rewards) if x != 0.0] == ends
+        assert [r.token_rewards[t] for t in ends] == scores
         assert scorer.prm_input(r, ends)[0] == prm_ids
         for label, score in zip(labels, scores):
             if label:
