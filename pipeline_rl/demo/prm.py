@@ -10,14 +10,13 @@ separator and marker both "\\n".
 Labels come at two places:
 - at the marker after each step: 1 when this step and all before it are right;
 - at each digit of each step's result: 1 when that digit is the right one for the step as
-  written ("local" labels, balanced and one per digit).
+  written ("local" labels: they do not depend on earlier steps).
 The step labels alone never taught a classifier here to check a sum: held-out step accuracy
 stayed at 0.53-0.70 (half the steps wrong) whether the teacher or the tiny model was fine-tuned
 whole, new layers were put on a frozen teacher, a classifier was trained from scratch, or
-"the prefix up to here is right" was labelled on every token, for 1,000-3,000 steps each. Those
-labels are one bit per step, nearly all "right" up to the first error; the digit labels are
-one balanced bit per digit, the check the PRM has to learn, and the step labels then only
-have to gather it.
+"the prefix up to here is right" was labelled on every token, for 1,000-3,000 steps each. A
+prefix label is 0 from the first error on, whatever follows; a local label asks for the check
+itself at every digit of every solution, and the step labels then only have to gather it.
 
 `build(cache_dir, seed)` fine-tunes the tiny arithmetic model (which adds two 2-digit numbers)
 as a 2-label `Qwen2ForTokenClassification` until, on held-out problems, its step accuracy
