@@ -48,20 +48,11 @@ def last_logits(model, items: list[tuple[list[int], int]], pad_id: int) -> torch
 
 @torch.no_grad()
 def accuracy(model, items: list[tuple[list[int], int]], pad_id: int) -> dict:
+    """`prm.rates` of the answers, an answer said right when its logit is above 0."""
     model.eval()
     right = last_logits(model, items, pad_id) > 0
     model.train()
-    hits = {0: [0, 0], 1: [0, 0]}
-    for (_, label), said in zip(items, right.tolist()):
-        hits[label][0] += int(said == bool(label))
-        hits[label][1] += 1
-    return {
-        "accuracy": (hits[0][0] + hits[1][0]) / len(items),
-        "wrong_caught": hits[0][0] / max(hits[0][1], 1),
-        "right_kept": hits[1][0] / max(hits[1][1], 1),
-        "held_out_wrong": hits[0][1],
-        "held_out_right": hits[1][1],
-    }
+    return prm.rates([(label, said) for (_, label), said in zip(items, right.tolist())])
 
 
 def build(cache_dir: Path, seed: int = 0) -> Path:

@@ -96,26 +96,28 @@ def batch(items: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> t
     return ids, labels
 
 
+def rates(judged: list[tuple[int, bool]]) -> dict:
+    """From (label, said right) pairs: accuracy, the shares of wrong items said wrong (caught)
+    and of right items said right (kept), and the counts of each."""
+    wrong = [said for label, said in judged if not label]
+    right = [said for label, said in judged if label]
+    return {
+        "accuracy": (wrong.count(False) + right.count(True)) / len(judged),
+        "wrong_caught": wrong.count(False) / max(len(wrong), 1),
+        "right_kept": right.count(True) / max(len(right), 1),
+        "held_out_wrong": len(wrong),
+        "held_out_right": len(right),
+    }
+
+
 @torch.no_grad()
 def step_accuracy(model, items, pad_id: int) -> dict:
-    """Held-out step accuracy at the markers, and the shares of wrong steps scored below 0.5
-    (caught) and of right steps scored at or above it (kept)."""
+    """`rates` of the steps at the markers, a step said right when scored at or above 0.5."""
     model.eval()
     ids, _ = batch(items, pad_id)
     correct = model(input_ids=ids).logits.softmax(-1)[..., 1]
     model.train()
-    hits = {0: [0, 0], 1: [0, 0]}
-    for row, (_, y, marks) in enumerate(items):
-        for m in marks:
-            hits[y[m]][0] += int((correct[row, m].item() >= 0.5) == bool(y[m]))
-            hits[y[m]][1] += 1
-    return {
-        "accuracy": (hits[0][0] + hits[1][0]) / (hits[0][1] + hits[1][1]),
-        "wrong_caught": hits[0][0] / max(hits[0][1], 1),
-        "right_kept": hits[1][0] / max(hits[1][1], 1),
-        "held_out_wrong": hits[0][1],
-        "held_out_right": hits[1][1],
-    }
+    return rates([(y[m], correct[row, m].item() >= 0.5) for row, (_, y, marks) in enumerate(items) for m in marks])
 
 
 def reached(report: dict) -> bool:
