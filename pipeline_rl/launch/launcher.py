@@ -24,7 +24,9 @@ from pipeline_rl.launch.memory_plan import memory_plan
 from pipeline_rl.launch.placement import Node, child_env, describe, plan, this_node
 from pipeline_rl.launch.supervisor import ChildFailed, Supervisor, describe_exit, last_lines
 from pipeline_rl.launch.watchdog import Watchdog
+from pipeline_rl.scorers import check_scorers
 from pipeline_rl.streams.records import Control, Metrics
+from pipeline_rl.trainer.loss import load_loss
 from pipeline_rl.wire import POOL_MODULES, Topic
 
 if TYPE_CHECKING:
@@ -284,11 +286,19 @@ class Launcher:
             )
 
 
+def check_plugins(cfg: RunConfig) -> None:
+    """Import the scorers and the loss the config names and check them, so that a bad one
+    fails here, at launch, rather than in a pool minutes later (raises ConfigError)."""
+    check_scorers(cfg)
+    load_loss(cfg.trainer.loss)
+
+
 def main(argv: list[str]) -> int:
     args, rest = _parse(argv)
     try:
         name, overrides = parse_overrides(rest)
         cfg = load_config(name or "base", overrides)
+        check_plugins(cfg)
         specs = plan(cfg)
         if args.dry_run:
             print("\n".join(describe(cfg, specs)))

@@ -1,6 +1,6 @@
 """Scorers the preprocessor runs on every batch: the interface (`base.py`) and the built-ins."""
 
-from pipeline_rl.scorers.base import Scorer, ScorerOutput, load_scorers
+from pipeline_rl.scorers.base import Scorer, ScorerOutput, check_scorers, load_scorers
 from pipeline_rl.scorers.http_scorer import HttpScorer
 from pipeline_rl.scorers.process_reward import ProcessRewardScorer
 from pipeline_rl.scorers.reference import DistillationScorer, ReferenceLogprobScorer
@@ -14,5 +14,6 @@ __all__ = [
     "RewardModelScorer",
     "Scorer",
     "ScorerOutput",
+    "check_scorers",
     "load_scorers",
 ]

@@ -13,8 +13,8 @@ place; what it may change:
   (`trainer.loss.kl_coef`); see `reference.py`;
 - `rollout.metadata` / `group.metadata`: anything else worth keeping.
 
-A scorer declares what it writes in `produces` (ScorerOutput members); the config validation
-uses that (a KL term needs a scorer that produces ref_logprobs), not class names.
+A scorer declares what it writes in `produces` (ScorerOutput members); `check_scorers` uses
+that (a KL term needs a scorer that produces ref_logprobs), not class names.
 
 A scorer that raises fails its batch only: the preprocessor dead-letters each group of the
 batch (topic Topic.SCORER_DEAD, with the error) and goes on with the next batch. A scorer that
@@ -27,7 +27,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import ClassVar
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.plugins import load_plugin
 from pipeline_rl.streams.records import RolloutGroup
 
@@ -45,7 +45,7 @@ class Scorer:
     `produces`."""
 
     produces: ClassVar[frozenset[ScorerOutput]] = frozenset()
-    """What `score` writes (the config validation checks it against what the loss needs)."""
+    """What `score` writes (`check_scorers` checks it against what the loss needs)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -72,11 +72,24 @@ def scorer_classes(cfg: RunConfig) -> list[type[Scorer]]:
     ]
 
 
+def check_scorers(cfg: RunConfig) -> list[type[Scorer]]:
+    """The classes of `cfg.preprocess.scorers` (no model is loaded), once they are known to
+    produce what the loss needs; raises ConfigError naming the key otherwise."""
+    classes = scorer_classes(cfg)
+    produced = {out for cls in classes for out in cls.produces}
+    if cfg.trainer.loss.kl_coef > 0 and ScorerOutput.ref_logprobs not in produced:
+        raise ConfigError(
+            "'trainer.loss.kl_coef' > 0 needs a scorer in 'preprocess.scorers' that produces ref_logprobs "
+            "(e.g. pipeline_rl.scorers:ReferenceLogprobScorer)"
+        )
+    return classes
+
+
 def load_scorers(cfg: RunConfig) -> list[Scorer]:
-    """Import and build the scorers of `cfg.preprocess.scorers`, in order. A constructor that
-    rejects its kwargs fails with the config key."""
+    """Check (`check_scorers`), import and build the scorers of `cfg.preprocess.scorers`, in
+    order. A constructor that rejects its kwargs fails with the config key."""
     scorers = []
-    for i, (cls, spec) in enumerate(zip(scorer_classes(cfg), cfg.preprocess.scorers)):
+    for i, (cls, spec) in enumerate(zip(check_scorers(cfg), cfg.preprocess.scorers)):
         try:
             scorers.append(cls(cfg, **dict(spec.kwargs)))
         except (TypeError, ValueError) as e:

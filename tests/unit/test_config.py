@@ -51,13 +51,11 @@ def test_extends_chain_and_overrides():
             ["trainer.loss.kind=dpo"],
             "bad value for 'trainer.loss.kind': Invalid value 'dpo', expected one of [reinforce, ppo]",
         ),
-        (["trainer.loss.function=nowhere:loss"], "bad value for 'trainer.loss.function': cannot import 'nowhere:loss'"),
         (["trainer.zero_stage=5"], "'trainer.zero_stage'"),
         (["world.actors=0"], "'world.actors': 0, must be >= 1"),
         (["world.nodes=2"], "'streams.backend' must be redis"),
         (["world.actor_gpus=2"], "unknown key 'world.actor_gpus' (renamed 'actor.llm.tensor_parallel_size')"),
         (["actor.llm.tensor_parallel_size=0"], "'actor.llm.tensor_parallel_size': 0, expected >= 1"),
-        (["trainer.loss.kl_coef=0.1"], "needs a scorer in 'preprocess.scorers' that produces ref_logprobs"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
         (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),
@@ -70,6 +68,36 @@ def test_bad_overrides_name_the_key(overrides, expected):
     with pytest.raises(ConfigError) as err:
         load_config("tiny", overrides)
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.loss.function=nowhere:loss"], "bad value for 'trainer.loss.function': cannot import 'nowhere:loss'"),
+        (["trainer.loss.kl_coef=0.1"], "needs a scorer in 'preprocess.scorers' that produces ref_logprobs"),
+        (["preprocess.scorers=[{cls: 'nowhere:Scorer'}]"], "bad value for 'preprocess.scorers.0.cls': cannot import"),
+    ],
+)
+def test_bad_plugins_are_refused_at_launch_naming_the_key(overrides, expected, capsys):
+    """The schema describes; plug-ins are checked when loaded, and the launcher loads them
+    before anything starts."""
+    from pipeline_rl.launch.launcher import main
+
+    cfg = load_config("tiny", overrides)  # types and values are fine: only loading can tell
+    assert main(["conf=tiny", f"run_dir={cfg.run_dir}", *overrides, "--dry-run"]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_config_imports_no_plugin_code():
+    """The config package describes runs: importing it loads no scorer, trainer or plug-in code
+    (the import circle config -> scorers/loss -> plugins -> config is gone)."""
+    code = (
+        "import sys, pipeline_rl.config; "
+        "print(sorted(m for m in sys.modules if m.startswith(('pipeline_rl.scorers', 'pipeline_rl.trainer', "
+        "'pipeline_rl.plugins'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_bad_file_names_the_file(tmp_path):
