@@ -35,11 +35,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
 
     from pipeline_rl.config import RunConfig
     from pipeline_rl.demo.multistep import make_problems
-    from pipeline_rl.demo.tiny_model import make_tokenizer
+    from pipeline_rl.demo.tiny_model import make_tokenizer, qwen2_config
     from pipeline_rl.scorers import DistillationScorer, ProcessRewardScorer, RewardModelScorer
     from pipeline_rl.scorers.hf import pack_rows
     from pipeline_rl.streams.records import Rollout, RolloutGroup
@@ -53,14 +53,13 @@ def main() -> None:
 
     def save(cls, name, **extra):
         torch.manual_seed(0)
-        config = Qwen2Config(
-            vocab_size=len(tok),
-            hidden_size=args.hidden,
-            intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=1024,
+        config = qwen2_config(
+            len(tok),
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=8,
+            kv_heads=4,
+            max_len=1024,
             pad_token_id=pad,
             **extra,
         )

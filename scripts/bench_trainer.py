@@ -72,19 +72,13 @@ def model_dir(arg: str | None, scratch: Path) -> Path:
     path = Path(arg) if arg else Path(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache")) / "tiny_model"
     if (path / "config.json").exists():
         return path
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from pipeline_rl.demo.tiny_model import qwen2_config
 
     print(f"(no model at {path}: using a random Qwen2 of the tiny model's shape)")
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = qwen2_config(512)
     Qwen2ForCausalLM(config).save_pretrained(scratch / "model")
     return scratch / "model"
 

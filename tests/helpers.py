@@ -119,18 +119,12 @@ def random_qwen2(attn: str | None = None, max_len: int = 128):
     """A tiny Qwen2 with random weights (seed 0): contracts that hold for any causal LM are
     checked on it."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from pipeline_rl.demo.tiny_model import qwen2_config
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_len,
-    )
+    config = qwen2_config(97, hidden=32, layers=2, intermediate=64, max_len=max_len)
     if attn is not None:
         config._attn_implementation = attn
     return Qwen2ForCausalLM(config).eval()

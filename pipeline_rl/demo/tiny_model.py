@@ -124,17 +124,38 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
-def make_model(vocab_size: int, eos_id: int, pad_id: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def qwen2_config(
+    vocab_size: int,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_len: int = 512,
+    **extra,
+):
+    """The Qwen2 architecture of every small model the project builds (the demo's, the tests'
+    random ones, the benchmarks'): by default the tiny model's shape; `intermediate` defaults to
+    4 x hidden; `extra` goes to Qwen2Config as is (token ids, tying, labels...)."""
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden if intermediate is None else intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_len,
+        **extra,
+    )
+
+
+def make_model(vocab_size: int, eos_id: int, pad_id: int):
+    from transformers import Qwen2ForCausalLM
+
+    config = qwen2_config(
+        vocab_size,
         tie_word_embeddings=True,
         bos_token_id=eos_id,
         eos_token_id=eos_id,

@@ -217,6 +217,10 @@ class Reader:
 class Streams:
     """Factory of writers and readers of one backend; `close()` flushes and closes them all."""
 
+    reader_class: Callable[..., Reader]
+    """The backend's Reader, built as reader_class(*_where(), topic, record_type, partitions,
+    position, dead_writer)."""
+
     def __init__(self) -> None:
         self._writers: list[Writer] = []
         self._readers: list[Reader] = []
@@ -230,7 +234,8 @@ class Streams:
     def reader(
         self, topic: str, record_type: type, partitions: Iterable[int] = (0,), position: dict | None = None
     ) -> Reader:
-        reader = self._make_reader(topic, record_type, partitions, position, lambda: self._dead_writer(topic))
+        dead_writer = lambda: self._dead_writer(topic)  # noqa: E731 (made only if a record is dead-lettered)
+        reader = self.reader_class(*self._where(), topic, record_type, partitions, position, dead_writer)
         self._readers.append(reader)
         return reader
 
@@ -246,14 +251,9 @@ class Streams:
     def _make_writer(self, topic: str, partitions: int) -> Writer:
         raise NotImplementedError
 
-    def _make_reader(
-        self,
-        topic: str,
-        record_type: type,
-        partitions: Iterable[int],
-        position: dict | None,
-        dead_writer: Callable[[], Writer],
-    ) -> Reader:
+    def _where(self) -> tuple:
+        """What the backend's reader class takes before (topic, record_type, partitions,
+        position, dead_writer): the backend's location (a directory, a client and namespace)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -178,6 +178,8 @@ class JsonlReader(Reader):
 
 
 class JsonlStreams(Streams):
+    reader_class = JsonlReader
+
     def __init__(self, root: Path):
         super().__init__()
         self.root = Path(root)
@@ -185,12 +187,5 @@ class JsonlStreams(Streams):
     def _make_writer(self, topic: str, partitions: int) -> Writer:
         return JsonlWriter(self.root, topic, partitions)
 
-    def _make_reader(
-        self,
-        topic: str,
-        record_type: type,
-        partitions: Iterable[int],
-        position: dict | None,
-        dead_writer: Callable[[], Writer],
-    ) -> Reader:
-        return JsonlReader(self.root, topic, record_type, partitions, position, dead_writer)
+    def _where(self) -> tuple:
+        return (self.root,)

@@ -215,6 +215,8 @@ class RedisReader(Reader):
 
 
 class RedisStreams(Streams):
+    reader_class = RedisReader
+
     def __init__(self, rcfg: RedisConfig, namespace: str):
         super().__init__()
         self.namespace = namespace
@@ -240,15 +242,8 @@ class RedisStreams(Streams):
             if offset != "0-0":
                 self.client.xtrim(f"{self.namespace}:{topic}:{partition}", minid=offset)
 
-    def _make_reader(
-        self,
-        topic: str,
-        record_type: type,
-        partitions: Iterable[int],
-        position: dict | None,
-        dead_writer: Callable[[], Writer],
-    ) -> Reader:
-        return RedisReader(self.client, self.namespace, topic, record_type, partitions, position, dead_writer)
+    def _where(self) -> tuple:
+        return (self.client, self.namespace)
 
     def delete_all(self) -> int:
         """Delete every stream of this run (its namespace); returns how many keys went."""

@@ -107,10 +107,12 @@ class Trainer:
             self.sender = WeightSender(addr, world_size=world, backend=backend)
             self.weights_writer = self.streams.writer(Topic.WEIGHTS)
 
-    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def _all_reduce(self, named: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
+        """`named` reduced over the ranks by `op` in one collective, by name (every rank passes
+        the same names in the same order)."""
+        t = torch.tensor(list(named.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=op)
-        return t.tolist()
+        return dict(zip(named, t.tolist()))
 
     def _waiting(self, what: str) -> None:
         if self.metrics is not None:
@@ -167,15 +169,16 @@ class Trainer:
         """True if any rank is stopping; otherwise check that all ranks hold the same step with
         the same number of micro-batches (a mismatch would hang the collectives later)."""
         step, count = (batch[0].step, batch[0].count) if batch else (-1, -1)
-        neg_stop, lo_step, neg_hi_step, lo_count, neg_hi_count = self._all_reduce(
-            [-float(batch is None), step, -step, count, -count], op=dist.ReduceOp.MIN
-        )
-        if neg_stop < 0:
+        # Maxima as minima of negatives: one MIN collective gives both ends of each range.
+        ends = {"lo_step": step, "neg_hi_step": -step, "lo_count": count, "neg_hi_count": -count}
+        m = self._all_reduce({"not_stopping": float(batch is not None), **ends}, op=dist.ReduceOp.MIN)
+        if m["not_stopping"] == 0:
             return True
-        if (lo_step, lo_count) != (-neg_hi_step, -neg_hi_count):
+        steps, counts = (m["lo_step"], -m["neg_hi_step"]), (m["lo_count"], -m["neg_hi_count"])
+        if steps[0] != steps[1] or counts[0] != counts[1]:
             raise RuntimeError(
-                f"trainer ranks disagree on the step: steps {lo_step:.0f}..{-neg_hi_step:.0f}, "
-                f"micro-batches per rank {lo_count:.0f}..{-neg_hi_count:.0f} (rank {self.rank} has "
+                f"trainer ranks disagree on the step: steps {steps[0]:.0f}..{steps[1]:.0f}, "
+                f"micro-batches per rank {counts[0]:.0f}..{counts[1]:.0f} (rank {self.rank} has "
                 f"step {step} with {count})"
             )
         return False
@@ -186,11 +189,15 @@ class Trainer:
         updates = update_slices(len(batch), self.cfg.trainer.updates_per_step)
         # Denominators over all ranks: each mini-batch's loss is its own mean (of tokens or of
         # samples), so that it does not matter how its tokens are spread over ranks.
-        local: list[float] = [sum(g.dropped_tokens for g in gates), sum(g.dropped_samples for g in gates)]
-        local.append(sum(g.masked_tokens for g in gates))
-        for u in updates:
-            local += [sum(sum(g.loss_mask) for g in gates[u]), sum(g.samples for g in gates[u])]
-        dropped_tokens, dropped_samples, masked_tokens, *per_update = self._all_reduce(local)
+        gated: dict[str, float] = {
+            "dropped_tokens": sum(g.dropped_tokens for g in gates),
+            "dropped_samples": sum(g.dropped_samples for g in gates),
+            "masked_tokens": sum(g.masked_tokens for g in gates),
+        }
+        for i, u in enumerate(updates):
+            gated[f"update{i}/tokens"] = sum(sum(g.loss_mask) for g in gates[u])
+            gated[f"update{i}/samples"] = sum(g.samples for g in gates[u])
+        gated = self._all_reduce(gated)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
         consistency = torch.zeros(3, dtype=torch.float64, device=self.device)
         lags: Counter = Counter()
@@ -198,7 +205,7 @@ class Trainer:
         lr = self.engine.get_lr()[0]
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
         for i, u in enumerate(updates):
-            step_tokens, step_samples = per_update[2 * i], per_update[2 * i + 1]
+            step_tokens, step_samples = gated[f"update{i}/tokens"], gated[f"update{i}/samples"]
             for mb, gate in zip(batch[u], gates[u]):
                 lags.update(gate.lags)
                 real = [j for j, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
@@ -215,42 +222,40 @@ class Trainer:
             if step_tokens > 0:
                 self.engine.step()
                 done += 1
-        lo, hi = (min(lags), max(lags)) if lags else (0, 0)
-        lo, neg_hi = self._all_reduce([lo, -hi], op=dist.ReduceOp.MIN)
-        lo, hi = int(lo), int(-neg_hi)
-        hist = [0.0] * (hi - lo + 1)
-        for lag, n in lags.items():
-            hist[lag - lo] += n
-        totals = self._all_reduce(sums.tolist() + [rewards, samples, tokens] + consistency.tolist() + hist)
-        k = len(STAT_KEYS)
-        values: dict[str, Any] = dict(summarize(dict(zip(STAT_KEYS, totals[:k]))))
-        lag0_tokens, abs_diff, kl = totals[k + 3 : k + 6]
-        if lag0_tokens:
+        # The lag histogram's range over all ranks (a maximum as the minimum of its negative).
+        ends = self._all_reduce({"lo": min(lags, default=0), "neg_hi": -max(lags, default=0)}, op=dist.ReduceOp.MIN)
+        lo, hi = int(ends["lo"]), int(-ends["neg_hi"])
+        local: dict[str, float] = dict(zip(STAT_KEYS, sums.tolist()))
+        local.update(rewards=rewards, samples=samples, step_tokens=tokens)
+        local.update(zip(("lag0_tokens", "lag0_abs_diff", "lag0_kl"), consistency.tolist()))
+        local.update({f"lag{lag}": lags.get(lag, 0) for lag in range(lo, hi + 1)})
+        totals = self._all_reduce(local)
+        values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
+        if totals["lag0_tokens"]:
             # Inference/training consistency: on tokens sampled by the very weights being trained
             # (lag 0), behaviour and trainer logprobs differ only by numerics (kernels, dtypes).
             values.update(
                 {
-                    "mismatch/lag0_tokens": lag0_tokens,
-                    "mismatch/lag0_abs_logprob_diff": abs_diff / lag0_tokens,
-                    "mismatch/lag0_kl": kl / lag0_tokens,
+                    "mismatch/lag0_tokens": totals["lag0_tokens"],
+                    "mismatch/lag0_abs_logprob_diff": totals["lag0_abs_diff"] / totals["lag0_tokens"],
+                    "mismatch/lag0_kl": totals["lag0_kl"] / totals["lag0_tokens"],
                 }
             )
         # The per-update losses are means of their mini-batch: report the mean over updates.
         values["loss"] /= max(done, 1)
         values["pg_loss"] /= max(done, 1)
-        rewards, samples, tokens = totals[k : k + 3]
         grad_norm = self.engine.get_global_grad_norm() if done else None
         values.update(
-            reward_mean=rewards / max(samples, 1),
-            samples=samples,
-            tokens=tokens,
+            reward_mean=totals["rewards"] / max(totals["samples"], 1),
+            samples=totals["samples"],
+            tokens=totals["step_tokens"],
             lr=lr,
-            dropped_samples=dropped_samples,
-            dropped_tokens=dropped_tokens,
-            masked_tokens=masked_tokens,
+            dropped_samples=gated["dropped_samples"],
+            dropped_tokens=gated["dropped_tokens"],
+            masked_tokens=gated["masked_tokens"],
             updated=done > 0,
             optimizer_updates=done,
-            lag_hist={str(lo + i): int(n) for i, n in enumerate(totals[k + 6 :]) if n},
+            lag_hist={str(lag): int(totals[f"lag{lag}"]) for lag in range(lo, hi + 1) if totals[f"lag{lag}"]},
         )
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)

@@ -16,14 +16,13 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
-    Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
 )
 
 from pipeline_rl.config import ConfigError, RunConfig, ScorerConfig, load_config
-from pipeline_rl.demo.tiny_model import make_tokenizer
+from pipeline_rl.demo.tiny_model import make_tokenizer, qwen2_config
 from pipeline_rl.preprocess.preprocessor import Counters, LostGroups, ScoringStage
 from pipeline_rl.scorers import (
     DistillationScorer,
@@ -43,16 +42,14 @@ from pipeline_rl.wire import Topic
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-def qwen2_config(**kwargs) -> Qwen2Config:
+def scorer_config(**kwargs):
     tok = make_tokenizer()
-    return Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+    return qwen2_config(
+        len(tok),
+        hidden=32,
+        layers=2,
+        intermediate=64,
+        max_len=256,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         **kwargs,
@@ -77,11 +74,11 @@ def models(tmp_path_factory):
     ):
         torch.manual_seed(seed)
         paths[name] = root / name
-        cls(qwen2_config(**extra)).eval().save_pretrained(paths[name])
+        cls(scorer_config(**extra)).eval().save_pretrained(paths[name])
         tok.save_pretrained(paths[name])
     chat = root / "rm_chat"
     torch.manual_seed(2)
-    Qwen2ForSequenceClassification(qwen2_config(num_labels=1)).save_pretrained(chat)
+    Qwen2ForSequenceClassification(scorer_config(num_labels=1)).save_pretrained(chat)
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     tok.save_pretrained(chat)
     paths["rm_chat"] = chat
