@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BUILT = ("tiny_model", "tiny_learner", "multistep_policy", "multistep_teacher", "multistep_prm", "multistep_rm")
+BUILT = (
+    "tiny_model",
+    "tiny_learner",
+    "multistep_policy",
+    "multistep_teacher",
+    "multistep_prm",
+    "multistep_rm",
+    "multistep_prm_quick",
+    "multistep_rm_quick",
+)
 """Directory names under the cache that `build_named` can make."""
 
 
@@ -16,10 +25,10 @@ def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
         tiny_model.build(cache_dir, seed, tiny_model.TINY)
     elif name == tiny_model.LEARNER.name:
         tiny_model.build(cache_dir, seed, tiny_model.LEARNER)
-    elif name == "multistep_prm":
-        prm.build(cache_dir, seed)
-    elif name == "multistep_rm":
-        outcome_rm.build(cache_dir, seed)
+    elif name in (prm.FULL.name, prm.QUICK.name):
+        prm.build(cache_dir, seed, prm.FULL if name == prm.FULL.name else prm.QUICK)
+    elif name in (outcome_rm.FULL.name, outcome_rm.QUICK.name):
+        outcome_rm.build(cache_dir, seed, quick=name == outcome_rm.QUICK.name)
     elif name in BUILT:
         multistep.build(cache_dir, seed)
     else:

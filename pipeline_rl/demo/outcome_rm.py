@@ -6,11 +6,12 @@ It reads prompt + completion as the scorer builds it for a tokenizer without a c
 "Q: a+b+c=" + "a+b=s1\\ns1+c=s2", no EOS. The solutions are the PRM's (pipeline_rl/demo/prm.py:
 worked solutions with corrupted digits), labelled by their final answer alone.
 
-`build(cache_dir, seed)` starts from the PRM (built first if missing), whose layers already
-check each digit and gather the checks at the end of a step, puts a new one-logit head on
-them, and trains on the logistic loss at the last token until the held-out accuracy reaches
-prm.TARGET and the shares of wrong answers scored below 0 and right ones above 0 reach
-prm.CLASS_TARGET. It writes cache_dir/multistep_rm with a report.json.
+`build(cache_dir, seed, quick)` starts from the PRM (built first if missing), whose layers
+already check each digit and gather the checks at the end of a step, puts a new one-logit head
+on them, and trains on the logistic loss at the last token until the held-out accuracy and the
+shares of wrong answers scored below 0 and right ones above 0 reach the targets of a
+`prm.Recipe`: FULL (cache_dir/multistep_rm, from the demo's PRM) or, with `quick`, QUICK
+(cache_dir/multistep_rm_quick, from the tests' PRM). It writes a report.json beside the model.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pipeline_rl.demo.multistep import make_problems
 from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
+FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
+QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=1e-3, eval_every=50)
 
 
 def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], int]:
@@ -55,14 +58,15 @@ def accuracy(model, items: list[tuple[list[int], int]], pad_id: int) -> dict:
     return prm.rates([(label, said) for (_, label), said in zip(items, right.tolist())])
 
 
-def build(cache_dir: Path, seed: int = 0) -> Path:
-    """Train the outcome RM from cache_dir/multistep_prm and write cache_dir/multistep_rm."""
+def build(cache_dir: Path, seed: int = 0, quick: bool = False) -> Path:
+    """Train the outcome RM from the PRM (QUICK's from the quick PRM) and write it under cache_dir."""
     from transformers import AutoModelForSequenceClassification
 
     cache_dir = Path(cache_dir)
-    base = cache_dir / "multistep_prm"
+    recipe, prm_recipe = (QUICK, prm.QUICK) if quick else (FULL, prm.FULL)
+    base = cache_dir / prm_recipe.name
     if not (base / "config.json").exists():
-        prm.build(cache_dir, seed)
+        prm.build(cache_dir, seed, prm_recipe)
     tokenizer = make_tokenizer()
     pad_id = tokenizer.pad_token_id
     assert isinstance(pad_id, int)
@@ -74,12 +78,12 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
         base, num_labels=1, dtype=torch.float32, ignore_mismatched_sizes=True
     )
     model.config.pad_token_id = pad_id
-    opt = torch.optim.AdamW(model.parameters(), lr=prm.LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / prm.WARMUP_STEPS))
     rng = random.Random(seed)
     start, step, report = time.time(), 0, {}
     model.train()
-    while not prm.reached(report):
+    while not prm.reached(report, recipe):
         if step >= MAX_STEPS:
             raise RuntimeError(f"the outcome RM reached {report} in {step} steps")
         items = [example(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)]
@@ -89,12 +93,13 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
         opt.zero_grad()
         warmup.step()
         step += 1
-        if step % prm.EVAL_EVERY == 0:
+        if step % recipe.eval_every == 0:
             report = accuracy(model, evalset, pad_id)
             shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
-            print(f"multistep_rm: step {step}, held-out {shown}", flush=True)
+            print(f"{recipe.name}: step {step}, held-out {shown}", flush=True)
     model.eval()
     report.update(steps=step, seconds=round(time.time() - start, 1), seed=seed)
-    dest = cache_dir / "multistep_rm"
+    report.update(target=recipe.target, class_target=recipe.class_target)
+    dest = cache_dir / recipe.name
     save_model(model, tokenizer, report, dest)
     return dest

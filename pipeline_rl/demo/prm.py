@@ -18,16 +18,21 @@ whole, new layers were put on a frozen teacher, a classifier was trained from sc
 prefix label is 0 from the first error on, whatever follows; a local label asks for the check
 itself at every digit of every solution, and the step labels then only have to gather it.
 
-`build(cache_dir, seed)` fine-tunes the tiny arithmetic model (which adds two 2-digit numbers)
-as a 2-label `Qwen2ForTokenClassification` until, on held-out problems, its step accuracy
-reaches TARGET and the shares of wrong steps scored below 0.5 and of right steps at or above it
-reach CLASS_TARGET, and writes cache_dir/multistep_prm with a report.json of those figures.
+`build(cache_dir, seed, recipe)` fine-tunes the tiny arithmetic model (which adds two 2-digit
+numbers) as a 2-label `Qwen2ForTokenClassification` until, on held-out problems, its step
+accuracy reaches the recipe's `target` and the shares of wrong steps scored below 0.5 and of
+right steps at or above it reach its `class_target`, and writes cache_dir/<recipe.name> with a
+report.json of those figures and the targets. FULL is the demo's PRM (about 2,500 steps);
+QUICK, the tests' (multistep_prm_quick), stops at lower targets with a larger learning rate:
+it separates right from wrong steps, which is what the scorer tests need, in a fraction of the
+time.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,17 +44,34 @@ from pipeline_rl.demo.tiny_model import build as build_tiny
 MARKER = "\n"
 CORRUPT_P = 0.35
 """Probability that a step's result has one wrong digit (the copied result: a third of it)."""
-TARGET = 0.9
-"""Held-out step accuracy at which training stops..."""
-CLASS_TARGET = 0.8
-"""...once the shares of wrong steps caught and of right steps kept have both reached this too."""
 MAX_STEPS = 6000
 BATCH = 64
-LR = 3e-4
 WARMUP_STEPS = 100
-EVAL_EVERY = 250
 EVAL_COPIES = 2
 """Corrupted variants of each held-out problem in the evaluation set."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """When a classifier build (the PRM here, the outcome RM in outcome_rm.py) stops, and how
+    fast it learns."""
+
+    name: str
+    """Directory under the cache."""
+    target: float
+    """Held-out accuracy at which training stops..."""
+    class_target: float
+    """...once the shares of wrong items caught and of right items kept have both reached this too."""
+    lr: float
+    """AdamW learning rate (after WARMUP_STEPS of linear warm-up)."""
+    eval_every: int
+    """Steps between held-out evaluations."""
+
+
+FULL = Recipe("multistep_prm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
+"""The demo's PRM (conf=tiny_multistep_prm)."""
+QUICK = Recipe("multistep_prm_quick", target=0.7, class_target=0.65, lr=1e-3, eval_every=50)
+"""The tests' PRM: separates right from wrong steps, built in a fraction of FULL's time."""
 IGNORE = -100
 
 
@@ -120,17 +142,17 @@ def step_accuracy(model, items, pad_id: int) -> dict:
     return rates([(y[m], correct[row, m].item() >= 0.5) for row, (_, y, marks) in enumerate(items) for m in marks])
 
 
-def reached(report: dict) -> bool:
+def reached(report: dict, recipe: Recipe) -> bool:
     return (
         bool(report)
-        and report["accuracy"] >= TARGET
-        and min(report["wrong_caught"], report["right_kept"]) >= CLASS_TARGET
+        and report["accuracy"] >= recipe.target
+        and min(report["wrong_caught"], report["right_kept"]) >= recipe.class_target
     )
 
 
-def build(cache_dir: Path, seed: int = 0) -> Path:
+def build(cache_dir: Path, seed: int = 0, recipe: Recipe = FULL) -> Path:
     """Train the PRM from cache_dir/tiny_model (built first if missing) and write
-    cache_dir/multistep_prm; raises if the targets are not reached within MAX_STEPS."""
+    cache_dir/<recipe.name>; raises if the targets are not reached within MAX_STEPS."""
     from transformers import AutoModelForTokenClassification
 
     cache_dir = Path(cache_dir)
@@ -145,26 +167,29 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
     evalset = [example(p, held_out, tokenizer) for p in test for _ in range(EVAL_COPIES)]
     torch.manual_seed(seed)
     model = AutoModelForTokenClassification.from_pretrained(base, num_labels=2, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     rng = random.Random(seed)
     start, step, report = time.time(), 0, {}
     model.train()
-    while not reached(report):
+    while not reached(report, recipe):
         if step >= MAX_STEPS:
-            raise RuntimeError(f"the PRM reached {report} in {step} steps, short of {TARGET} / {CLASS_TARGET}")
+            raise RuntimeError(
+                f"the PRM reached {report} in {step} steps, short of {recipe.target} / {recipe.class_target}"
+            )
         ids, labels = batch([example(rng.choice(train), rng, tokenizer) for _ in range(BATCH)], pad_id)
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
         warmup.step()
         step += 1
-        if step % EVAL_EVERY == 0:
+        if step % recipe.eval_every == 0:
             report = step_accuracy(model, evalset, pad_id)
             shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
-            print(f"multistep_prm: step {step}, held-out {shown}", flush=True)
+            print(f"{recipe.name}: step {step}, held-out {shown}", flush=True)
     model.eval()
     report.update(steps=step, seconds=round(time.time() - start, 1), marker=MARKER, seed=seed)
-    dest = cache_dir / "multistep_prm"
+    report.update(target=recipe.target, class_target=recipe.class_target)
+    dest = cache_dir / recipe.name
     save_model(model, tokenizer, report, dest)
     return dest

@@ -86,6 +86,7 @@ def blocked_at(records: list[dict], groups: int) -> bool:
     return any(r.get("groups_written_total") == groups and r.get("admission_blocked_frac", 0) > 0.9 for r in records)
 
 
+@pytest.mark.slow
 def test_stalled_trainer_bounds_the_actor_and_resume_keeps_the_count(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(

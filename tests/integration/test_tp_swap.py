@@ -39,7 +39,8 @@ from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
 from pipeline_rl.weight_sync import WeightSender
 
-pytestmark = pytest.mark.vllm
+# Three tensor-parallel engines (30-70 s each to start on 2 cores): the full gate only.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TP = 2
 

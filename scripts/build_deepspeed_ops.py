@@ -1,0 +1,28 @@
+"""Compile DeepSpeed's CPU ops once, ahead of the first process that needs them.
+
+    python scripts/build_deepspeed_ops.py
+
+DeepSpeed compiles on first use, into ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), the
+shared-memory collective op every CPU trainer loads and the CPU Adam op of ZeRO-Offload
+(trainer.optimizer.offload). `.ci/run` runs this on one core while the test models train on the
+other, so no test's time limit pays for a compile.
+"""
+
+from __future__ import annotations
+
+import time
+
+OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+
+
+def main() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    for name in OPS:
+        start = time.time()
+        get_accelerator().create_op_builder(name).load()
+        print(f"{name}: ready ({time.time() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
