@@ -18,9 +18,14 @@ OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
 def main() -> None:
     from deepspeed.accelerator import get_accelerator
 
+    accelerator = get_accelerator()
+    assert accelerator is not None, "DeepSpeed found no accelerator"
     for name in OPS:
         start = time.time()
-        get_accelerator().create_op_builder(name).load()
+        builder = accelerator.create_op_builder(name)
+        if builder is None:
+            raise RuntimeError(f"DeepSpeed's {type(accelerator).__name__} has no op builder {name}")
+        builder.load()
         print(f"{name}: ready ({time.time() - start:.0f} s)", flush=True)
 
 
