@@ -28,7 +28,7 @@ from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
 FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
-QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=1e-3, eval_every=50)
+QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=50)
 
 
 def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], int]:

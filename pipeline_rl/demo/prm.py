@@ -23,7 +23,7 @@ numbers) as a 2-label `Qwen2ForTokenClassification` until, on held-out problems,
 accuracy reaches the recipe's `target` and the shares of wrong steps scored below 0.5 and of
 right steps at or above it reach its `class_target`, and writes cache_dir/<recipe.name> with a
 report.json of those figures and the targets. FULL is the demo's PRM (about 2,500 steps);
-QUICK, the tests' (multistep_prm_quick), stops at lower targets with a larger learning rate:
+QUICK, the tests' (multistep_prm_quick), stops at lower targets, checked more often:
 it separates right from wrong steps, which is what the scorer tests need, in a fraction of the
 time.
 """
@@ -70,7 +70,7 @@ class Recipe:
 
 FULL = Recipe("multistep_prm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
 """The demo's PRM (conf=tiny_multistep_prm)."""
-QUICK = Recipe("multistep_prm_quick", target=0.7, class_target=0.65, lr=1e-3, eval_every=50)
+QUICK = Recipe("multistep_prm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=50)
 """The tests' PRM: separates right from wrong steps, built in a fraction of FULL's time."""
 IGNORE = -100
 

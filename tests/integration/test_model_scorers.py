@@ -29,6 +29,7 @@ from pipeline_rl.scorers import (
     HttpScorer,
     ProcessRewardScorer,
     RewardModelScorer,
+    check_scorers,
     load_scorers,
 )
 from pipeline_rl.scorers.process_reward import step_ends
@@ -243,10 +244,11 @@ def test_config_errors_name_the_key(models):
     distill = (
         f"preprocess.scorers=[{{cls: 'pipeline_rl.scorers:DistillationScorer', kwargs: {{path: {models['teacher']}}}}}]"
     )
+    # The scorers check themselves when loaded (the launcher runs the same check at launch).
     with pytest.raises(ConfigError, match=r"'trainer.loss.kl_coef' > 0 needs a scorer .* produces ref_logprobs"):
-        load_config("base", [*base, "trainer.loss.kl_coef=0.1", distill])
+        check_scorers(load_config("base", [*base, "trainer.loss.kl_coef=0.1", distill]))
     ref = "preprocess.scorers=[{cls: 'pipeline_rl.scorers:ReferenceLogprobScorer'}]"
-    load_config("base", [*base, "trainer.loss.kl_coef=0.1", ref])
+    check_scorers(load_config("base", [*base, "trainer.loss.kl_coef=0.1", ref]))
     cfg = config(models)
     cfg.preprocess.scorers = [
         ScorerConfig(
