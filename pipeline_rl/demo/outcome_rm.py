@@ -6,12 +6,12 @@ It reads prompt + completion as the scorer builds it for a tokenizer without a c
 "Q: a+b+c=" + "a+b=s1\\ns1+c=s2", no EOS. The solutions are the PRM's (pipeline_rl/demo/prm.py:
 worked solutions with corrupted digits), labelled by their final answer alone.
 
-`build(cache_dir, seed, quick)` starts from the PRM (built first if missing), whose layers
+`build(cache_dir, seed)` starts from the demo's PRM (built first if missing), whose layers
 already check each digit and gather the checks at the end of a step, puts a new one-logit head
 on them, and trains on the logistic loss at the last token until the held-out accuracy and the
-shares of wrong answers scored below 0 and right ones above 0 reach the targets of a
-`prm.Recipe`: FULL (cache_dir/multistep_rm, from the demo's PRM) or, with `quick`, QUICK
-(cache_dir/multistep_rm_quick, from the tests' PRM). It writes a report.json beside the model.
+shares of wrong answers scored below 0 and right ones above 0 reach FULL's targets. It writes
+cache_dir/multistep_rm with a report.json. (Started from the quick PRM, the same head at lr 3e-4
+still scored every answer wrong after 450 steps: there is no quick RM recipe yet.)
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
 FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
-QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=50)
 
 
 def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], int]:
@@ -58,15 +57,15 @@ def accuracy(model, items: list[tuple[list[int], int]], pad_id: int) -> dict:
     return prm.rates([(label, said) for (_, label), said in zip(items, right.tolist())])
 
 
-def build(cache_dir: Path, seed: int = 0, quick: bool = False) -> Path:
-    """Train the outcome RM from the PRM (QUICK's from the quick PRM) and write it under cache_dir."""
+def build(cache_dir: Path, seed: int = 0) -> Path:
+    """Train the outcome RM from cache_dir/multistep_prm and write cache_dir/multistep_rm."""
     from transformers import AutoModelForSequenceClassification
 
     cache_dir = Path(cache_dir)
-    recipe, prm_recipe = (QUICK, prm.QUICK) if quick else (FULL, prm.FULL)
-    base = cache_dir / prm_recipe.name
+    recipe = FULL
+    base = cache_dir / prm.FULL.name
     if not (base / "config.json").exists():
-        prm.build(cache_dir, seed, prm_recipe)
+        prm.build(cache_dir, seed, prm.FULL)
     tokenizer = make_tokenizer()
     pad_id = tokenizer.pad_token_id
     assert isinstance(pad_id, int)
