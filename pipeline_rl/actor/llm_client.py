@@ -33,11 +33,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.actor.tp_swap import WORKER_EXTENSION, TensorParallelReceiver, TensorParallelSwapHook
-from pipeline_rl.actor.vllm_hook import WeightSwapHook, check_vllm_version
+from pipeline_rl.actor.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
+from pipeline_rl.actor.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
 from pipeline_rl.config import RunConfig
 from pipeline_rl.streams.api import Reader
-from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver, group_ranks
+from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_sync import StaleUpdate, group_ranks
 
 if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this module is
     from vllm import LLMEngine
@@ -161,7 +162,7 @@ def cpu_thread_binds(workers: int, cores: list[int]) -> str:
 
 
 class LLMClient:
-    def __init__(self, engine: LLMEngine, hook: WeightSwapHook | TensorParallelSwapHook, tokenizer: TokenizerLike):
+    def __init__(self, engine: LLMEngine, hook: SwapGate, tokenizer: TokenizerLike):
         self.engine = engine
         self.hook = hook
         self.tokenizer = tokenizer
@@ -199,21 +200,18 @@ class LLMClient:
         check_vllm_version(vllm.__version__)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
         if tp > 1:
-            hook: WeightSwapHook | TensorParallelSwapHook = TensorParallelSwapHook.install(engine, model_path, version)
+            hook: SwapGate = TensorParallelSwapHook.install(engine, model_path, version)
         else:
             hook = WeightSwapHook.install(engine, model_path, version)
         return cls(engine, hook, engine.get_tokenizer())
 
     def weight_receiver(
         self, addr: str, actor_index: int, actors: int, backend: str, stage_on_host: bool = False
-    ) -> WeightReceiver | TensorParallelReceiver:
+    ) -> Receiver:
         """This engine's end of the weight-update group: the actor process itself, or with TP > 1
         every worker of the engine (see weight_sync.group_ranks)."""
-        if isinstance(self.hook, TensorParallelSwapHook):
-            ranks, world = group_ranks(actor_index, actors, self.hook.tensor_parallel_size)
-            return self.hook.receiver(addr, ranks[0], world, backend, stage_on_host)
-        [rank], world = group_ranks(actor_index, actors, 1)
-        return WeightReceiver(addr, rank=rank, world_size=world, backend=backend, stage_on_host=stage_on_host)
+        ranks, world = group_ranks(actor_index, actors, self.hook.tensor_parallel_size)
+        return self.hook.receiver(addr, ranks[0], world, backend, stage_on_host)
 
     @property
     def failure(self) -> str | None:
@@ -355,9 +353,7 @@ class LLMClient:
             if group.remaining == 0:
                 _post(group, group.completions)
 
-    def start_receiver(
-        self, receiver: WeightReceiver | TensorParallelReceiver, updates_reader: Reader
-    ) -> threading.Thread:
+    def start_receiver(self, receiver: Receiver, updates_reader: Reader) -> threading.Thread:
         """Start a daemon thread that takes part in every announced weight broadcast (no lock
         held while receiving) and then swaps the weights in. A failed transfer or check is
         logged and counted; the engine keeps serving the last complete version."""
@@ -379,10 +375,11 @@ class LLMClient:
             for entry in entries:
                 self.apply_update(receiver, entry.record)
 
-    def apply_update(self, receiver, update) -> bool:
-        """Receive one announced update and swap it in; False (logged, counted) on failure."""
+    def apply_update(self, receiver: Receiver, update: WeightUpdate) -> bool:
+        """Receive one announced update and swap it in (the swap contract: actor/vllm_hook.py);
+        False (logged, counted) on failure."""
         try:
-            named = receiver.receive(update)
+            staged = receiver.receive(update)
         except StaleUpdate as e:
             self.updates_skipped += 1
             log.info("skipped weight update: %s", e)
@@ -398,7 +395,7 @@ class LLMClient:
             log.info("skipped weight update %d: engine already has version %d", update.version, self.hook.version)
             return False
         try:
-            stats = self.hook.swap(named, update.version)
+            stats = self.hook.swap(staged, update.version)
         except Exception as e:  # counted by the hook
             log.error("weight update %d not loaded, keeping version %d: %s", update.version, self.hook.version, e)
             return False

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from pipeline_rl.actor.vllm_hook import EngineWeights, SwapGate, SwapStats
+from pipeline_rl.actor.vllm_hook import EngineWeights, Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, decode, encode
 from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
 
@@ -56,13 +54,6 @@ _STALE = "stale: "
 
 def _staged_key(ticket: str, rank: int) -> str:
     return f"staged/{ticket}/{rank}"
-
-
-@dataclass
-class Staged:
-    """An update every worker of the engine holds in its staging buffer."""
-
-    ticket: str
 
 
 class _WorkerState:
@@ -176,7 +167,8 @@ def _failures(replies: list[str | None]) -> str | None:
 
 class TensorParallelSwapHook(SwapGate):
     """Gates the engine core's step and swaps the weights of every TP worker between two
-    steps. Same interface as WeightSwapHook (pipeline_rl/actor/vllm_hook.py)."""
+    steps (the swap contract: pipeline_rl/actor/vllm_hook.py); each worker holds its own copy
+    of the update."""
 
     def __init__(self, llm_engine, version: int, tensor_parallel_size: int, history: int = 10000):
         # The in-process engine core, which vLLM's annotation types as the general client.
@@ -213,24 +205,15 @@ class TensorParallelSwapHook(SwapGate):
             raise RuntimeError(f"staging a weight update failed: {failed}")
         return Staged(ticket)
 
-    def swap(self, update: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
-        """Check the staged update in every worker and, only if all pass, load it in all of them
-        between two engine steps; then set `version`. Raises ValueError (nothing loaded) when a
-        check fails, RuntimeError (engine unusable) when a load fails."""
-        staged = update if isinstance(update, Staged) else self.stage(update)
-        asked = time.perf_counter()
-        with self._turnstile, self.lock:
-            got = time.perf_counter()
-            failed = _failures(self._rpc("pipeline_rl_check", staged.ticket))
-            if failed:
-                self.failures += 1
-                raise ValueError(f"weight update {version} not loaded: {failed}")
-            failed = _failures(self._rpc("pipeline_rl_load", staged.ticket))
-            if failed:
-                self.failures += 1
-                self._broken = f"loading version {version} failed: {failed}"
-                raise RuntimeError(self._broken)
-            return self._loaded(version, asked, got)
+    def _check(self, staged: Staged) -> None:
+        failed = _failures(self._rpc("pipeline_rl_check", staged.ticket))
+        if failed:
+            raise ValueError(failed)
+
+    def _load(self, staged: Staged) -> None:
+        failed = _failures(self._rpc("pipeline_rl_load", staged.ticket))
+        if failed:
+            raise RuntimeError(failed)
 
     def receiver(
         self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False

