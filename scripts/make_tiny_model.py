@@ -6,7 +6,8 @@ NAME is tiny_model (default), tiny_learner (the learning benchmark's second mode
 right greedily, not softened), multistep_policy or multistep_teacher (the multi-step task's
 policy and distillation teacher, built together: pipeline_rl/demo/multistep.py), multistep_prm
 (its process reward model: pipeline_rl/demo/prm.py) or multistep_rm (its outcome reward model:
-pipeline_rl/demo/outcome_rm.py). A model's prerequisites are built first when missing.
+pipeline_rl/demo/outcome_rm.py); multistep_prm_quick and multistep_rm_quick are the tests' quick
+recipes of the last two. A model's prerequisites are built first when missing.
 
 DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 """

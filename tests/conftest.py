@@ -12,6 +12,14 @@ from helpers import RedisServer, build_tiny_model
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `models` every test that needs a built model (the `tiny_model` fixture, directly or
+    through another fixture): CI runs the others while the models build."""
+    for item in items:
+        if "tiny_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.models)
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     server = RedisServer(tmp_path)

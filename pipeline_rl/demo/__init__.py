@@ -12,6 +12,7 @@ BUILT = (
     "multistep_prm",
     "multistep_rm",
     "multistep_prm_quick",
+    "multistep_rm_quick",
 )
 """Directory names under the cache that `build_named` can make."""
 
@@ -26,8 +27,8 @@ def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
         tiny_model.build(cache_dir, seed, tiny_model.LEARNER)
     elif name in (prm.FULL.name, prm.QUICK.name):
         prm.build(cache_dir, seed, prm.FULL if name == prm.FULL.name else prm.QUICK)
-    elif name == outcome_rm.FULL.name:
-        outcome_rm.build(cache_dir, seed)
+    elif name in outcome_rm.BASE:
+        outcome_rm.build(cache_dir, seed, outcome_rm.FULL if name == outcome_rm.FULL.name else outcome_rm.QUICK)
     elif name in BUILT:
         multistep.build(cache_dir, seed)
     else:

@@ -4,14 +4,17 @@ final answer is right" (> 0) or not (< 0).
 
 It reads prompt + completion as the scorer builds it for a tokenizer without a chat template:
 "Q: a+b+c=" + "a+b=s1\\ns1+c=s2", no EOS. The solutions are the PRM's (pipeline_rl/demo/prm.py:
-worked solutions with corrupted digits), labelled by their final answer alone.
+worked solutions with corrupted digits), labelled by their final answer.
 
-`build(cache_dir, seed)` starts from the demo's PRM (built first if missing), whose layers
-already check each digit and gather the checks at the end of a step, puts a new one-logit head
-on them, and trains on the logistic loss at the last token until the held-out accuracy and the
-shares of wrong answers scored below 0 and right ones above 0 reach FULL's targets. It writes
-cache_dir/multistep_rm with a report.json. (Started from the quick PRM, the same head at lr 3e-4
-still scored every answer wrong after 450 steps: there is no quick RM recipe yet.)
+`build(cache_dir, seed, recipe)` starts from the recipe's PRM (built first if missing), puts a new
+one-logit head on its layers and trains on the logistic loss at the last token. The final
+answer alone is a sparse label (trained on it alone, from the quick PRM, every answer was still
+scored wrong after 1,000 steps), so a second, auxiliary head is trained beside it on the PRM's own
+labels (each digit right for its step, each step right so far), which keeps the layers checking
+every digit; it is dropped when the RM is saved. Training stops once the held-out accuracy and
+the shares of wrong answers scored below 0 and right ones above 0 reach the recipe's targets, and
+writes cache_dir/<recipe.name> with a report.json. FULL (from the demo's PRM) is the demo's RM;
+QUICK (from the quick PRM, lower targets) the tests'.
 """
 
 from __future__ import annotations
@@ -28,23 +31,40 @@ from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
 FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
+"""The demo's outcome RM, from the demo's PRM."""
+QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=50)
+"""The tests' outcome RM, from the tests' PRM: separates right from wrong answers, in a fraction
+of FULL's time."""
+BASE = {FULL.name: prm.FULL, QUICK.name: prm.QUICK}
+"""The PRM recipe each RM recipe starts from."""
+
+
+def labelled(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], list[int], int]:
+    """(token ids, the PRM's labels of those tokens, 1 if the final answer is right else 0) of
+    one solution of `problem`."""
+    ids, labels, _ = prm.example(problem, rng, tokenizer)
+    text = tokenizer.decode(ids).removesuffix(prm.MARKER)
+    return ids[:-1], labels[:-1], int(text.rsplit("=", 1)[1] == problem["answer"])
 
 
 def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], int]:
     """(token ids, 1 if the final answer is right else 0) of one solution of `problem`."""
-    ids, _, _ = prm.example(problem, rng, tokenizer)
-    text = tokenizer.decode(ids).removesuffix(prm.MARKER)
-    return ids[:-1], int(text.rsplit("=", 1)[1] == problem["answer"])
+    ids, _, label = labelled(problem, rng, tokenizer)
+    return ids, label
+
+
+def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+    """Rows right-padded with `fill` to the longest."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
 
 
 def last_logits(model, items: list[tuple[list[int], int]], pad_id: int) -> torch.Tensor:
     """The model's logit at each item's last token (right padding)."""
-    width = max(len(ids) for ids, _ in items)
-    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(items), width), dtype=torch.long)
-    for row, (x, _) in enumerate(items):
-        ids[row, : len(x)] = torch.tensor(x)
-        mask[row, : len(x)] = 1
+    ids = padded([x for x, _ in items], pad_id)
+    mask = padded([[1] * len(x) for x, _ in items], 0)
     return model(input_ids=ids, attention_mask=mask).logits[:, 0]
 
 
@@ -57,15 +77,29 @@ def accuracy(model, items: list[tuple[list[int], int]], pad_id: int) -> dict:
     return prm.rates([(label, said) for (_, label), said in zip(items, right.tolist())])
 
 
-def build(cache_dir: Path, seed: int = 0) -> Path:
-    """Train the outcome RM from cache_dir/multistep_prm and write cache_dir/multistep_rm."""
+def loss(model, aux_head: torch.nn.Linear, items: list[tuple[list[int], list[int], int]], pad_id: int) -> torch.Tensor:
+    """The logistic loss of the final answers at the last token plus the auxiliary head's loss
+    on the PRM's labels."""
+    ids = padded([x for x, _, _ in items], pad_id)
+    mask = padded([[1] * len(x) for x, _, _ in items], 0)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    final = torch.tensor([label for _, _, label in items], dtype=torch.float32)
+    aux = aux_head(out.hidden_states[-1]).flatten(0, 1)
+    aux_labels = padded([y for _, y, _ in items], prm.IGNORE).flatten()
+    return torch.nn.functional.binary_cross_entropy_with_logits(
+        out.logits[:, 0], final
+    ) + torch.nn.functional.cross_entropy(aux, aux_labels, ignore_index=prm.IGNORE)
+
+
+def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL) -> Path:
+    """Train the outcome RM from its PRM and write cache_dir/<recipe.name>; raises if the
+    targets are not reached within MAX_STEPS."""
     from transformers import AutoModelForSequenceClassification
 
     cache_dir = Path(cache_dir)
-    recipe = FULL
-    base = cache_dir / prm.FULL.name
+    base = cache_dir / BASE[recipe.name].name
     if not (base / "config.json").exists():
-        prm.build(cache_dir, seed, prm.FULL)
+        prm.build(cache_dir, seed, BASE[recipe.name])
     tokenizer = make_tokenizer()
     pad_id = tokenizer.pad_token_id
     assert isinstance(pad_id, int)
@@ -77,7 +111,8 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
         base, num_labels=1, dtype=torch.float32, ignore_mismatched_sizes=True
     )
     model.config.pad_token_id = pad_id
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    aux_head = torch.nn.Linear(model.config.hidden_size, 2)
+    opt = torch.optim.AdamW([*model.parameters(), *aux_head.parameters()], lr=recipe.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / prm.WARMUP_STEPS))
     rng = random.Random(seed)
     start, step, report = time.time(), 0, {}
@@ -85,9 +120,8 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
     while not prm.reached(report, recipe):
         if step >= MAX_STEPS:
             raise RuntimeError(f"the outcome RM reached {report} in {step} steps")
-        items = [example(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)]
-        target = torch.tensor([label for _, label in items], dtype=torch.float32)
-        torch.nn.functional.binary_cross_entropy_with_logits(last_logits(model, items, pad_id), target).backward()
+        items = [labelled(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)]
+        loss(model, aux_head, items, pad_id).backward()
         opt.step()
         opt.zero_grad()
         warmup.step()

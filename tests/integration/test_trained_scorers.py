@@ -2,8 +2,8 @@
 through the real ProcessRewardScorer and RewardModelScorer, on held-out problems: wrong steps
 (answers) score low and right ones high, at the rates their builds measured, each PRM score
 sits on exactly the last token of its step, and the scorers rebuild the text the models were
-trained on. The PRM is the quick recipe's (the demo's is the same code run longer): what is
-tested is that the scorers carry a trained classifier's separation through unchanged."""
+trained on. The PRM and RM are the quick recipes' (the demo's are the same code run longer): what
+is tested is that the scorers carry a trained classifier's separation through unchanged."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from pipeline_rl.demo.tiny_model import make_tokenizer
 from pipeline_rl.scorers import ProcessRewardScorer, RewardModelScorer
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
-# The quick PRM (prm.QUICK) and the demo's outcome RM (outcome_rm.FULL, from the demo's PRM):
-# built by .ci/run, or here when missing (the RM then takes about 17 minutes).
+# The quick PRM (prm.QUICK) and outcome RM (outcome_rm.QUICK, from the quick PRM): built by
+# .ci/run, or here when missing (a few minutes).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 COPIES = 2
@@ -44,7 +44,7 @@ def prm_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def rm_dir(prm_dir):
-    return built(outcome_rm.FULL.name)
+    return built(outcome_rm.QUICK.name)
 
 
 def policy_config(tiny_model) -> RunConfig:
@@ -152,7 +152,7 @@ def test_trained_outcome_rm_scores_wrong_answers_below_right_ones(tiny_model, rm
     wrong = [s for (_, label), s in zip(items, scores) if not label]
     right = [s for (_, label), s in zip(items, scores) if label]
     target = report["class_target"]
-    assert target == outcome_rm.FULL.class_target
+    assert target == outcome_rm.QUICK.class_target
     assert report["wrong_caught"] >= target and report["right_kept"] >= target
     caught = sum(s < 0 for s in wrong) / len(wrong)
     kept = sum(s > 0 for s in right) / len(right)
