@@ -258,7 +258,7 @@ class Launcher:
 
     def _stop_all(self, graceful: bool) -> None:
         trainers = {s.name for s in self.local if s.pool == "trainer"}
-        self.supervisor.stop(first=trainers if graceful else None, grace_s=TRAINER_STOP_GRACE_S if graceful else 6.0)
+        self.supervisor.stop(first=trainers if graceful else None, first_grace_s=TRAINER_STOP_GRACE_S)
         if self.streams is not None:
             if self.node.rank > 0:
                 self.control_writer.write(Control(event="left", source=f"node{self.node.rank}"))

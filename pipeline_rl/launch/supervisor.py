@@ -98,15 +98,17 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
 
-    def stop(self, first: set[str] | None = None, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM (to `first` before the rest, e.g. trainers so they checkpoint), then SIGKILL."""
-        deadline = time.time() + grace_s
+    def stop(self, first: set[str] | None = None, first_grace_s: float = 0.0, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to `first` (e.g. trainers, so they checkpoint) with up to first_grace_s to exit,
+        then to the rest with grace_s of their own (a process hung in a plug-in never exits on
+        SIGTERM: it must not get the trainers' time), then SIGKILL."""
         if first:
+            deadline = time.time() + first_grace_s
             self.signal_all(signal.SIGTERM, first)
             while time.time() < deadline and any(c.proc.poll() is None for c in self.children if c.name in first):
                 time.sleep(0.1)
         self.signal_all(signal.SIGTERM)
-        deadline = max(deadline, time.time() + 2.0)
+        deadline = time.time() + grace_s
         while time.time() < deadline and any(c.proc.poll() is None for c in self.children):
             time.sleep(0.1)
         self.signal_all(signal.SIGKILL)

@@ -18,6 +18,8 @@ from faulty_domain import MALFORMED
 from helpers import CACHE, ROOT, TESTS, RedisServer, free_port
 
 from pipeline_rl.config import load_saved_config
+from pipeline_rl.launch.launcher import TRAINER_STOP_GRACE_S
+from pipeline_rl.launch.supervisor import STOP_GRACE_S
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
@@ -326,12 +328,29 @@ def test_lost_groups_do_not_stall_the_run(tmp_path, tiny_model, mode):
 def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     """A scorer that hangs after three steps' worth of groups: every process stays alive, the
     version stops moving; the launcher must stop the run, exit non-zero and show what the trainer
-    and the preprocessor were doing."""
+    and the preprocessor were doing. The hung preprocessor ignores SIGTERM, so it is killed after
+    the rest's STOP_GRACE_S, not kept for the trainers' TRAINER_STOP_GRACE_S."""
     run_dir = tmp_path / "run"
     scorer = "preprocess.scorers=[{cls: 'faulty_scorer:HangsAfterGroups', kwargs: {after_groups: 12}}]"
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
-    code, out = launch(run_dir, "trainer.max_steps=50", scorer, "watchdog_s=15", "watchdog_startup_s=240", env=env)
+    proc = launch(
+        run_dir, "trainer.max_steps=50", scorer, "watchdog_s=15", "watchdog_startup_s=240", env=env, wait=False
+    )
+    try:
+        lines, stopping = [], None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if stopping is None and line.startswith("stopping the run"):
+                stopping = time.monotonic()
+        code = proc.wait(timeout=30)
+        stopped_in = time.monotonic() - (stopping or 0.0)
+    finally:
+        stop(proc)
+    out = "".join(lines)
     assert code == 3, out
+    # The trainer's checkpoint of a tiny model takes seconds, then at most STOP_GRACE_S for the rest.
+    assert stopped_in < STOP_GRACE_S + 30 < TRAINER_STOP_GRACE_S, out
     assert "no progress: the policy version has stayed at" in out
     assert "trainer0: last report" in out and "waiting on: micro-batches of step" in out
     assert "preprocessor0: last report" in out
