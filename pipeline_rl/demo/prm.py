@@ -22,7 +22,7 @@ itself at every digit of every solution, and the step labels then only have to g
 numbers) as a 2-label `Qwen2ForTokenClassification` until, on held-out problems, its step
 accuracy reaches the recipe's `target` and the shares of wrong steps scored below 0.5 and of
 right steps at or above it reach its `class_target`, and writes cache_dir/<recipe.name> with a
-report.json of those figures and the targets. FULL is the demo's PRM (about 2,500 steps);
+report.json of those figures and the targets. FULL is the demo's PRM (2,500-4,000 steps, by CPU);
 QUICK, the tests' (multistep_prm_quick), stops at lower targets, checked more often:
 it separates right from wrong steps, which is what the scorer tests need, in a fraction of the
 time.
