@@ -53,18 +53,10 @@ def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], in
     return ids, label
 
 
-def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
-    """Rows right-padded with `fill` to the longest."""
-    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row)
-    return out
-
-
 def last_logits(model, items: list[tuple[list[int], int]], pad_id: int) -> torch.Tensor:
     """The model's logit at each item's last token (right padding)."""
-    ids = padded([x for x, _ in items], pad_id)
-    mask = padded([[1] * len(x) for x, _ in items], 0)
+    ids = prm.padded([x for x, _ in items], pad_id)
+    mask = prm.padded([[1] * len(x) for x, _ in items], 0)
     return model(input_ids=ids, attention_mask=mask).logits[:, 0]
 
 
@@ -80,15 +72,14 @@ def accuracy(model, items: list[tuple[list[int], int]], pad_id: int) -> dict:
 def loss(model, aux_head: torch.nn.Linear, items: list[tuple[list[int], list[int], int]], pad_id: int) -> torch.Tensor:
     """The logistic loss of the final answers at the last token plus the auxiliary head's loss
     on the PRM's labels."""
-    ids = padded([x for x, _, _ in items], pad_id)
-    mask = padded([[1] * len(x) for x, _, _ in items], 0)
+    ids, aux_labels = prm.batch(items, pad_id)
+    mask = prm.padded([[1] * len(x) for x, _, _ in items], 0)
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     final = torch.tensor([label for _, _, label in items], dtype=torch.float32)
     aux = aux_head(out.hidden_states[-1]).flatten(0, 1)
-    aux_labels = padded([y for _, y, _ in items], prm.IGNORE).flatten()
     return torch.nn.functional.binary_cross_entropy_with_logits(
         out.logits[:, 0], final
-    ) + torch.nn.functional.cross_entropy(aux, aux_labels, ignore_index=prm.IGNORE)
+    ) + torch.nn.functional.cross_entropy(aux, aux_labels.flatten(), ignore_index=prm.IGNORE)
 
 
 def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL) -> Path:

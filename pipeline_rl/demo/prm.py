@@ -34,6 +34,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,14 +109,17 @@ def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], li
     return ids, labels, marks
 
 
-def batch(items: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids, _, _ in items)
-    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(items), width), IGNORE, dtype=torch.long)
-    for row, (x, y, _) in enumerate(items):
-        ids[row, : len(x)] = torch.tensor(x)
-        labels[row, : len(y)] = torch.tensor(y)
-    return ids, labels
+def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+    """Rows right-padded with `fill` to the longest."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+def batch(items: list[tuple[list[int], list[int], Any]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (padded with pad_id) and labels (padded with IGNORE) of (ids, labels, ...) items."""
+    return padded([x for x, _, _ in items], pad_id), padded([y for _, y, _ in items], IGNORE)
 
 
 def rates(judged: list[tuple[int, bool]]) -> dict:
