@@ -3,26 +3,34 @@ sync and TRL's GRPOTrainer, one after the other on the same model, problems, hel
 reward and time budget.
 
     python scripts/bench_learning.py [--budget-s 600] [--out runs/bench_learning]
-        [--conf tiny] [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
+        [--conf tiny] [--models NAME,...|--family] [--reuse-trl]
+        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
 
 Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, then
-scripts/bench_trl.py (when the `bench` extra is installed: `bash scripts/setup_cpu.sh --bench`),
-and prints for each the wall time until the held-out reward (T=1, 200 problems) first reaches
-0.7 and 0.9, the last held-out reward, completions/s, versions/s (optimizer steps), idle
-fractions and peak RSS per process; then the issue's goals against TRL and the pipelined/sync
-speed-up, with its bounds from the sync run (overlap, and CPU seconds per version over the
-cores). Variants named async<suffix> and sync<suffix> are compared the same way. The curves go
-to OUT/learning_curves.png. Overrides apply to the pipeline_rl runs;
-`model.path=.cache/tiny_learner` also moves TRL to that model (built if missing). With
---variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2
---variant token:actor.admission_lag=2,trainer.lag_gate=token`: with the default admission almost
-nothing is stale), with dropped samples and masked tokens.
+scripts/bench_trl.py (when the `bench` extra is installed: `bash scripts/setup_cpu.sh --bench`).
+For each run it prints the held-out reward (T=1, 200 problems) read as moving averages of 3
+evaluations (pipeline_rl/learning_curve.py): time to 0.7 and 0.9, time to TRL's final reward,
+the final reward and the worst drop after the best; completions/s, versions/s, idle fractions,
+peak RSS per process; where a version's time goes; and the metrics that explain a fall
+(entropy, KL to the behaviour policy, clip fraction, ESS, gradient norm) over the run's last
+third. Then the issue's goals against TRL and the pipelined/sync speed-up, with its bounds from
+the sync run. Variants named async<suffix> and sync<suffix> are compared the same way.
+
+--models runs all of that on each named model (a directory, or a name scripts/make_tiny_model.py
+builds, built if missing) and ends with one table over the models (OUT/table.md) and their
+curves side by side (OUT/curves.png); --family is --models with every model of
+pipeline_rl/demo/family.py. Each model's runs go to OUT/<model>/. --reuse-trl keeps a finished
+TRL run of the same model and budget instead of running it again (TRL does not depend on
+pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With --variant, runs the named
+pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2 --variant
+token:actor.admission_lag=2,trainer.lag_gate=token`), with dropped samples and masked tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +38,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from pipeline_rl import learning_curve
 from pipeline_rl.config import load_config
 from pipeline_rl.metrics import read_metrics
 
@@ -37,14 +46,6 @@ ROOT = Path(__file__).resolve().parent.parent
 THRESHOLDS = (0.7, 0.9)
 TRAINERS = ("trainer0", "trl")
 """Processes whose step records carry "version" and "compute_s"."""
-
-
-def time_to_reach(records: list[dict], t0: float, threshold: float) -> float | None:
-    for r in records:
-        value = r["values"].get("eval/reward")
-        if isinstance(value, (int, float)) and value >= threshold:
-            return r["time"] - t0
-    return None
 
 
 def eval_curve(records: list[dict], t0: float) -> list[tuple[float, float]]:
@@ -149,18 +150,20 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str]) 
     return summarize(name, run_dir, time.time() - start)
 
 
-def run_trl(budget_s: float, out: Path, overrides: list[str]) -> dict:
+def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
     cfg = load_config("tiny", overrides)
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
-    if not (model / "config.json").exists():
-        from pipeline_rl.demo import build_named
-
-        build_named(model.parent, model.name, cfg.seed)
     run_dir = out / "trl"
+    done = run_dir / "done.json"
+    key = {"model": str(model.resolve()), "data": str(data.resolve()), "budget_s": budget_s, "seed": cfg.seed}
+    if reuse and done.exists() and json.loads(done.read_text()) == key:
+        print(f"[trl] reusing {run_dir} (same model, data, budget and seed)", flush=True)
+        return summarize("trl", run_dir, budget_s)
     argv = [sys.executable, "scripts/bench_trl.py", f"--model={model}", f"--data={data}", f"--budget-s={budget_s}"]
     argv += [f"--out={run_dir}", f"--seed={cfg.seed}"]
     print(f"[trl] {' '.join(argv[1:])} (TRL's log: {run_dir / 'trl.log'})", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+    done.unlink(missing_ok=True)
     for old in (run_dir / "metrics").glob("*.jsonl"):
         old.unlink()
     start = time.time()
@@ -168,7 +171,50 @@ def run_trl(budget_s: float, out: Path, overrides: list[str]) -> dict:
         code = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise SystemExit(f"[trl] bench_trl.py exited with {code}; see {run_dir / 'trl.log'}")
+    done.write_text(json.dumps(key))
     return summarize("trl", run_dir, time.time() - start)
+
+
+STABILITY = ("entropy", "behaviour_kl", "clip_fraction", "ess", "grad_norm")
+"""Step metrics that explain a fall of the held-out reward, averaged over the run's last third."""
+
+
+def late_means(steps: list[dict]) -> dict[str, float]:
+    tail = steps[len(steps) * 2 // 3 :]
+    means = {}
+    for key in STABILITY:
+        values = [r["values"][key] for r in tail if isinstance(r["values"].get(key), (int, float))]
+        if values:
+            means[key] = sum(values) / len(values)
+    return means
+
+
+def version_costs(records: list[dict], steps: list[dict]) -> dict[str, float]:
+    """Where a version's wall time goes, in mean seconds per version: the trainer's wait for
+    data, forward+backward, optimizer step, weight broadcast and checkpoints; the actors' swap
+    pause (generation stopped for the swap), and the stream hop from actor to preprocessor."""
+    values = [r["values"] for r in steps if "wait_s" in r["values"]]
+    if not values:
+        return {}
+    n = len(values)
+
+    def mean(key: str) -> float:
+        return sum(v.get(key, 0.0) for v in values) / n
+
+    costs = {
+        "wait": mean("wait_s"),
+        "forward+backward": mean("compute_s") - mean("optimizer_s"),
+        "optimizer": mean("optimizer_s"),
+        "broadcast": mean("weight_broadcast_s"),
+        "checkpoint": mean("checkpoint_s"),
+    }
+    pauses = [r["values"]["swap_pause_mean_s"] for r in records if r["values"].get("swap_pause_mean_s") is not None]
+    if pauses:
+        costs["actor swap pause"] = sum(pauses) / len(pauses)
+    hops = [r["values"]["preprocess/lag_s"] for r in records if r["values"].get("preprocess/lag_s")]
+    if hops:
+        costs["actor->preprocessor hop"] = sum(hops) / len(hops)
+    return costs
 
 
 def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
@@ -181,10 +227,10 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
         "mode": name,
         "wall_s": wall_s,
         "curve": curve,
-        "reach": {t: time_to_reach(records, t0, t) for t in THRESHOLDS},
-        "final_eval": curve[-1][1] if curve else None,
-        # One evaluation of 200 problems has a standard error of up to 0.035: rank runs by more than one.
-        "last3_eval": sum(v for _, v in curve[-3:]) / len(curve[-3:]) if curve else None,
+        "reach": {t: learning_curve.time_to(curve, t) for t in THRESHOLDS},
+        "start_eval": curve[0][1] if curve else None,
+        "final_eval": learning_curve.final(curve),
+        "worst_drop": learning_curve.worst_drop(curve),
         "eval_span_s": curve[-1][0] if curve else 0.0,
         "versions_per_s": versions_per_s(steps),
         "completions_per_s": completions_per_s(records),
@@ -192,6 +238,8 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
         "trainer_idle": trainer_idle(steps),
         "step_split": step_split(steps),
         "cpu_per_version": cpu_per_version(records, steps),
+        "costs": version_costs(records, steps),
+        "late": late_means(steps),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
         **{k: sum(r["values"].get(k, 0) for r in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
@@ -202,17 +250,7 @@ def fmt(x, spec=".0f", unit="", missing="n/a") -> str:
     return missing if x is None else f"{x:{spec}}{unit}"
 
 
-def first_reach(curve: list[tuple[float, float]], threshold: float) -> float | None:
-    return next((t for t, v in curve if v >= threshold), None)
-
-
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+def plot(results: list[dict], ax) -> None:
     for r in results:
         if r["curve"]:
             xs, ys = zip(*r["curve"])
@@ -222,21 +260,43 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+def save_plots(per_model: list[tuple[str, list[dict]]], path: Path) -> None:
+    """One panel of curves per model, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(len(per_model), 3)
+    rows = (len(per_model) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, (model, results) in zip(axes.flat, per_model):
+        plot(results, ax)
+        ax.set_title(model)
+    for ax in list(axes.flat)[len(per_model) :]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def report(results: list[dict], out: Path, conf: str) -> None:
-    print(f"\n=== bench_learning: held-out mean reward (T=1), conf={conf} ===")
+    print(f"\n=== bench_learning: held-out mean reward (T=1), conf={conf}, {out.name} ===")
+    print(f"(rewards are moving averages of {learning_curve.WINDOW} evaluations; drop: the worst fall after the best)")
     for r in results:
         reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s', 'not reached')}" for t in THRESHOLDS)
         print(
-            f"{r['mode']:>6}: time to reach {reach}; last eval {fmt(r['final_eval'], '.3f')} at "
-            f"{r['eval_span_s']:.0f} s (mean of last 3: {fmt(r['last3_eval'], '.3f')}); {fmt(r['completions_per_s'], '.0f')} completions/s, "
+            f"{r['mode']:>6}: start {fmt(r['start_eval'], '.3f')}; time to {reach}; final {fmt(r['final_eval'], '.3f')} "
+            f"at {r['eval_span_s']:.0f} s, drop {r['worst_drop']:.3f}; {fmt(r['completions_per_s'], '.0f')} completions/s, "
             f"{fmt(r['versions_per_s'], '.2f')} versions/s; actor idle {fmt(r['actor_idle'], '.2f')}, "
             f"trainer idle {fmt(r['trainer_idle'], '.2f')}"
         )
+        if r["late"]:
+            print("        last third: " + ", ".join(f"{k} {v:.3g}" for k, v in r["late"].items()))
+        if r["costs"]:
+            print("        s per version: " + ", ".join(f"{k} {v:.4f}" for k, v in r["costs"].items()))
         if r["mode"] != "trl":
             print(
                 f"        dropped samples {fmt(r['dropped_samples'])} of {r['samples']:.0f}, masked tokens {r['masked_tokens']:.0f}, "
@@ -245,25 +305,54 @@ def report(results: list[dict], out: Path, conf: str) -> None:
         rss = ", ".join(f"{p}={v:.0f}" for p, v in sorted(r["peak_rss_mb"].items()))
         if rss:
             print(f"        peak RSS MB: {rss}")
-    plot(results, out / "learning_curves.png")
+    save_plots([(out.name, results)], out / "learning_curves.png")
     print(f"curves: {out / 'learning_curves.png'}")
     by = {r["mode"]: r for r in results}
-    pipe, trl = by.get("async"), by.get("trl")
-    if pipe and trl and trl["final_eval"] is not None:
-        target = trl["final_eval"]
-        t = first_reach(pipe["curve"], target)
-        print(
-            f"goal: pipelined reaches TRL's last reward {target:.3f} at {fmt(t, '.0f', ' s', 'never')} "
-            f"(goal <= half of TRL's {trl['eval_span_s']:.0f} s: {trl['eval_span_s'] / 2:.0f} s)"
-        )
-        if pipe["final_eval"] is not None:
-            print(f"goal: pipelined last reward - TRL's = {pipe['final_eval'] - target:+.3f} (goal >= +0.1)")
+    trl = by.get("trl")
     for name, pipe in by.items():
+        if trl and name != "trl":
+            goals(pipe, trl)
         # Each pipelined run "async<suffix>" is compared with the sync run of the same suffix.
         sync = by.get("sync" + name[len("async") :]) if name.startswith("async") else None
         if sync:
             pipelining_cap(pipe, sync)
             speed_ups(pipe, sync)
+
+
+def against_trl(pipe: dict, trl: dict) -> dict:
+    """The issue's three goals for one run against TRL's on the same model."""
+    target = trl["final_eval"]
+    t = learning_curve.time_to(pipe["curve"], target) if target is not None else None
+    gain = None if pipe["final_eval"] is None or target is None else pipe["final_eval"] - target
+    return {"time_to_trl": t, "gain": gain, "drop": pipe["worst_drop"], "half": trl["eval_span_s"] / 2}
+
+
+def goals(pipe: dict, trl: dict) -> None:
+    g = against_trl(pipe, trl)
+    print(
+        f"goals ({pipe['mode']} vs TRL's final {fmt(trl['final_eval'], '.3f')}): reached at "
+        f"{fmt(g['time_to_trl'], '.0f', ' s', 'never')} (goal <= {g['half']:.0f} s); final - TRL's = "
+        f"{fmt(g['gain'], '+.3f')} (goal >= +0.05); worst drop {g['drop']:.3f} (goal <= 0.05)"
+    )
+
+
+def table(per_model: list[tuple[str, list[dict]]]) -> str:
+    """The issue's table: per model, TRL's final reward, and for each pipeline_rl run the time
+    to TRL's final reward, its own final reward and its worst drop."""
+    modes = [r["mode"] for r in per_model[0][1] if r["mode"] != "trl"]
+    head = "| model | start | TRL final |" + "".join(f" {m}: time to TRL | {m}: final | {m}: drop |" for m in modes)
+    lines = [head, "|" + " --- |" * (3 + 3 * len(modes))]
+    for model, results in per_model:
+        by = {r["mode"]: r for r in results}
+        trl = by.get("trl")
+        start = next((r["start_eval"] for r in results if r["mode"] != "trl"), None)
+        row = f"| `{model}` | {fmt(start, '.2f')} | {fmt(trl['final_eval'] if trl else None, '.3f')} |"
+        for m in modes:
+            r = by[m]
+            reach = fmt(against_trl(r, trl)["time_to_trl"], ".0f", " s", "never") if trl else "n/a"
+            row += f" {reach} | {fmt(r['final_eval'], '.3f')} | {r['worst_drop']:.3f} |"
+        lines.append(row)
+    return "\n".join(lines) + "\n"
 
 
 def speed_ups(pipe: dict, sync: dict) -> None:
@@ -315,6 +404,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def model_path(name: str, default: Path) -> Path:
+    """A directory as given, or a model scripts/make_tiny_model.py builds (built if missing)."""
+    from pipeline_rl.demo import BUILT, build_named
+
+    path = Path(name)
+    if path.exists() or name not in BUILT:
+        return path
+    path = default.parent / name
+    if not (path / "config.json").exists():
+        print(f"building {path}", flush=True)
+        build_named(path.parent, name)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=600.0, help="wall-time budget of each run")
@@ -323,20 +426,41 @@ def main() -> None:
         "--variant", action="append", default=[], help="NAME:KEY=VALUE,... a pipeline_rl run to compare (repeatable)"
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
+    parser.add_argument("--reuse-trl", action="store_true", help="keep a finished TRL run of the same model and budget")
+    parser.add_argument("--models", default="", help="comma-separated model directories or names to run on, in turn")
+    parser.add_argument("--family", action="store_true", help="run on every model of pipeline_rl/demo/family.py")
     parser.add_argument("--conf", default="tiny", help="config of the pipeline_rl runs (TRL runs only with tiny)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every pipeline_rl run")
     args = parser.parse_args()
     variants = [v.partition(":") for v in args.variant]
     runs = [(name, [o for o in rest.split(",") if o]) for name, _, rest in variants]
-    with_trl = not runs and not args.no_trl and args.conf == "tiny"
     runs = runs or [(mode, [f"actor.mode={mode}"]) for mode in ("async", "sync")]
-    results = [run(name, args.conf, args.budget_s, args.out, own + args.overrides) for name, own in runs]
-    if with_trl:
-        if importlib.util.find_spec("trl") is None:
-            print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
-        else:
-            results.append(run_trl(args.budget_s, args.out, args.overrides))
-    report(results, args.out, args.conf)
+    with_trl = not args.no_trl and args.conf == "tiny"
+    if with_trl and importlib.util.find_spec("trl") is None:
+        print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
+        with_trl = False
+    if args.family:
+        from pipeline_rl.demo.family import FAMILY
+
+        names = [m.name for m in FAMILY]
+    else:
+        names = [m for m in args.models.split(",") if m]
+    default = Path(load_config(args.conf, args.overrides).model.path)
+    models = [model_path(n, default) for n in names] or [default]
+    per_model = []
+    for model in models:
+        overrides = ([f"model.path={model}"] if names else []) + args.overrides
+        out = args.out / model.name
+        results = [run(name, args.conf, args.budget_s, out, own + overrides) for name, own in runs]
+        if with_trl:
+            results.append(run_trl(args.budget_s, out, overrides, args.reuse_trl))
+        report(results, out, args.conf)
+        per_model.append((model.name, results))
+    if len(per_model) > 1:
+        text = table(per_model)
+        (args.out / "table.md").write_text(text)
+        save_plots(per_model, args.out / "curves.png")
+        print(f"\n{text}\ntable: {args.out / 'table.md'}; curves: {args.out / 'curves.png'}")
 
 
 if __name__ == "__main__":

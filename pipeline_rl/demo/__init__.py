@@ -13,15 +13,21 @@ BUILT = (
     "multistep_rm",
     "multistep_prm_quick",
     "multistep_rm_quick",
+    "family_byte_small",
+    "family_char_base",
+    "family_char_deep",
+    "family_byte_wide",
 )
 """Directory names under the cache that `build_named` can make."""
 
 
 def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     """Build the demo model called `name` (one of BUILT) under `cache_dir`, with what it comes with."""
-    from pipeline_rl.demo import multistep, outcome_rm, prm, tiny_model
+    from pipeline_rl.demo import family, multistep, outcome_rm, prm, tiny_model
 
-    if name == tiny_model.TINY.name:
+    if name in family.BY_NAME:
+        family.build(cache_dir, seed, family.BY_NAME[name])
+    elif name == tiny_model.TINY.name:
         tiny_model.build(cache_dir, seed, tiny_model.TINY)
     elif name == tiny_model.LEARNER.name:
         tiny_model.build(cache_dir, seed, tiny_model.LEARNER)

@@ -151,11 +151,13 @@ def qwen2_config(
     )
 
 
-def make_model(vocab_size: int, eos_id: int, pad_id: int):
+def make_model(vocab_size: int, eos_id: int, pad_id: int, **shape):
+    """A fresh model for a tokenizer; `shape` overrides qwen2_config's (hidden, layers, heads...)."""
     from transformers import Qwen2ForCausalLM
 
     config = qwen2_config(
         vocab_size,
+        **shape,
         tie_word_embeddings=True,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
@@ -384,6 +386,17 @@ def _remove_leftovers(cache_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def write_problems(cache_dir: Path, seed: int) -> tuple[list[dict], list[dict]]:
+    """Write cache_dir/arithmetic/{train,test}.jsonl (the split of `seed`); returns them."""
+    train, test = make_problems(seed)
+    data_tmp = cache_dir / f"arithmetic.tmp-{os.getpid()}"
+    data_tmp.mkdir()
+    write_jsonl(data_tmp / "train.jsonl", train)
+    write_jsonl(data_tmp / "test.jsonl", test)
+    replace_dir(data_tmp, cache_dir / "arithmetic")
+    return train, test
+
+
 def build(cache_dir: Path, seed: int = 0, recipe: Recipe = TINY) -> Path:
     """Build the data set and a tiny model under `cache_dir`; returns the model directory."""
     cache_dir = Path(cache_dir)
@@ -391,13 +404,7 @@ def build(cache_dir: Path, seed: int = 0, recipe: Recipe = TINY) -> Path:
     _remove_leftovers(cache_dir)
     init_seed = seed + recipe.init_seed_offset
     torch.manual_seed(init_seed)
-    train, test = make_problems(seed)
-
-    data_tmp = cache_dir / f"arithmetic.tmp-{os.getpid()}"
-    data_tmp.mkdir()
-    write_jsonl(data_tmp / "train.jsonl", train)
-    write_jsonl(data_tmp / "test.jsonl", test)
-    replace_dir(data_tmp, cache_dir / "arithmetic")
+    train, test = write_problems(cache_dir, seed)
 
     tokenizer = make_tokenizer()
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -49,6 +49,7 @@ from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
+CONSISTENCY_KEYS = ("lag0_tokens", "lag0_abs_diff", "lag0_kl", "behaviour_tokens", "behaviour_kl")
 
 
 class Trainer:
@@ -199,7 +200,8 @@ class Trainer:
             gated[f"update{i}/samples"] = sum(g.samples for g in gates[u])
         gated = self._all_reduce(gated)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
-        consistency = torch.zeros(3, dtype=torch.float64, device=self.device)
+        consistency = torch.zeros(len(CONSISTENCY_KEYS), dtype=torch.float64, device=self.device)
+        optimizer_s = 0.0
         lags: Counter = Counter()
         rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
@@ -220,14 +222,16 @@ class Trainer:
                 sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
                 consistency += mismatch.to(consistency)
             if step_tokens > 0:
+                t = time.perf_counter()
                 self.engine.step()
+                optimizer_s += time.perf_counter() - t
                 done += 1
         # The lag histogram's range over all ranks (a maximum as the minimum of its negative).
         ends = self._all_reduce({"lo": min(lags, default=0), "neg_hi": -max(lags, default=0)}, op=dist.ReduceOp.MIN)
         lo, hi = int(ends["lo"]), int(-ends["neg_hi"])
         local: dict[str, float] = dict(zip(STAT_KEYS, sums.tolist()))
         local.update(rewards=rewards, samples=samples, step_tokens=tokens)
-        local.update(zip(("lag0_tokens", "lag0_abs_diff", "lag0_kl"), consistency.tolist()))
+        local.update(zip(CONSISTENCY_KEYS, consistency.tolist()))
         local.update({f"lag{lag}": lags.get(lag, 0) for lag in range(lo, hi + 1)})
         totals = self._all_reduce(local)
         values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
@@ -241,6 +245,10 @@ class Trainer:
                     "mismatch/lag0_kl": totals["lag0_kl"] / totals["lag0_tokens"],
                 }
             )
+        if totals["behaviour_tokens"]:
+            # How far the trained policy has moved from the one that sampled: per-version step
+            # size times the lag, the quantity the ratio clip and the lag gate control.
+            values["behaviour_kl"] = totals["behaviour_kl"] / totals["behaviour_tokens"]
         # The per-update losses are means of their mini-batch: report the mean over updates.
         values["loss"] /= max(done, 1)
         values["pg_loss"] /= max(done, 1)
@@ -250,6 +258,7 @@ class Trainer:
             samples=totals["samples"],
             tokens=totals["step_tokens"],
             lr=lr,
+            optimizer_s=optimizer_s,
             dropped_samples=gated["dropped_samples"],
             dropped_tokens=gated["dropped_tokens"],
             masked_tokens=gated["masked_tokens"],
@@ -298,11 +307,16 @@ class Trainer:
         return loss, stats, self._mismatch(logprobs.detach(), old, mask, torch.tensor(mb.versions, device=dev))
 
     def _mismatch(self, logprobs, old, mask, versions) -> torch.Tensor:
-        """[tokens, sum |logprob - behaviour logprob|, sum of the k3 estimate of KL(behaviour ||
-        trainer)] over the trained tokens sampled by the current version."""
-        lag0 = (mask > 0) & (versions == self.version)
-        d = (logprobs - old)[lag0].double()
-        return torch.stack([lag0.sum().double(), d.abs().sum(), (d.exp() - 1 - d).sum()])
+        """Sums named by CONSISTENCY_KEYS: over the trained tokens sampled by the current version,
+        their count, sum |logprob - behaviour logprob| and the k3 estimate of KL(behaviour ||
+        trainer); then the count and k3 sum over all trained tokens, whatever their lag."""
+        trained = mask > 0
+        lag0 = trained & (versions == self.version)
+        d = (logprobs - old).double()
+        k3 = d.exp() - 1 - d
+        return torch.stack(
+            [lag0.sum().double(), d[lag0].abs().sum(), k3[lag0].sum(), trained.sum().double(), k3[trained].sum()]
+        )
 
     def _publish_weights(self) -> dict:
         """Rank 0 broadcasts the current weights to the actors; under ZeRO-3 every rank takes part

@@ -149,6 +149,12 @@ def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     assert first["mismatch/lag0_tokens"] == first["trained_tokens"]
     assert first["mismatch/lag0_abs_logprob_diff"] < 1e-4 and abs(first["mismatch/lag0_kl"]) < 1e-4
     assert second["mismatch/lag0_abs_logprob_diff"] > 1e-2 and second["mismatch/lag0_kl"] > 1e-3
+    # Every token of that run is of lag 0: the KL to the behaviour policy over all trained
+    # tokens is the lag-0 one. With a kept stale sample it covers more tokens than lag 0 does.
+    assert second["behaviour_kl"] == pytest.approx(second["mismatch/lag0_kl"], rel=1e-9)
+    kept_last = trainer_metrics(tmp_path / "kept")[-1]
+    assert kept_last["behaviour_kl"] != pytest.approx(kept_last["mismatch/lag0_kl"], rel=1e-6)
+    assert all(m["optimizer_s"] > 0 for m in metrics)
 
 
 def test_optimizer_offload_gives_the_same_update(tiny_model, tmp_path):

@@ -1,0 +1,143 @@
+"""A family of small arithmetic models that differ the way users' models differ, for choosing
+RL defaults that do not depend on one model (scripts/bench_learning.py --family).
+
+Every member learns the tiny model's task (2-digit additions, the same train/test split in
+cache_dir/arithmetic) from scratch, with its own tokenizer (byte-level: one token per byte, or
+char-level: one token per character of the task's alphabet), width and depth, initialisation
+seed, and pretraining length: training stops at the evaluation closest to the member's
+`start_accuracy`, the probability of sampling exactly the answer at temperature 1 on the
+held-out problems. Nothing is softened: a member's mistakes are those of a model caught half-way
+through learning to add, as a user's model is, and its start accuracy spans 0.1 to 0.5.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline_rl.demo import tiny_model
+
+EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|pad|>", "<|unk|>"
+ALPHABET = "Q: 0123456789+="
+"""The characters of the task's prompts and answers: the char-level vocabulary."""
+EVAL_EVERY = 5
+MAX_STEPS = 4000
+LR = 2e-3
+WARMUP_STEPS = 100
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model of the family."""
+
+    name: str
+    """Directory under the cache."""
+    tokenizer: str
+    """"byte" (256 byte tokens, as tiny_model) or "char" (ALPHABET plus an unknown token)."""
+    hidden: int
+    layers: int
+    heads: int
+    start_accuracy: float
+    """Held-out exact T=1 accuracy at which pretraining stops."""
+    seed_offset: int
+    """Added to the build seed for initialisation and batch order."""
+
+
+FAMILY = (
+    Member("family_byte_small", "byte", hidden=64, layers=2, heads=4, start_accuracy=0.1, seed_offset=11),
+    Member("family_char_base", "char", hidden=128, layers=4, heads=4, start_accuracy=0.25, seed_offset=12),
+    Member("family_char_deep", "char", hidden=96, layers=6, heads=4, start_accuracy=0.4, seed_offset=13),
+    Member("family_byte_wide", "byte", hidden=192, layers=3, heads=6, start_accuracy=0.5, seed_offset=14),
+)
+BY_NAME = {m.name: m for m in FAMILY}
+
+
+def char_tokenizer():
+    """One token per character of ALPHABET (ids 3..), after EOS, pad and unknown (0, 1, 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [EOS_TOKEN, PAD_TOKEN, UNK_TOKEN]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({ch: len(specials) + i for i, ch in enumerate(sorted(set(ALPHABET)))})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN)
+
+
+def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, target: float) -> dict:
+    """Train until the held-out exact T=1 accuracy passes `target` and keep the weights of the
+    evaluation closest to it (the rise from the plateau is steep: evaluate often)."""
+    start = time.time()
+    rng = random.Random(seed)
+    batches = tiny_model.Batcher(tokenizer, train)
+    test_ids, test_labels = tiny_model.Batcher(tokenizer, test).tensors(list(range(len(test))))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / WARMUP_STEPS))
+    closest: tuple[float, int, dict] | None = None
+    exact, step = 0.0, 0
+    model.train()
+    while exact < target:
+        if step >= MAX_STEPS:
+            raise RuntimeError(
+                f"the model (seed {seed}) reached only {exact:.3f} exact T=1 accuracy in {MAX_STEPS} "
+                f"steps, short of {target}; try another --seed"
+            )
+        tiny_model.train_step(model, opt, batches, rng, tiny_model.BATCH)
+        sched.step()
+        step += 1
+        if step % EVAL_EVERY == 0:
+            model.eval()
+            exact, _ = tiny_model.teacher_forced_accuracy(model, test_ids, test_labels)
+            model.train()
+            gap = abs(exact - target)
+            if closest is None or gap < closest[0]:
+                closest = (gap, step, {k: v.clone() for k, v in model.state_dict().items()})
+    assert closest is not None
+    model.load_state_dict(closest[2])
+    model.eval()
+    exact, greedy = tiny_model.teacher_forced_accuracy(model, test_ids, test_labels)
+    return {
+        "steps": closest[1],
+        "train_seconds": round(time.time() - start, 1),
+        "test_accuracy_exact_t1": round(exact, 4),
+        "test_accuracy_greedy": round(greedy, 4),
+        "test_accuracy_sampled_t1": tiny_model.sampled_accuracy(model, tokenizer, test, seed),
+        "test_problems": len(test),
+    }
+
+
+def build(cache_dir: Path, seed: int, member: Member) -> Path:
+    """Build `member` (and the shared data set) under `cache_dir`; returns the model directory."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    init_seed = seed + member.seed_offset
+    torch.manual_seed(init_seed)
+    train, test = tiny_model.write_problems(cache_dir, seed)
+    tokenizer = tiny_model.make_tokenizer() if member.tokenizer == "byte" else char_tokenizer()
+    model = tiny_model.make_model(
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        hidden=member.hidden,
+        layers=member.layers,
+        heads=member.heads,
+        kv_heads=2,
+    )
+    report = pretrain(model, tokenizer, train, test, init_seed, member.start_accuracy)
+    report.update(
+        member=member.name,
+        tokenizer=member.tokenizer,
+        vocab=len(tokenizer),
+        parameters=sum(p.numel() for p in model.parameters()),
+        seed=init_seed,
+    )
+    dest = cache_dir / member.name
+    tiny_model.save_model(model, tokenizer, report, dest, "pretrain_report.json")
+    return dest
