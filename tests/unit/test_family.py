@@ -1,0 +1,42 @@
+"""The model family's tokenizers and shapes (building a member is the benchmark's job)."""
+
+from __future__ import annotations
+
+from pipeline_rl.demo import BUILT, tiny_model
+from pipeline_rl.demo.family import ALPHABET, FAMILY, char_tokenizer
+
+
+def test_char_tokenizer_is_one_token_per_character_and_round_trips():
+    tok = char_tokenizer()
+    train, test = tiny_model.make_problems(0)
+    for p in train[:300] + test:
+        text = p["prompt"] + p["answer"]
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text) and tok.decode(ids) == text
+    assert len(tok) == len(set(ALPHABET)) + 3
+    # A character outside the task's alphabet is one unknown token, not an error or a split.
+    assert tok.encode("Q: 1*2=", add_special_tokens=False)[4] == tok.unk_token_id
+    assert tok.decode([*tok.encode("42", add_special_tokens=False), tok.eos_token_id], skip_special_tokens=True) == "42"
+
+
+def test_members_differ_in_tokenizer_shape_seed_and_start_and_can_be_built_by_name():
+    assert {m.tokenizer for m in FAMILY} == {"byte", "char"}
+    assert len({(m.hidden, m.layers) for m in FAMILY}) == len(FAMILY)
+    assert len({m.seed_offset for m in FAMILY}) == len(FAMILY)
+    starts = sorted(m.start_accuracy for m in FAMILY)
+    assert starts[0] <= 0.1 and starts[-1] >= 0.5
+    assert {m.name for m in FAMILY} <= set(BUILT)
+    for m in FAMILY:
+        # The head sizes vLLM's CPU attention supports (its CPU backend rejects 16 or 24 at start-up).
+        assert m.hidden // m.heads in (32, 64, 96, 128) and m.heads % m.kv_heads == 0
+        tok = tiny_model.make_tokenizer() if m.tokenizer == "byte" else char_tokenizer()
+        model = tiny_model.make_model(
+            len(tok),
+            tok.eos_token_id,
+            tok.pad_token_id,
+            hidden=m.hidden,
+            layers=m.layers,
+            heads=m.heads,
+            kv_heads=m.kv_heads,
+        )
+        assert model.config.num_hidden_layers == m.layers and model.config.vocab_size == len(tok)
