@@ -192,7 +192,8 @@ def late_means(steps: list[dict]) -> dict[str, float]:
 def version_costs(records: list[dict], steps: list[dict]) -> dict[str, float]:
     """Where a version's wall time goes, in mean seconds per version: the trainer's wait for
     data, forward+backward, optimizer step, weight broadcast and checkpoints; the actors' swap
-    pause (generation stopped for the swap), and the stream hop from actor to preprocessor."""
+    (the median load, during which generation stops), and the stream hop from actor to
+    preprocessor."""
     values = [r["values"] for r in steps if "wait_s" in r["values"]]
     if not values:
         return {}
@@ -208,9 +209,10 @@ def version_costs(records: list[dict], steps: list[dict]) -> dict[str, float]:
         "broadcast": mean("weight_broadcast_s"),
         "checkpoint": mean("checkpoint_s"),
     }
-    pauses = [r["values"]["swap_pause_mean_s"] for r in records if r["values"].get("swap_pause_mean_s") is not None]
-    if pauses:
-        costs["actor swap pause"] = sum(pauses) / len(pauses)
+    # The load alone stops generation; the wait for the lock is spent finishing a decode step.
+    loads = [r["values"]["swap_load_p50_s"] for r in records if r["values"].get("swap_load_p50_s") is not None]
+    if loads:
+        costs["actor swap (load)"] = sum(loads) / len(loads)
     hops = [r["values"]["preprocess/lag_s"] for r in records if r["values"].get("preprocess/lag_s")]
     if hops:
         costs["actor->preprocessor hop"] = sum(hops) / len(hops)

@@ -112,7 +112,8 @@ class ModelConfig:
     make_tiny_if_missing: bool = False
     """Build the tiny model at `path` (scripts/make_tiny_model.py) when it does not exist; the
     directory's name says which (pipeline_rl/demo/__init__.py: tiny_model, the demo's;
-    tiny_learner, the learning benchmark's second; multistep_*, the multi-step task's)."""
+    tiny_learner, the learning benchmark's second; family_*, the model family defaults are
+    judged on; multistep_*, the multi-step task's)."""
 
 
 @dataclass
