@@ -61,15 +61,16 @@ BY_NAME = {m.name: m for m in FAMILY}
 
 
 def char_tokenizer():
-    """One token per character of ALPHABET (ids 3..), after EOS, pad and unknown (0, 1, 2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """One token per character of ALPHABET (ids 3..), after EOS, pad and unknown (0, 1, 2): a BPE
+    model without merges and without a pre-tokenizer splits text into characters, and survives
+    save_pretrained/from_pretrained (a Split("") pre-tokenizer, reloaded, dropped the spaces)."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     specials = [EOS_TOKEN, PAD_TOKEN, UNK_TOKEN]
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update({ch: len(specials) + i for i, ch in enumerate(sorted(set(ALPHABET)))})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from transformers import AutoTokenizer
+
 from pipeline_rl.demo import BUILT, tiny_model
 from pipeline_rl.demo.family import ALPHABET, FAMILY, char_tokenizer
 
 
-def test_char_tokenizer_is_one_token_per_character_and_round_trips():
-    tok = char_tokenizer()
+def test_char_tokenizer_is_one_token_per_character_and_round_trips(tmp_path):
+    built = char_tokenizer()
+    # What the actor, the trainer and TRL load is the saved tokenizer: it must encode the same.
+    built.save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
     train, test = tiny_model.make_problems(0)
     for p in train[:300] + test:
         text = p["prompt"] + p["answer"]
         ids = tok.encode(text, add_special_tokens=False)
+        assert ids == built.encode(text, add_special_tokens=False)
         assert len(ids) == len(text) and tok.decode(ids) == text
     assert len(tok) == len(set(ALPHABET)) + 3
     # A character outside the task's alphabet is one unknown token, not an error or a split.
