@@ -126,10 +126,12 @@ def build(cache_dir: Path, seed: int, member: Member) -> Path:
     torch.manual_seed(init_seed)
     train, test = tiny_model.write_problems(cache_dir, seed)
     tokenizer = tiny_model.make_tokenizer() if member.tokenizer == "byte" else char_tokenizer()
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert isinstance(eos_id, int) and isinstance(pad_id, int)
     model = tiny_model.make_model(
         len(tokenizer),
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
+        eos_id,
+        pad_id,
         hidden=member.hidden,
         layers=member.layers,
         heads=member.heads,
