@@ -155,7 +155,10 @@ def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> di
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
     run_dir = out / "trl"
     done = run_dir / "done.json"
-    key = {"model": str(model.resolve()), "data": str(data.resolve()), "budget_s": budget_s, "seed": cfg.seed}
+    # A rebuilt model at the same path has new weight files: their times say it is another model.
+    weights = {f.name: f.stat().st_mtime_ns for f in sorted(model.glob("*.safetensors"))}
+    key = {"model": str(model.resolve()), "weights": weights, "data": str(data.resolve()), "budget_s": budget_s}
+    key["seed"] = cfg.seed
     if reuse and done.exists() and json.loads(done.read_text()) == key:
         print(f"[trl] reusing {run_dir} (same model, data, budget and seed)", flush=True)
         return summarize("trl", run_dir, budget_s)
