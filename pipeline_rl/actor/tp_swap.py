@@ -14,12 +14,16 @@ A swap has two phases:
    keeps stepping meanwhile.
    Each worker checks what it received (complete, the checkpoint's names and shapes) right
    there, and reports the verdict with its status; the actor's `Staged` carries any failure.
-2. Under the lock, in one hold: if any worker's check failed, nothing loads (the old version
-   keeps serving); otherwise one call has every worker copy its staged update into its shard
-   (actor/engine_weights.py's plan). So every shard changes between the same two engine steps.
-   A load that fails on any worker may leave others loaded: the hook then refuses every later
-   step, the engine thread fails, and the actor exits with that error. A worker that dies
-   makes vLLM fail the engine: no step runs on the shards that are left.
+2. Under the lock, between two steps: if any worker's check failed, nothing loads (the old
+   version keeps serving); otherwise a load message goes to every worker without waiting for
+   the replies, and the new version is set. Each worker reads its messages in order, so it
+   copies its staged update into its shard (actor/engine_weights.py's plan) before the next
+   step's forward pass: every shard changes between the same two engine steps, and the
+   workers copy while the actor schedules that step instead of a round trip holding the lock.
+   The replies are read after that step (`_after_call`). A load that failed on any worker
+   discards that step's result; the hook then refuses every later step, the engine thread
+   fails, and the actor exits with that error. A worker that dies makes vLLM fail the engine:
+   no step runs on the shards that are left.
 
 Every call into the workers shares one message queue with the engine's own step messages, so
 each takes the lock. The worker methods never raise: vLLM raises on the first failing worker
@@ -30,7 +34,6 @@ they return an error text instead.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Iterable
 from datetime import timedelta
@@ -39,128 +42,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from pipeline_rl.actor.engine_weights import EngineWeights, Prepared
 from pipeline_rl.actor.vllm_hook import Staged, SwapGate
-from pipeline_rl.streams.records import WeightUpdate, decode, encode
-from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
+from pipeline_rl.streams.records import WeightUpdate, encode
+from pipeline_rl.weight_sync import StaleUpdate
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "pipeline_rl.actor.tp_swap.TensorParallelWorker"
+WORKER_EXTENSION = "pipeline_rl.actor.tp_worker.TensorParallelWorker"
 """vLLM's worker_extension_cls for TP > 1 engines."""
 
-_STALE = "stale: "
-_CHECK = "check: "
+STALE = "stale: "
+CHECK = "check: "
 """Prefix of a worker's reply or status whose staged update failed its check."""
 
 
-def _staged_key(ticket: str, rank: int) -> str:
+def staged_key(ticket: str, rank: int) -> str:
     return f"staged/{ticket}/{rank}"
-
-
-class _WorkerState:
-    def __init__(self, weights: EngineWeights):
-        self.weights = weights
-        self.receiver: WeightReceiver | None = None
-        self.staged: tuple[str, Prepared] | None = None
-        self.receiving: threading.Thread | None = None
-
-
-class TensorParallelWorker:
-    """Methods vLLM mixes into each of an engine's worker processes (worker_extension_cls);
-    the actor calls them through `collective_rpc`."""
-
-    model_runner: Any
-    rank: int
-    _pipeline_rl: _WorkerState
-
-    def pipeline_rl_setup(self, model_path: str) -> str | None:
-        try:
-            self._pipeline_rl = _WorkerState(EngineWeights.of(self.model_runner, model_path))
-        except Exception as e:
-            return f"worker {self.rank}: {e}"
-        return None
-
-    def pipeline_rl_stage(self, ticket: str, blob: bytes) -> str | None:
-        """Stage an update sent inline as safetensors bytes (small models, tests)."""
-        state = self._pipeline_rl
-        state.staged = None
-        try:
-            named = list(load_safetensors(blob).items())
-        except Exception as e:
-            return f"worker {self.rank}: {e}"
-        return self._prepare(ticket, named)
-
-    def _prepare(self, ticket: str, named: list[tuple[str, torch.Tensor]]) -> str | None:
-        """Check `named` and stage it bound to this worker's copy plan; else the reply saying why."""
-        try:
-            self._pipeline_rl.staged = (ticket, self._pipeline_rl.weights.prepare(named))
-        except ValueError as e:
-            return f"{_CHECK}worker {self.rank}: {e}"
-        return None
-
-    def pipeline_rl_receive(
-        self,
-        ticket: str,
-        addr: str,
-        rank: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-        stage_on_host: bool,
-        update: bytes,
-    ) -> str | None:
-        """Start receiving an announced broadcast as weight-update rank `rank + self.rank`, in a
-        thread; it reports to the sender's store under _staged_key(ticket, that rank)."""
-        state = self._pipeline_rl
-        if state.receiving is not None and state.receiving.is_alive():
-            return f"worker {self.rank}: still receiving the previous update"
-        my_rank = rank + self.rank
-        try:
-            if state.receiver is None:
-                state.receiver = WeightReceiver(addr, my_rank, world_size, backend, timeout_s, stage_on_host)
-            announced = decode(update, WeightUpdate)
-        except Exception as e:
-            return f"worker {self.rank}: {e}"
-        receiver = state.receiver
-        state.staged = None
-
-        def receive() -> None:
-            try:
-                if receiver.device.type == "cuda":  # the current device is per thread
-                    torch.cuda.set_device(receiver.device)
-                named = receiver.receive(announced)
-                if receiver.device.type == "cuda":
-                    # The engine loads from these buffers on its own streams: the broadcast's
-                    # kernels must be done before the actor is told so.
-                    torch.cuda.synchronize(receiver.device)
-                status = self._prepare(ticket, named) or "ok"
-            except StaleUpdate as e:
-                status = f"{_STALE}{e}"
-            except Exception as e:
-                status = f"worker {self.rank} (weight-update rank {my_rank}): {e}"
-            try:
-                receiver.publish(_staged_key(ticket, my_rank), status)
-            except Exception:
-                log.exception("worker %d could not report the end of weight update %d", self.rank, announced.version)
-
-        state.receiving = threading.Thread(target=receive, name="weight-receiver", daemon=True)
-        state.receiving.start()
-        return None
-
-    def pipeline_rl_load(self, ticket: str) -> str | None:
-        state = self._pipeline_rl
-        staged, state.staged = state.staged, None
-        if staged is None or staged[0] != ticket:
-            return f"worker {self.rank}: this update is not staged"
-        try:
-            state.weights.load(staged[1])
-        except Exception as e:
-            return f"worker {self.rank}: {e}"
-        return None
 
 
 def _failures(replies: list[str | None]) -> str | None:
@@ -171,10 +70,10 @@ def _failures(replies: list[str | None]) -> str | None:
 def _staged(ticket: str, replies: list[str | None], what: str) -> Staged:
     """The `Staged` of the workers' replies to staging: a failed check goes to the swap, which
     refuses it (ValueError); any other failure raises RuntimeError now."""
-    failed = _failures([r for r in replies if r is None or not r.startswith(_CHECK)])
+    failed = _failures([r for r in replies if r is None or not r.startswith(CHECK)])
     if failed:
         raise RuntimeError(f"{what}: {failed}")
-    problem = _failures([r.removeprefix(_CHECK) if r is not None else None for r in replies])
+    problem = _failures([r.removeprefix(CHECK) if r is not None else None for r in replies])
     return Staged(ticket, problem=problem)
 
 
@@ -188,6 +87,9 @@ class TensorParallelSwapHook(SwapGate):
         super().__init__(llm_engine.engine_core.engine_core, "step_fn", version, history)
         self.tensor_parallel_size = tensor_parallel_size
         self._engine = llm_engine
+        self._executor = llm_engine.engine_core.engine_core.model_executor
+        self._pending: tuple[str, Any] | None = None
+        """The ticket of a load queued to the workers and the future of their replies."""
 
     @classmethod
     def install(cls, llm_engine, model_path: str | Path, version: int) -> TensorParallelSwapHook:
@@ -202,7 +104,7 @@ class TensorParallelSwapHook(SwapGate):
 
     def _rpc(self, method: str, *args: Any) -> list[str | None]:
         """Call `method` in every worker; the caller holds the lock."""
-        if self._engine.engine_core.engine_core.model_executor.is_failed:
+        if self._executor.is_failed:
             # Set by vLLM's worker monitor when a worker died; the executor is then shut down.
             raise RuntimeError("a vLLM worker process of this engine died; vLLM shut the engine down")
         return self._engine.collective_rpc(method, args=args)
@@ -220,9 +122,29 @@ class TensorParallelSwapHook(SwapGate):
         """Nothing to look up here: each worker's load call checks that it staged `staged`."""
 
     def _load(self, staged: Staged) -> None:
-        failed = _failures(self._rpc("pipeline_rl_load", staged.ticket))
+        self._after_call()  # a load no step has read the replies of yet
+        if self._executor.is_failed:
+            raise RuntimeError("a vLLM worker process of this engine died; vLLM shut the engine down")
+        # Queued ahead of the next step's messages (each worker reads its queue in order): every
+        # worker copies its shard before that step's forward pass, while the actor schedules it.
+        self._pending = (
+            staged.ticket,
+            self._executor.collective_rpc("pipeline_rl_load", args=(staged.ticket,), non_block=True),
+        )
+
+    def _after_call(self) -> None:
+        """Read the workers' replies to a queued load (the step just taken read them off the
+        queue already, or they come right away): if any failed, the step ran on partly loaded
+        shards, so its result is discarded and the engine refuses every later step."""
+        if self._pending is None:
+            return
+        ticket, replies = self._pending
+        self._pending = None
+        failed = _failures(replies.result())
         if failed:
-            raise RuntimeError(failed)
+            self.failures += 1
+            self._broken = f"loading update {ticket} failed: {failed}"
+            raise RuntimeError(self._broken)
 
     def receiver(
         self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False
@@ -270,7 +192,7 @@ class TensorParallelReceiver:
             )
         if failed:
             raise RuntimeError(f"weight update {update.version}: {failed}")
-        keys = [_staged_key(ticket, self.first_rank + r) for r in range(hook.tensor_parallel_size)]
+        keys = [staged_key(ticket, self.first_rank + r) for r in range(hook.tensor_parallel_size)]
         try:
             if self._store is None:
                 self._store = dist.TCPStore(
@@ -283,9 +205,9 @@ class TensorParallelReceiver:
         except Exception:
             self._store = None  # the sender's store went away (trainer restarted): connect again next time
             raise
-        stale = [s for s in statuses if s.startswith(_STALE)]
+        stale = [s for s in statuses if s.startswith(STALE)]
         if stale:
-            raise StaleUpdate(stale[0].removeprefix(_STALE))
+            raise StaleUpdate(stale[0].removeprefix(STALE))
         return _staged(ticket, [None if s == "ok" else s for s in statuses], f"weight update {update.version}")
 
     def close(self) -> None:

@@ -135,14 +135,22 @@ class SwapGate:
         with self._turnstile:
             pass
         with self.lock:
-            if self._broken is not None:
-                raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
+            self._refuse_if_broken()
             if self.version != self._forward_version:
                 if self.on_new_version is not None:
                     self.on_new_version(self.version)
                 self._forward_version = self.version
             self.forward_passes += 1
-            return self._call(*args, **kwargs)
+            result = self._call(*args, **kwargs)
+            self._after_call()
+            return result
+
+    def _refuse_if_broken(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
+
+    def _after_call(self) -> None:
+        """Runs under the lock after each engine call; raising discards the call's result."""
 
     @contextlib.contextmanager
     def bypassed(self):
@@ -163,6 +171,7 @@ class SwapGate:
         asked = time.perf_counter()
         with self._turnstile, self.lock:
             got = time.perf_counter()
+            self._refuse_if_broken()
             try:
                 if staged.problem is not None:
                     raise ValueError(staged.problem)

@@ -154,6 +154,8 @@ def test_each_worker_holds_a_shard_and_logprobs_match_transformers(client, tiny_
     vocab = trained["model.embed_tokens.weight"].shape[0]
     rows = on_worker(client, lambda w: w.model_runner.get_model().model.embed_tokens.weight.shape[0])
     assert len(rows) == TP and all(r < vocab for r in rows) and sum(rows) >= vocab
+    # Every worker swaps by its copy plan, not through vLLM's reload.
+    assert on_worker(client, lambda w: w._pipeline_rl.weights.plan_refused) == [None] * TP
 
     prompt = client.tokenizer.encode("the quick brown")
     temperature = 0.7
@@ -180,14 +182,18 @@ def test_broadcast_swap_takes_effect_at_the_next_step_on_both_shards(client, tin
 def test_check_failing_in_one_worker_loads_nothing(client, trained):
     before = greedy(client, "12 + 7 =")
     version, failures = client.version, client.hook.failures
-    staged = client.hook.stage(perturbed(trained, seed=5).items())
 
-    def truncate_on_worker_1(worker):
+    def expect_shorter_norm_on_worker_1(worker, shorter: bool):
         if worker.rank == 1:
-            ticket, named = worker._pipeline_rl.staged
-            worker._pipeline_rl.staged = (ticket, [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in named])
+            expected = worker._pipeline_rl.weights._expected
+            expected["model.norm.weight"] = [expected["model.norm.weight"][0] + (-1 if shorter else 1)]
 
-    on_worker(client, truncate_on_worker_1)
+    # Worker 1 checks what it staged against another shape: its check fails, worker 0's passes.
+    on_worker(client, lambda w: expect_shorter_norm_on_worker_1(w, True))
+    try:
+        staged = client.hook.stage(perturbed(trained, seed=5).items())
+    finally:
+        on_worker(client, lambda w: expect_shorter_norm_on_worker_1(w, False))
     with pytest.raises(ValueError, match=r"worker 1: weight update: model\.norm\.weight has shape"):
         client.hook.swap(staged, version + 1)
     assert client.version == version and client.hook.failures == failures + 1
@@ -198,9 +204,10 @@ def test_check_failing_in_one_worker_loads_nothing(client, trained):
 
 
 def test_load_failing_in_one_worker_stops_the_engine(client, trained):
-    """Runs last in this file: it leaves the module's engine unusable, as it must."""
-    version = client.version
+    """Runs last in this file: it leaves the module's engine unusable, as it must. The load is
+    queued ahead of the next step, so that step is the one that fails: its result is discarded."""
     staged = client.hook.stage(perturbed(trained, seed=6).items())
+    failures = client.hook.failures
 
     def fail_load_on_worker_1(worker):
         if worker.rank == 1:
@@ -211,9 +218,11 @@ def test_load_failing_in_one_worker_stops_the_engine(client, trained):
             worker._pipeline_rl.weights.load = load
 
     on_worker(client, fail_load_on_worker_1)
-    with pytest.raises(RuntimeError, match="worker 1: injected load failure"):
-        client.hook.swap(staged, version + 1)
-    assert client.version == version
-    # Worker 0 has the new shard, worker 1 the old: no step may run.
-    with pytest.raises(RuntimeError, match="partially loaded"):
+    client.hook.swap(staged, client.version + 1)
+    # Worker 0 has the new shard, worker 1 the old: the step that follows, and every later one, fails.
+    with pytest.raises(RuntimeError, match="engine failed"):
         greedy(client, "12 + 7 =")
+    assert client.failure is not None and "worker 1: injected load failure" in client.failure
+    assert client.hook.failures == failures + 1
+    with pytest.raises(RuntimeError, match="partially loaded"):
+        client.hook.swap(staged, client.version + 1)

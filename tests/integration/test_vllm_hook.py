@@ -85,11 +85,16 @@ def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, trained):
 
 
 def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_model, trained):
+    # The swap copies by the plan made at start-up into the parameters the engine computes with.
+    assert client.hook.weights.plan_refused is None
+    model = client.hook.weights._runner.get_model()
+    storage = {name: p.data_ptr() for name, p in model.named_parameters()}
     weights_a, weights_b = perturbed(trained, seed=1), perturbed(trained, seed=2)
     with serving(client, weights_a, trained):
         swap_during_generation(
             client, tiny_model, weights_a, weights_b, lambda: client.hook.swap(weights_b.items(), client.version + 1)
         )
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == storage
 
 
 def test_stop_strings_cancellation_and_bad_requests(client):

@@ -1,0 +1,128 @@
+"""The worker half of the tensor-parallel swap (actor/tp_swap.py has the actor half and the
+whole protocol): methods vLLM mixes into each worker process of a TP > 1 engine
+(`worker_extension_cls`), called by the actor through `collective_rpc`.
+
+vLLM imports this module in every worker (they are spawned) before the worker loads its
+model: the import is where the worker's CPU linear layers are told to keep their weights, so
+that the copy plan (actor/engine_weights.py) can write into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from pipeline_rl.actor.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
+from pipeline_rl.actor.tp_swap import CHECK, STALE, staged_key
+from pipeline_rl.streams.records import WeightUpdate, decode
+from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
+
+log = logging.getLogger(__name__)
+
+keep_cpu_linear_weights()
+
+
+class _WorkerState:
+    def __init__(self, weights: EngineWeights):
+        self.weights = weights
+        self.receiver: WeightReceiver | None = None
+        self.staged: tuple[str, Prepared] | None = None
+        self.receiving: threading.Thread | None = None
+
+
+class TensorParallelWorker:
+    """Methods vLLM mixes into each of an engine's worker processes (worker_extension_cls);
+    the actor calls them through `collective_rpc`."""
+
+    model_runner: Any
+    rank: int
+    _pipeline_rl: _WorkerState
+
+    def pipeline_rl_setup(self, model_path: str) -> str | None:
+        try:
+            self._pipeline_rl = _WorkerState(EngineWeights.of(self.model_runner, model_path))
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        return None
+
+    def pipeline_rl_stage(self, ticket: str, blob: bytes) -> str | None:
+        """Stage an update sent inline as safetensors bytes (small models, tests)."""
+        state = self._pipeline_rl
+        state.staged = None
+        try:
+            named = list(load_safetensors(blob).items())
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        return self._pipeline_rl_prepare(ticket, named)
+
+    def _pipeline_rl_prepare(self, ticket: str, named: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Check `named` and stage it bound to this worker's copy plan; else the reply saying why."""
+        try:
+            self._pipeline_rl.staged = (ticket, self._pipeline_rl.weights.prepare(named))
+        except ValueError as e:
+            return f"{CHECK}worker {self.rank}: {e}"
+        return None
+
+    def pipeline_rl_receive(
+        self,
+        ticket: str,
+        addr: str,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        stage_on_host: bool,
+        update: bytes,
+    ) -> str | None:
+        """Start receiving an announced broadcast as weight-update rank `rank + self.rank`, in a
+        thread; it reports to the sender's store under staged_key(ticket, that rank)."""
+        state = self._pipeline_rl
+        if state.receiving is not None and state.receiving.is_alive():
+            return f"worker {self.rank}: still receiving the previous update"
+        my_rank = rank + self.rank
+        try:
+            if state.receiver is None:
+                state.receiver = WeightReceiver(addr, my_rank, world_size, backend, timeout_s, stage_on_host)
+            announced = decode(update, WeightUpdate)
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        receiver = state.receiver
+        state.staged = None
+
+        def receive() -> None:
+            try:
+                if receiver.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(receiver.device)
+                named = receiver.receive(announced)
+                if receiver.device.type == "cuda":
+                    # The engine loads from these buffers on its own streams: the broadcast's
+                    # kernels must be done before the actor is told so.
+                    torch.cuda.synchronize(receiver.device)
+                status = self._pipeline_rl_prepare(ticket, named) or "ok"
+            except StaleUpdate as e:
+                status = f"{STALE}{e}"
+            except Exception as e:
+                status = f"worker {self.rank} (weight-update rank {my_rank}): {e}"
+            try:
+                receiver.publish(staged_key(ticket, my_rank), status)
+            except Exception:
+                log.exception("worker %d could not report the end of weight update %d", self.rank, announced.version)
+
+        state.receiving = threading.Thread(target=receive, name="weight-receiver", daemon=True)
+        state.receiving.start()
+        return None
+
+    def pipeline_rl_load(self, ticket: str) -> str | None:
+        state = self._pipeline_rl
+        staged, state.staged = state.staged, None
+        if staged is None or staged[0] != ticket:
+            return f"worker {self.rank}: this update is not staged"
+        try:
+            state.weights.load(staged[1])
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+        return None
