@@ -3,9 +3,10 @@
 Layout: ROOT/<topic>/<partition>.jsonl, one encoded record per line; an offset is the byte
 offset of a line's first byte, as a string.
 
-Writing: each record is one os.write of a whole line on an O_APPEND descriptor, under an
-exclusive flock, so lines of several writer processes never interleave, whatever their
-size. A record is visible to readers as soon as write() returns.
+Writing: records are batched (see `api.Writer`); the lines of a batch for one partition go out
+in one os.write on an O_APPEND descriptor, under an exclusive flock, so lines of several
+writer processes never interleave, whatever their size. Once flush() returns, its lines are
+in the file: a crash of the writing process cannot lose them.
 
 Torn lines: a writer killed mid-write leaves a last line without its '\\n'. Readers only hand
 out lines that end in '\\n', so they wait at the fragment. The next write to the file (by any
@@ -19,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -46,7 +46,6 @@ class JsonlWriter(Writer):
         self._fds: dict[int, int] = {}
         self._ends: dict[int, int] = {}
         """File size right after this writer's last write: if unchanged, the file ends in '\\n'."""
-        self._lock = threading.Lock()  # flock does not exclude threads sharing one descriptor
 
     def _fd(self, partition: int) -> int:
         fd = self._fds.get(partition)
@@ -60,14 +59,19 @@ class JsonlWriter(Writer):
         return fd
 
     def write_raw(self, payload: bytes, partition: int = 0) -> None:
-        self._check_partition(partition)
         if b"\n" in payload:
             raise ValueError(f"topic {self.topic!r}: a JSONL payload cannot contain a newline")
-        line = payload + b"\n"
-        with self._lock:
-            self._append(partition, line)
+        super().write_raw(payload, partition)
 
-    def _append(self, partition: int, line: bytes) -> None:
+    def _send(self, batch: list[tuple[int, bytes]]) -> None:
+        lines: dict[int, list[bytes]] = {}
+        for partition, payload in batch:
+            lines.setdefault(partition, []).append(payload)
+        for partition, payloads in lines.items():
+            payloads.append(b"")  # so that the join ends in '\n' too
+            self._append(partition, b"\n".join(payloads))
+
+    def _append(self, partition: int, lines: bytes) -> None:
         fd = self._fd(partition)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -82,15 +86,16 @@ class JsonlWriter(Writer):
                 )
                 os.write(fd, b"\n")
                 size += 1
-            view = memoryview(line)
+            view = memoryview(lines)
             while view:
                 view = view[os.write(fd, view) :]
-            self._ends[partition] = size + len(line)
+            self._ends[partition] = size + len(lines)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        with self._lock:
+        super().close()
+        with self._send_lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()

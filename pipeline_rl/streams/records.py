@@ -247,8 +247,9 @@ class _Schema:
     names: tuple[str, ...]
     hints: tuple[str, ...]
     accepted: tuple[frozenset, ...]
-    valid: frozenset
-    """Every accepted tuple of field value types: one set lookup checks a whole record (the
+    exact: frozenset
+    """(*field names, *value types) of every accepted record that has all its fields in
+    declaration order, as `encode` writes them: one set lookup checks such a record (the
     classes have few optional fields, so this stays small)."""
     name_set: frozenset
     absent: tuple
@@ -266,11 +267,12 @@ class _Schema:
         )
         optional = {d[0] for d in defaults}
         accepted = tuple(_accepted(str(f.type), f.name not in optional) for f in fields)
+        names = tuple(f.name for f in fields)
         return _Schema(
-            tuple(f.name for f in fields),
+            names,
             tuple(str(f.type) for f in fields),
             accepted,
-            frozenset(itertools.product(*accepted)),
+            frozenset((*names, *types) for types in itertools.product(*(a - {_Absent} for a in accepted))),
             frozenset(f.name for f in fields),
             (_ABSENT,) * len(fields),
             defaults,
@@ -280,10 +282,10 @@ class _Schema:
         """Raise _FieldError unless `data` is an object with known fields of accepted types."""
         if type(data) is not dict:
             raise _FieldError([], f"expected an object, got {type(data).__name__}")
+        if (*data, *map(type, data.values())) in self.exact:
+            return
         if not self.name_set.issuperset(data):
             raise _FieldError([], f"unknown field(s) {sorted(set(data) - self.name_set)}")
-        if tuple(map(type, map(data.get, self.names, self.absent))) in self.valid:
-            return
         for name, hint, accepted, value in zip(
             self.names, self.hints, self.accepted, map(data.get, self.names, self.absent)
         ):
@@ -317,13 +319,16 @@ def _build(cls: type, data: Any) -> Any:
     schema = _SCHEMAS[cls]
     schema.check(data)
     if cls is RolloutGroup:
-        rollouts = data["rollouts"]
+        # Rollouts are checked here rather than through _build: a group holds many of them.
+        rollouts, rollout_schema = data["rollouts"], _SCHEMAS[Rollout]
         for i, rollout in enumerate(rollouts):
             try:
-                rollouts[i] = _build(Rollout, rollout)
+                rollout_schema.check(rollout)
+                _check_lengths(Rollout, rollout)
             except _FieldError as e:
                 e.path.insert(0, f"rollouts[{i}]")
                 raise
+            rollouts[i] = rollout_schema.make(Rollout, rollout)
     elif cls in _ALIGNED:
         _check_lengths(cls, data)
         if cls is MicroBatch:

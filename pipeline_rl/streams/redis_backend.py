@@ -6,13 +6,8 @@ caps the broadcast topics with MAXLEN ~ cfg.streams.redis.maxlen (0: no cap); th
 topics (`wire.CONSUMED_TOPICS`) are never capped, only trimmed by `trim_below` (XTRIM MINID)
 below a position their one reader has saved, so no entry goes before it is consumed.
 
-Writes are batched: write() buffers the record and sends the buffer in one pipeline once it
-holds BATCH_RECORDS records or BATCH_BYTES bytes or its oldest record is LINGER_S old. When
-writes stop, a background thread sends what is left about LINGER_S to 2 * LINGER_S after the
-last write. So a record is visible to readers within a few milliseconds of write()
-returning, and at once after flush() or close(). Batches go out one at a time, in write
-order. (The sending is done by the writing thread while it writes: a background sender
-would wait for the GIL behind the encoding thread at every socket call.)
+Writes are batched (see `api.Writer`): each batch goes out as one pipeline of XADDs, one round
+trip.
 
 A lost connection is logged and retried with exponential backoff (RETRY_MIN_S doubling up to
 RETRY_MAX_S) for as long as it takes: a writer's flush() blocks until its batch is in;
@@ -23,7 +18,6 @@ reply was lost with the connection is sent again, so delivery is at-least-once.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,15 +27,12 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pipeline_rl.config import RedisConfig
-from pipeline_rl.streams.api import READ_BYTES, RawEntry, Reader, Streams, Writer
+from pipeline_rl.streams.api import CLOSE_TIMEOUT_S, READ_BYTES, RawEntry, Reader, Streams, Writer
 from pipeline_rl.wire import CONSUMED_TOPICS
 
 log = logging.getLogger(__name__)
 
 FIELD = b"data"
-BATCH_RECORDS = 256
-BATCH_BYTES = 4 << 20
-LINGER_S = 0.002
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0
 BLOCK_MAX_S = 10.0
 """Longest single XREAD block; the socket timeout is well above it."""
@@ -69,63 +60,22 @@ class Backoff:
         self.failures = 0
 
 
-CLOSE_TIMEOUT_S = 5.0
-"""How long close() keeps retrying a lost Redis before it gives up (and logs what was lost)."""
-
-
 class RedisWriter(Writer):
     def __init__(self, client: redis.Redis, namespace: str, topic: str, partitions: int, maxlen: int):
         super().__init__(topic, partitions)
         self._client = client
         self._keys = [f"{namespace}:{topic}:{p}" for p in range(partitions)]
-        self._trim = {"maxlen": maxlen, "approximate": True} if maxlen > 0 else {}
-        self._buf: list[tuple[int, bytes]] = []
-        self._bytes = 0
-        self._first = 0.0
-        """When the oldest buffered record was written (time.monotonic)."""
-        self._buf_lock = threading.Lock()
-        self._send_lock = threading.Lock()  # one batch in flight at a time keeps write order
-        self._wake = threading.Event()
-        self._closed = False
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._trim = ("MAXLEN", "~", maxlen) if maxlen > 0 else ()
         self._backoff = Backoff(f"writer of topic {topic!r}")
         self._give_up_at: float | None = None
         """Set by close(): a process that is stopping retries a lost Redis only this long."""
-
-    def write_raw(self, payload: bytes, partition: int = 0) -> None:
-        self._check_partition(partition)
-        if self._error is not None:
-            raise RuntimeError(f"topic {self.topic!r}: background flush failed: {self._error}") from self._error
-        now = time.monotonic()
-        with self._buf_lock:
-            if not self._buf:
-                self._first = now
-            self._buf.append((partition, payload))
-            self._bytes += len(payload)
-            due = len(self._buf) >= BATCH_RECORDS or self._bytes >= BATCH_BYTES or now - self._first >= LINGER_S
-        if due:
-            self.flush()
-        else:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._flush_loop, daemon=True, name=f"stream-writer-{self.topic}"
-                )
-                self._thread.start()
-            self._wake.set()
-
-    def flush(self) -> None:
-        with self._send_lock:
-            with self._buf_lock:
-                batch, self._buf, self._bytes = self._buf, [], 0
-            if batch:
-                self._send(batch)
 
     def _send(self, batch: list[tuple[int, bytes]]) -> None:
         while True:
             pipe = self._client.pipeline(transaction=False)
             for partition, payload in batch:
-                pipe.xadd(self._keys[partition], {FIELD: payload}, **self._trim)
+                # The command itself rather than pipe.xadd, which checks and rebuilds its arguments.
+                pipe.execute_command("XADD", self._keys[partition], *self._trim, "*", FIELD, payload)
             try:
                 pipe.execute()
                 self._backoff.succeeded()
@@ -140,35 +90,9 @@ class RedisWriter(Writer):
                     return
                 time.sleep(self._backoff.failed(e, cap=CLOSE_TIMEOUT_S / 4 if self._give_up_at else RETRY_MAX_S))
 
-    def _flush_loop(self) -> None:
-        """Send what an idle writer left in its buffer."""
-        while True:
-            self._wake.wait()
-            if self._closed:
-                return
-            self._wake.clear()
-            time.sleep(LINGER_S)
-            with self._buf_lock:
-                idle = bool(self._buf) and time.monotonic() - self._first >= LINGER_S
-            if not idle:
-                if self._buf:
-                    self._wake.set()  # a busy writer sends by itself; look again later
-                continue
-            try:
-                self.flush()
-            except Exception as e:  # surfaced to the caller on its next write()
-                log.error("writer of topic %r: background flush failed: %s", self.topic, e)
-                self._error = e
-                return
-
     def close(self) -> None:
         self._give_up_at = time.monotonic() + CLOSE_TIMEOUT_S
-        self.flush()
-        self._closed = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=CLOSE_TIMEOUT_S)
-            self._thread = None
+        super().close()
 
 
 class RedisReader(Reader):
@@ -191,27 +115,40 @@ class RedisReader(Reader):
         XREAD's COUNT is set so that a read holds about READ_BYTES."""
 
     def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
-        streams: dict[Any, Any] = {key: self._position[p] for key, p in self._keys.items()}
         block_ms = int(min(timeout, BLOCK_MAX_S) * 1000)
         count = max(1, min(max_count, READ_BYTES // self._entry_bytes))
+        # BLOCK 0 would mean forever in Redis; no BLOCK means return at once.
+        block = ("BLOCK", block_ms) if block_ms else ()
+        positions = [self._position[p] for p in self._keys.values()]
         try:
-            # block=0 would mean forever in Redis; no block means return at once.
-            reply: Any = self._client.xread(streams, count=count, block=block_ms or None)
+            reply: Any = self._client.execute_command(
+                "XREAD", "COUNT", count, *block, "STREAMS", *self._keys, *positions
+            )
             self._backoff.succeeded()
         except _LOST as e:
             time.sleep(self._backoff.failed(e, cap=timeout))
             return []
         out: list[RawEntry] = []
-        # redis-py gives [[key, entries], ...], or {key: entries} under RESP3 in some versions.
+        # The reply as Redis sends it (see RedisStreams): [[key, entries], ...], or {key: entries}
+        # under RESP3; each entry is [id, [field, value, ...]].
         for key, items in reply.items() if isinstance(reply, dict) else reply or ():
             partition = self._keys[key]
             for entry_id, fields in items[: count - len(out)]:
                 offset = entry_id.decode()
-                out.append((partition, offset, fields.get(FIELD, b"")))
+                # A Writer's entry has the one field `data`; any other is searched for it.
+                if len(fields) == 2 and fields[0] == FIELD:
+                    payload = fields[1]
+                else:
+                    payload = dict(zip(fields[::2], fields[1::2])).get(FIELD, b"")
+                out.append((partition, offset, payload))
                 self._position[partition] = offset
         if out:
             self._entry_bytes = max(1, sum(len(e[2]) for e in out) // len(out))
         return out
+
+
+def _as_sent(reply: Any, **options: Any) -> Any:
+    return reply
 
 
 class RedisStreams(Streams):
@@ -232,6 +169,8 @@ class RedisStreams(Streams):
             socket_keepalive=True,
             retry=Retry(NoBackoff(), 0),
         )
+        # Readers take XREAD's reply as it comes: redis-py would build a dict for every entry.
+        self.client.set_response_callback("XREAD", _as_sent)
 
     def _make_writer(self, topic: str, partitions: int) -> Writer:
         maxlen = 0 if topic in CONSUMED_TOPICS else self.maxlen

@@ -3,6 +3,8 @@ redis-server), with real writer/reader processes started by multiprocessing 'spa
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -14,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pipeline_rl.config import load_config, load_saved_config, save_config
-from pipeline_rl.streams import PositionStore, open_streams, partitions_for
-from pipeline_rl.streams.api import READ_BYTES
+from pipeline_rl.streams import PositionStore, api, open_streams, partitions_for
+from pipeline_rl.streams.api import BATCH_RECORDS, READ_BYTES
 from pipeline_rl.streams.jsonl_backend import partition_path
 from pipeline_rl.streams.records import DeadLetter, Metrics, Rollout, RolloutGroup, encode
 
@@ -235,6 +237,40 @@ def test_malformed_records_go_to_dead_letter_topic(streams):
     assert len(set(offsets)) == 3 and entries[0].offset not in offsets and entries[1].offset not in offsets
 
 
+def test_batched_writes_are_read_back_complete_and_in_order(streams):
+    # Several batches (by count), interleaved over two partitions; one record lands in one batch.
+    n = 3 * BATCH_RECORDS + 7
+    w = streams.writer("actor", partitions=2)
+    for i in range(n):
+        w.write(group(i), partition=i % 2)
+    w.flush()
+    r = streams.reader("actor", RolloutGroup, partitions=(0, 1))
+    entries = read_all(r, n, max_count=1000)
+    assert r.read(timeout=0.1) == [] and r.dead_letters == 0
+    for partition in (0, 1):
+        assert ids(e for e in entries if e.partition == partition) == [f"w:{i}" for i in range(partition, n, 2)]
+
+
+def test_an_unflushed_record_becomes_visible_by_itself(streams):
+    w = streams.writer("actor")
+    w.write(group(0))  # no flush: the writer's background thread sends it within milliseconds
+    assert ids(streams.reader("actor", RolloutGroup).read(timeout=5)) == ["w:0"]
+
+
+def test_a_read_leaves_the_garbage_collector_as_it_found_it(streams):
+    w = streams.writer("actor")
+    for i in range(4):
+        w.write(group(i))
+    w.flush()
+    r = streams.reader("actor", RolloutGroup)
+    assert len(r.read(timeout=5, max_count=2)) == 2 and gc.isenabled()
+    gc.disable()
+    try:
+        assert len(r.read(timeout=5, max_count=2)) == 2 and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_position_store_is_atomic_json(tmp_path):
     store = PositionStore(tmp_path / "positions" / "p.json")
     assert store.load() is None
@@ -254,6 +290,7 @@ def test_jsonl_torn_line_is_terminated_and_dead_lettered(tmp_path):
     s = open_streams(cfg)
     w = s.writer("actor")
     w.write(group(0))
+    w.flush()
     path = partition_path(Path(cfg.run_dir) / "streams", "actor", 0)
     assert path == tmp_path / "run" / "streams" / "actor" / "0.jsonl"
     fragment_at = path.stat().st_size
@@ -267,6 +304,50 @@ def test_jsonl_torn_line_is_terminated_and_dead_lettered(tmp_path):
     assert r.dead_letters == 1
     letter = s.reader("actor.dead", DeadLetter).read(timeout=1)[0].record
     assert letter.offset == str(fragment_at)
+    s.close()
+
+
+def test_jsonl_writer_sends_a_full_batch_as_plain_json_lines(tmp_path, monkeypatch):
+    """With time out of the picture, records stay buffered until the batch is full; then they
+    are all in the file, one JSON document per line, and flush() sends the rest."""
+    monkeypatch.setattr(api, "LINGER_S", 3600.0)
+    cfg = make_cfg(tmp_path, "jsonl")
+    s = open_streams(cfg)
+    w = s.writer("actor")
+    path = partition_path(Path(cfg.run_dir) / "streams", "actor", 0)
+    for i in range(BATCH_RECORDS - 1):
+        w.write(group(i))
+    assert not path.exists() or path.stat().st_size == 0
+    w.write(group(BATCH_RECORDS - 1))  # fills the batch: sent before write() returns
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and [json.loads(line)["problem_id"] for line in lines[:-1]] == [
+        f"w:{i}" for i in range(BATCH_RECORDS)
+    ]
+    for i in range(BATCH_RECORDS, BATCH_RECORDS + 3):
+        w.write(group(i))
+    w.flush()
+    r = s.reader("actor", RolloutGroup)
+    assert ids(read_all(r, BATCH_RECORDS + 3)) == [f"w:{i}" for i in range(BATCH_RECORDS + 3)]
+    s.close()
+
+
+def test_jsonl_batch_torn_by_a_crash_keeps_its_whole_lines(tmp_path):
+    """A writer killed in the middle of a batch leaves whole lines and one fragment: readers
+    take the whole lines, and the fragment is dead-lettered once the next write terminates it."""
+    cfg = make_cfg(tmp_path, "jsonl")
+    path = partition_path(Path(cfg.run_dir) / "streams", "actor", 0)
+    path.parent.mkdir(parents=True)
+    batch = b"".join(encode(group(i)) + b"\n" for i in range(3))
+    path.write_bytes(batch + encode(group(3))[:25])
+    s = open_streams(cfg)
+    r = s.reader("actor", RolloutGroup)
+    assert ids(read_all(r, 3)) == ["w:0", "w:1", "w:2"]
+    assert r.read(timeout=0.2) == [] and r.dead_letters == 0
+    w = s.writer("actor")
+    w.write(group(4))
+    w.flush()
+    assert ids(r.read(timeout=1)) == ["w:4"] and r.dead_letters == 1
+    assert s.reader("actor.dead", DeadLetter).read(timeout=1)[0].record.offset == str(len(batch))
     s.close()
 
 
@@ -374,6 +455,25 @@ def test_redis_writer_and_reader_survive_a_restart(tmp_path, redis_server, caplo
     assert any("writer of topic 'actor'" in m for m in lost)
     assert any("reader of topic 'actor'" in m for m in lost)
     s.close()
+
+
+@pytest.mark.redis
+def test_redis_entries_not_made_by_a_writer(tmp_path, redis_server):
+    """An entry is read for its `data` field, whatever other fields it has; one without it is
+    dead-lettered."""
+    import redis
+
+    s = open_streams(make_cfg(tmp_path, "redis", redis_server.port))
+    client = redis.Redis(port=redis_server.port)
+    key = "pipeline_rl:streamtest:actor:0"
+    client.xadd(key, {"data": encode(group(0))})
+    client.xadd(key, {"other": encode(group(1))})
+    client.xadd(key, {"data": encode(group(2)), "extra": b"1"})
+    client.xadd(key, {"data": encode(group(3))})
+    r = s.reader("actor", RolloutGroup)
+    assert ids(read_all(r, 3)) == ["w:0", "w:2", "w:3"] and r.dead_letters == 1
+    s.close()
+    client.close()
 
 
 def test_a_read_holds_about_read_bytes_of_payload(streams):

@@ -206,3 +206,24 @@ def test_malformed_payload_is_a_record_error_naming_the_field(payload, expected,
     with pytest.raises(RecordError) as info:
         decode(raw, expected)
     assert message in str(info.value)
+
+
+def reversed_fields(value):
+    """`value` with the fields of every object in reverse order (encode writes declaration order)."""
+    if isinstance(value, dict):
+        return {k: reversed_fields(v) for k, v in reversed(value.items())}
+    if isinstance(value, list):
+        return [reversed_fields(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_fields_in_any_order_decode_alike(record):
+    payload = orjson.dumps(reversed_fields(orjson.loads(encode(record))))
+    assert decode(payload, type(record)) == record
+
+
+def test_a_bad_field_is_named_whatever_the_field_order():
+    data = reversed_fields(group_payload(reward="1"))
+    with pytest.raises(RecordError, match=r"rollout_group\.rollouts\[1\]\.reward: expected float, got str"):
+        decode(orjson.dumps(data), RolloutGroup)
