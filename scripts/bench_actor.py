@@ -11,7 +11,9 @@ other processes on a shared machine hits all alike:
 Prints tokens/s of each, the ratios (2)/(1) and (3)/(2) (overall and the median of the
 rounds' ratios), the swap pauses (lock wait and lock hold, p50/p99) beside a memcpy of the
 update's bytes measured in the same run, the engine step time p50, and the peak RSS of each
-process. Goals: lock hold p50 <= 5x the memcpy; (3)/(2) >= 0.97.
+process. Goals: lock hold p50 <= 5x the memcpy; (3)/(2) >= 0.97. With TP > 1 the hold only
+queues the load: each worker copies its shard at the head of the next step, and the workers'
+copy times are printed beside it.
 
 With --tp 2 the engine is tensor parallel (two worker processes, each a receiver of the
 broadcast; on CPU each bound to its own cores) and (1) is plain vLLM with the same TP size.
@@ -300,6 +302,13 @@ def main() -> None:
     )
     workers = ""
     if args.tp > 1:
+        with hook.lock:
+            worker_loads = llm.llm_engine.collective_rpc(lambda worker: list(worker._pipeline_rl.load_s))
+        print(
+            "TP workers' copies (queued ahead of the next step, outside the lock hold): p50 "
+            + " / ".join(f"{percentile(w, 0.5) * 1e3:.2f}" for w in worker_loads)
+            + " ms"
+        )
         with hook.lock:
             rss = llm.llm_engine.collective_rpc(lambda _worker: peak_rss_mib())
         workers = ", TP workers " + " / ".join(f"{r:.0f}" for r in rss) + " MiB"

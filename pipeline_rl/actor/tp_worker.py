@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -32,6 +34,8 @@ class _WorkerState:
         self.receiver: WeightReceiver | None = None
         self.staged: tuple[str, Prepared] | None = None
         self.receiving: threading.Thread | None = None
+        self.load_s: deque[float] = deque(maxlen=10000)
+        """Seconds each load took in this worker (at the head of the step after the swap)."""
 
 
 class TensorParallelWorker:
@@ -121,8 +125,10 @@ class TensorParallelWorker:
         staged, state.staged = state.staged, None
         if staged is None or staged[0] != ticket:
             return f"worker {self.rank}: this update is not staged"
+        started = time.perf_counter()
         try:
             state.weights.load(staged[1])
         except Exception as e:
             return f"worker {self.rank}: {e}"
+        state.load_s.append(time.perf_counter() - started)
         return None
