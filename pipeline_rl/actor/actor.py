@@ -214,7 +214,6 @@ class Actor:
             await asyncio.gather(*tasks, *([eval_task] if eval_task else []), return_exceptions=True)
             self._unblock(blocked_since)
             self._take_lost()
-            self.writer.flush()
             self._save(force=True)
             self._log_metrics(0)
 
@@ -363,6 +362,7 @@ class Actor:
     def _save(self, force: bool) -> None:
         now = time.monotonic()
         if force or now - self._saved_at >= SAVE_EVERY_S:
+            self.writer.flush()  # `written` counts groups in the stream, never ones still buffered
             self.position.save(
                 {
                     "written": self.written,
