@@ -6,25 +6,45 @@ default process group (DeepSpeed's) and vLLM's are never touched. Rank 0 is the 
 receivers are the actors, or with tensor-parallel engines every worker of every actor
 (`group_ranks`).
 
-One update: the sender publishes its version under the store key "latest", announces a
-WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts the bytes
-of each bucket. Receivers read the announcement from the "weights" stream and take part in
-the broadcast.
+One update: the sender publishes its version under the store key "latest" (and, when it
+changes, the plan below under "plan"; the sender hosts the store, so both are local sets),
+announces a WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts
+the bytes of each bucket. Receivers read the announcement from the "weights" stream, read
+"latest", "group" and "plan" in one store round trip, and take part in the broadcast.
 
 Within a bucket, each run of small tensors goes as one packed message and each large tensor
-(>= 1 MiB) as a message of its own, sent from the sender's tensor without a copy. Buffers
-are kept between updates of the same layout: the sender packs into one reused buffer (the
-size of the largest packed run, at most a bucket), and a receiver receives into one buffer
-of the whole update and returns views into it. Those views are overwritten by the next
-receive(): the engine's reload copies them into its own weights before the receiver thread
-receives again (LLMClient's receiver thread receives, swaps, and only then reads the next
-announcement).
+(>= 1 MiB) as a message of its own, sent from the sender's tensor without a copy. A packed
+run whose tensors already lie in one storage as the message has them (parameters that are
+views of one flat buffer, as DeepSpeed ZeRO-1/2 keeps them, when no tensor needs padding) is
+sent from that storage without a copy too; any other is packed by one `_foreach_copy_`.
+The plan ("VERSION:BITS", one bit per bucket) makes a bucket whose tensors all lay flat in
+the previous update a single message (still without a copy; gloo costs about 0.5 ms per
+message on 2-core VMs): the sender notes flatness after each update and publishes a change
+before the next announcement; a bucket planned whole that is not flat after all is packed
+whole, once, and the plan goes back. Messages are not waited for one by one: the sender
+starts every message of a bucket and waits for them all before it takes the first tensor of
+the next bucket (so a tensor is used before the next bucket's tensors are asked for); a
+receiver keeps the messages of two buckets started (one message at a time when staging on
+host, through its bounce buffer) and waits for them in order, each within the timeout.
+
+Everything that depends only on the layout (shapes, dtypes, buckets, plan: the same model
+each time) is computed once and kept until an announcement differs (told by list
+comparisons): the messages, the buffers and the tensor views into them, and on the sender
+the announcement's lists. An update of a kept layout allocates nothing, and its per-tensor
+Python work is the sender's check of each tensor against the announcement (and whether its
+runs lie flat) and the receiver's (name, view) pairs. The sender packs into one reused area
+(the packed messages of one bucket side by side, at most a bucket; allocated the first time
+a run must be packed), and a receiver receives into one buffer of the whole update and
+returns views into it. Those views are overwritten by the next receive(): the engine's
+reload copies them into its own weights before the receiver thread receives again
+(LLMClient's receiver thread receives, swaps, and only then reads the next announcement).
 
 The group is built lazily by the first transfer and rebuilt after a failure: the sender
-gives each group it builds a new name (store key "group"), and a receiver whose group has
-another name rebuilds before receiving. A receiver that reads an announcement older than
-"latest" (an actor restarted after that transfer ended) skips it. A receiver whose store
-connection broke (the trainer restarted) connects again.
+gives each group it builds a new name (store key "group", set before the announcement), and a
+receiver whose group has another name rebuilds before receiving. A receiver that reads an
+announcement older than "latest" or than "plan" (an actor restarted after that transfer
+ended) skips it. A receiver whose store connection broke (the trainer restarted) connects
+again.
 """
 
 from __future__ import annotations
@@ -32,9 +52,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -117,64 +137,141 @@ _DIRECT_BYTES = 1 << 20
 would cost a copy, while its broadcast already amortises the per-message latency."""
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _Message(NamedTuple):
+    start: int
+    """First byte in the receiver's buffer."""
+    stop: int
+    members: list[int]
+    """Its tensors (consecutive; a packed message may include tensors of no bytes)."""
+    packed: bool
+    """False: one tensor sent from its own storage."""
+    bucket: int
+    pack_at: int
+    """Where a packed message lies in the sender's pack area (-1 for a tensor sent as is)."""
+    at: list[tuple[int, int]]
+    """Per member, its first byte relative to `start` and its size in bytes."""
+
+
 class _Layout:
     """Where each tensor of an update lies in the receiver's buffer (all tensors back to back,
     each at an aligned offset), and the messages that carry them: within each bucket, a run of
     consecutive small tensors is packed into one message, and every large tensor is a message
-    of its own. Sender and receivers derive it from the announcement alone, so the wire format
-    needs no more than the WeightUpdate record."""
+    of its own; a bucket the plan marks "1" is one message, all its tensors packed. Sender and
+    receivers derive it from the announcement and the plan alone, so the wire format needs no
+    more than the WeightUpdate record and the store's "plan". Built once per layout: `matches`
+    tells whether a later announcement and plan have the same one."""
 
-    def __init__(self, update: WeightUpdate):
-        self.key = (tuple(tuple(s) for s in update.shapes), tuple(update.dtypes), tuple(update.bucket_sizes))
+    def __init__(self, update: WeightUpdate, plan: str = ""):
+        # Copies: the key compared with later announcements, whoever owns their lists.
+        self.plan = plan
         self.shapes = [list(s) for s in update.shapes]
-        self.dtypes = [_dtype(d) for d in update.dtypes]
+        self.dtype_names = list(update.dtypes)
+        self.bucket_sizes = list(update.bucket_sizes)
+        self.sizes = [torch.Size(s) for s in self.shapes]
+        self.dtypes = [_dtype(d) for d in self.dtype_names]
         self.offsets: list[int] = []
         self.nbytes: list[int] = []
         pos = 0
-        for shape, dtype in zip(self.shapes, self.dtypes):
+        for size, dtype in zip(self.sizes, self.dtypes):
             self.offsets.append(pos)
-            self.nbytes.append(_numel(shape) * dtype.itemsize)
-            pos += -(-self.nbytes[-1] // _ALIGN) * _ALIGN
+            self.nbytes.append(size.numel() * dtype.itemsize)
+            pos += _aligned(self.nbytes[-1])
         self.total_bytes = pos
-        self.messages: list[tuple[int, int, list[int], bool]] = []
-        """Per message: first byte, end byte, its tensors, packed (False: one tensor sent as is)."""
+        self.messages: list[_Message] = []
+        self.pack_bytes = 0
+        """The sender's pack area: the largest sum over one bucket of its packed messages."""
+        if plan and len(plan) != len(self.bucket_sizes):
+            raise ValueError(f"weight-update plan {plan!r} does not fit {len(self.bucket_sizes)} buckets")
+        self.bucket_spans: list[_Message | None] = []
+        """Per bucket, all its tensors as one packed message (None when they have no bytes)."""
+        self.split_counts: list[int] = []
+        """Per bucket, its messages without the plan: a plan of "1" for it saves all but one."""
         first = 0
-        for count in update.bucket_sizes:
+        for bucket, count in enumerate(self.bucket_sizes):
+            self.bucket_spans.append(self._message(list(range(first, first + count)), True, bucket, pack_at=0))
+            small = [self.nbytes[i] < _DIRECT_BYTES for i in range(first, first + count)]
+            self.split_counts.append(sum(not s or j == 0 or not small[j - 1] for j, s in enumerate(small)))
+            whole = plan[bucket : bucket + 1] == "1"
+            filled = 0
             run: list[int] = []
-            for i in range(first, first + count):
-                if self.nbytes[i] >= _DIRECT_BYTES:
-                    self._add(run, packed=True)
-                    self._add([i], packed=False)
-                    run = []
-                else:
+            for i in [*range(first, first + count), -1]:  # -1: the bucket's end
+                if i >= 0 and (whole or self.nbytes[i] < _DIRECT_BYTES):
                     run.append(i)
-            self._add(run, packed=True)
+                    continue
+                if run and (msg := self._message(run, True, bucket, pack_at=filled)) is not None:
+                    self.messages.append(msg)
+                    filled += _aligned(msg.stop - msg.start)
+                run = []
+                if i >= 0 and (msg := self._message([i], False, bucket, pack_at=-1)) is not None:
+                    self.messages.append(msg)
+            self.pack_bytes = max(self.pack_bytes, filled)
             first += count
-        self.pack_bytes = max((stop - start for start, stop, _, packed in self.messages if packed), default=0)
+        self.largest = max((m.stop - m.start for m in self.messages), default=0)
 
-    def _add(self, members: list[int], packed: bool) -> None:
-        if members:
-            start, stop = self.offsets[members[0]], self.offsets[members[-1]] + self.nbytes[members[-1]]
-            if stop > start:
-                self.messages.append((start, stop, members, packed))
+    def _message(self, members: list[int], packed: bool, bucket: int, pack_at: int) -> _Message | None:
+        """The message of `members`; None when they have no bytes."""
+        start, stop = self.offsets[members[0]], self.offsets[members[-1]] + self.nbytes[members[-1]]
+        if stop <= start:
+            return None
+        at = [(self.offsets[i] - start, self.nbytes[i]) for i in members]
+        return _Message(start, stop, members, packed, bucket, pack_at, at)
 
-    def views(self, buffer: torch.Tensor, packed_only: bool) -> dict[int, torch.Tensor]:
-        """Typed views of the tensors in a uint8 `buffer`: every tensor where the receiver's
-        buffer has it, or (packed_only) the packed tensors where a pack buffer holding one
-        message at a time has them."""
+    def matches(self, update: WeightUpdate, plan: str | None = None) -> bool:
+        """Whether `update` (and `plan`, unless None) has this layout (list comparisons: no
+        Python loop per tensor)."""
+        return (
+            (plan is None or plan == self.plan)
+            and len(update.names) == len(self.shapes)
+            and update.shapes == self.shapes
+            and update.dtypes == self.dtype_names
+            and update.bucket_sizes == self.bucket_sizes
+        )
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of every tensor where the receiver's uint8 `buffer` has it."""
+        return [
+            buffer[at : at + n].view(dtype).view(size)
+            for at, n, dtype, size in zip(self.offsets, self.nbytes, self.dtypes, self.sizes)
+        ]
+
+    def pack_views(self, area: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Typed views of the packed tensors where the sender's uint8 pack `area` has them."""
         out = {}
-        for start, _, members, packed in self.messages:
-            if packed_only and not packed:
-                continue
-            base = start if packed_only else 0
-            for i in members:
-                at = self.offsets[i] - base
-                out[i] = buffer[at : at + self.nbytes[i]].view(self.dtypes[i]).view(self.shapes[i])
-        if not packed_only:  # tensors with no bytes are in no message
-            for i in range(len(self.nbytes)):
-                if i not in out:
-                    out[i] = buffer[:0].view(self.dtypes[i]).view(self.shapes[i])
+        for msg in self.messages:
+            if msg.packed:
+                for i in msg.members:
+                    at = msg.pack_at + self.offsets[i] - msg.start
+                    out[i] = area[at : at + self.nbytes[i]].view(self.dtypes[i]).view(self.sizes[i])
         return out
+
+
+def _flat_span(msg: _Message, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The packed message's bytes as one uint8 tensor over its tensors' own storage, when they
+    lie there as the message has them (each contiguous at its offset from the first, the whole
+    span inside the first one's storage; CPU and GPU memory share one address space): then the
+    message needs no copy. Else None."""
+    base = 0
+    first: torch.Tensor | None = None
+    for t, (rel, nbytes) in zip(tensors, msg.at):
+        if nbytes == 0:
+            continue
+        if t is None or not t.is_contiguous():
+            return None
+        if first is None:
+            first, base = t, t.data_ptr() - rel
+        elif t.data_ptr() - rel != base:
+            return None
+    if first is None:
+        return None
+    storage = first.untyped_storage()
+    offset = base - storage.data_ptr()
+    if offset < 0 or offset + msg.stop - msg.start > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (msg.stop - msg.start,), (1,))
 
 
 class _Endpoint:
@@ -186,38 +283,42 @@ class _Endpoint:
         self.timeout = timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.staging_device = self.device
-        """Where the kept buffer lives (a receiver may keep it in host memory)."""
+        """Where a receiver's kept buffer lives (it may keep it in host memory)."""
         # A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs omit its collectives.
         self._group: Any = None
         self._group_name: str | None = None
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank = 0
         # Kept between updates while the layout stays the same (it does: the same model each
-        # time): neither a packing buffer nor receive memory is allocated (and page-faulted)
-        # per update.
+        # time), with the buffers the subclass allocates for it: neither a packing buffer nor
+        # receive memory is allocated (and page-faulted), nor any view taken, per update.
         self._layout: _Layout | None = None
-        self._buffer: torch.Tensor | None = None
-        self._views: dict[int, torch.Tensor] = {}
 
-    def _prepare(self, update: WeightUpdate) -> tuple[_Layout, torch.Tensor]:
-        """The update's layout and the buffer kept for it (allocated when the layout changes)."""
-        layout = _Layout(update)
-        if self._layout is None or self._buffer is None or layout.key != self._layout.key:
-            self._layout = self._buffer = None
-            self._views = {}
-            size, packed_only = self._buffer_size(layout)
-            pin = self.staging_device.type == "cpu" and self.device.type == "cuda"
-            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.staging_device, pin_memory=pin)
-            self._views = layout.views(self._buffer, packed_only)
-            self._layout = layout
-        return self._layout, self._buffer
+    def _kept_layout(self, update: WeightUpdate, plan: str | None) -> _Layout | None:
+        """The kept layout, when `update` and `plan` (unless None) have it."""
+        layout = self._layout
+        return layout if layout is not None and layout.matches(update, plan) else None
 
-    def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
+    def _new_layout(self, update: WeightUpdate, plan: str) -> _Layout:
+        """Compute the layout of `update` and `plan` and keep it, with its buffers (the kept
+        ones are let go first, so the old and new buffers are never held together)."""
+        self._release()
+        layout = _Layout(update, plan)
+        self._allocate(layout)
+        self._layout = layout
+        return layout
+
+    def _allocate(self, layout: _Layout) -> None:
         raise NotImplementedError
 
-    def _broadcast(self, buffer: torch.Tensor) -> None:
+    def _release(self) -> None:
+        self._layout = None
+
+    def _start(self, buffer: torch.Tensor) -> Any:
+        """Start broadcasting `buffer` (rank 0's bytes into every other rank's); returns the
+        work to wait for."""
         assert self._group is not None, "broadcast before the group was built"
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._group.broadcast([buffer], opts).wait(self.timeout)
+        return self._group.broadcast([buffer], self._opts)
 
     def _drop_group(self) -> None:
         self._group = None
@@ -225,15 +326,7 @@ class _Endpoint:
 
     def close(self) -> None:
         self._drop_group()
-        self._layout = self._buffer = None
-        self._views = {}
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        self._release()
 
 
 class WeightSender(_Endpoint):
@@ -244,6 +337,19 @@ class WeightSender(_Endpoint):
         self._store: dist.TCPStore | None = dist.TCPStore(
             self.host, self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
         )
+        self._pack: torch.Tensor | None = None
+        """The pack area, allocated when the kept layout first packs a message (never when every
+        packed run goes from a flat source)."""
+        self._pack_views: dict[int, torch.Tensor] = {}
+        self._pack_parts: dict[int, torch.Tensor] = {}
+        """Per packed message (by index), its bytes in the pack area."""
+        self._specs: tuple[list[tuple[str, list[int], torch.dtype]], int] | None = None
+        self._announced: tuple[list[str], list[list[int]], list[str], list[int]] = ([], [], [], [])
+        """names, shapes, dtypes and bucket sizes announced for `_specs` (specs, bucket_mb)."""
+        self._plan = ""
+        """The plan of the next update: per bucket "1" when the last update found all its
+        tensors flat (_flat_span of the whole bucket), "" before any such update."""
+        self._published: str | None = None
 
     def send(
         self,
@@ -255,72 +361,152 @@ class WeightSender(_Endpoint):
     ) -> float:
         """Announce `version` and broadcast it to every receiver; returns the seconds taken.
         With `specs` (name, shape, dtype of every tensor, in order) the announcement needs no
-        tensor, and `named_tensors` is consumed one message at a time: a tensor is used before
-        the next is asked for, so a generator of gathered chunks never holds the whole model.
-        Raises when a receiver is missing or dies (after at most the timeout), or when the
-        tensors differ from `specs`; the next send then builds a fresh group."""
+        tensor, and `named_tensors` is consumed one message at a time: every tensor of a bucket
+        is used (its broadcast done) before the first tensor of the next bucket is asked for,
+        so a generator of gathered chunks in the same buckets (full_weights.gathered_chunks)
+        never holds more than one chunk. Raises when a receiver is missing or dies (after at
+        most the timeout), or when the tensors differ from `specs` (name, shape or dtype); the
+        next send then builds a fresh group."""
         start = time.perf_counter()
         if specs is None:
             named_tensors = list(named_tensors)
             specs = [(name, list(t.shape), t.dtype) for name, t in named_tensors]
-        update = WeightUpdate(
-            version=version,
-            names=[name for name, _, _ in specs],
-            shapes=[list(shape) for _, shape, _ in specs],
-            dtypes=[_dtype_name(dtype) for _, _, dtype in specs],
-            bucket_sizes=plan_buckets([_numel(shape) * dtype.itemsize for _, shape, dtype in specs], bucket_mb),
-        )
+        update = self._announcement(version, specs, bucket_mb)
         if self._store is None:
             raise RuntimeError("WeightSender.send after close()")
+        plan = self._plan
         try:
+            layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
             if self._group is None:
                 self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
                 self._store.set("group", self._group_name)
             self._store.set("latest", str(version))
+            if self._published != plan:
+                self._store.set("plan", f"{version}:{plan}")
+                self._published = plan
             announce(update)
             if self._group is None:
                 assert self._group_name is not None
                 self._group = _new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
-            self._send_buckets(update, iter(named_tensors))
+            self._send_messages(update, layout, iter(named_tensors))
         except Exception:
             self._drop_group()
             raise
         return time.perf_counter() - start
 
-    def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
-        return layout.pack_bytes, True
+    def _announcement(
+        self, version: int, specs: list[tuple[str, list[int], torch.dtype]], bucket_mb: int
+    ) -> WeightUpdate:
+        """The WeightUpdate of `version`; its lists are computed again only when the specs or the
+        bucket size change (one list comparison otherwise). They are shared between updates:
+        nobody may modify them."""
+        if self._specs is None or self._specs[1] != bucket_mb or self._specs[0] != specs:
+            self._plan = ""  # observed on other buckets
+            self._announced = (
+                [name for name, _, _ in specs],
+                [list(shape) for _, shape, _ in specs],
+                [_dtype_name(dtype) for _, _, dtype in specs],
+                plan_buckets([torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in specs], bucket_mb),
+            )
+            self._specs = ([(name, list(shape), dtype) for name, shape, dtype in specs], bucket_mb)
+        names, shapes, dtypes, buckets = self._announced
+        return WeightUpdate(version=version, names=names, shapes=shapes, dtypes=dtypes, bucket_sizes=buckets)
 
-    def _send_buckets(self, update: WeightUpdate, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Pack each run of small tensors into the reused pack buffer (a copy_ per tensor, no
-        allocation) and broadcast it; broadcast each large tensor from its own storage. Takes
-        each tensor from `named` only when its message is being built."""
-        layout, buffer = self._prepare(update)
+    def _allocate(self, layout: _Layout) -> None:
+        pass  # the pack area waits for a message to pack (_packed)
+
+    def _packed(self, layout: _Layout, k: int) -> torch.Tensor:
+        """Packed message k's bytes in the pack area, which is allocated (with its views) the
+        first time the kept layout needs it."""
+        if self._pack is None:
+            self._pack = torch.empty(layout.pack_bytes, dtype=torch.uint8, device=self.device)
+            self._pack_views = layout.pack_views(self._pack)
+            self._pack_parts = {
+                j: self._pack[m.pack_at : m.pack_at + m.stop - m.start]
+                for j, m in enumerate(layout.messages)
+                if m.packed
+            }
+        return self._pack_parts[k]
+
+    def _release(self) -> None:
+        super()._release()
+        self._pack = None
+        self._pack_views = {}
+        self._pack_parts = {}
+
+    def _send_messages(self, update: WeightUpdate, layout: _Layout, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Start each message of a bucket: a packed run from its tensors' own storage when they
+        are flat there (_flat_span), else packed into the reused pack area by one
+        _foreach_copy_; a large tensor from its own storage. Wait for the bucket's messages
+        before taking the next bucket's first tensor. Takes each tensor from `named` only when
+        its message is being built."""
+        names, sizes, dtypes = update.names, layout.sizes, layout.dtypes
         taken = 0
+        bucket_tensors: dict[int, torch.Tensor] = {}
+        """The current bucket's tensors as taken, to tell whether the bucket lies flat."""
 
         def take(i: int) -> torch.Tensor:
             """Tensor i, passing by the ones before it (tensors of no bytes are in no message)."""
             nonlocal taken
             while True:
                 name, tensor = next(named)
-                if name != update.names[taken] or list(tensor.shape) != layout.shapes[taken]:
+                if name != names[taken] or tensor.shape != sizes[taken]:
                     raise ValueError(
                         f"weight tensor {taken} is {name} {list(tensor.shape)}, "
-                        f"announced as {update.names[taken]} {layout.shapes[taken]}"
+                        f"announced as {names[taken]} {layout.shapes[taken]}"
                     )
+                if tensor.dtype != dtypes[taken]:
+                    raise ValueError(
+                        f"weight tensor {taken} ({name}) is {_dtype_name(tensor.dtype)}, "
+                        f"announced as {_dtype_name(dtypes[taken])}"
+                    )
+                bucket_tensors[taken] = tensor
                 taken += 1
                 if taken > i:
-                    return tensor.detach()
+                    return tensor
 
-        for start, stop, members, packed in layout.messages:
-            if packed:
-                for i in members:
-                    self._views[i].copy_(take(i))
-                self._broadcast(buffer[: stop - start])
-            else:
-                tensor = take(members[0]).to(self.device).contiguous()
-                self._broadcast(tensor.reshape(-1).view(torch.uint8))
-        if taken < len(layout.nbytes):
-            take(len(layout.nbytes) - 1)
+        flat = ["0"] * len(layout.bucket_sizes)
+
+        def bucket_done(b: int) -> None:
+            """Wait for bucket b's messages; note whether it lies flat (the next plan)."""
+            self._wait(in_flight)
+            span = layout.bucket_spans[b] if b < len(layout.bucket_spans) else None
+            if span is not None and layout.split_counts[b] > 1:
+                source = _flat_span(span, [bucket_tensors.get(i) for i in span.members])
+                flat[b] = "1" if source is not None and source.device == self.device else "0"
+            bucket_tensors.clear()
+
+        in_flight: list[tuple[Any, object]] = []
+        """Started messages, each with what must stay alive until it is done."""
+        bucket = 0
+        with torch.no_grad():
+            for k, msg in enumerate(layout.messages):
+                if msg.bucket != bucket:
+                    bucket_done(bucket)
+                    bucket = msg.bucket
+                if msg.packed:
+                    tensors = [take(i) for i in msg.members]
+                    source = _flat_span(msg, tensors)
+                    if source is None or source.device != self.device:
+                        part = self._packed(layout, k)
+                        if source is not None:  # flat elsewhere (another device): one copy
+                            part.copy_(source)
+                        else:
+                            torch._foreach_copy_([self._pack_views[i] for i in msg.members], tensors)
+                        source = part
+                    in_flight.append((self._start(source), tensors))
+                else:
+                    tensor = take(msg.members[0]).to(self.device).contiguous()
+                    in_flight.append((self._start(tensor.reshape(-1).view(torch.uint8)), tensor))
+            bucket_done(bucket)
+        if taken < len(names):
+            take(len(names) - 1)
+        self._plan = "".join(flat) if "1" in flat else ""
+
+    def _wait(self, in_flight: list[tuple[Any, object]]) -> None:
+        for work, _ in in_flight:
+            work.wait(self.timeout)
+        in_flight.clear()
 
     def close(self) -> None:
         super().close()
@@ -352,6 +538,12 @@ class WeightReceiver(_Endpoint):
             self.staging_device = torch.device("cpu")
         self._bounce: torch.Tensor | None = None
         self._store: dist.TCPStore | None = None
+        self._buffer: torch.Tensor | None = None
+        """The receive buffer of the kept layout: the whole update."""
+        self._reuse: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._parts: list[list[torch.Tensor]] = []
+        """Per bucket, its messages' bytes in the receive buffer."""
 
     def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
         """Take part in the broadcast announced by `update`; returns (name, tensor) pairs whose
@@ -360,40 +552,78 @@ class WeightReceiver(_Endpoint):
         Raises StaleUpdate for an announcement whose transfer is over, ValueError for an
         inconsistent announcement, and RuntimeError/DistStoreError when the sender dies or
         stalls past the timeout."""
-        _check_announcement(update)
+        kept = self._kept_layout(update, None)
+        if kept is None:
+            _check_announcement(update)
         try:
-            latest = int(self._store_get("latest"))
-            if update.version < latest:
-                raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {latest}")
-            name = self._store_get("group").decode()
-            if name != self._group_name:
+            latest, name, planned = self._store_get(["latest", "group", "plan"])
+            plan_version, _, plan = planned.decode().partition(":")
+            newest = max(int(latest), int(plan_version))  # "plan" is set before the announcement
+            if update.version < newest:
+                raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {newest}")
+            if name.decode() != self._group_name:
                 assert self._store is not None  # _store_get connected it
-                self._group = _new_group(self._store, name, self.rank, self.world_size, self.backend, self.timeout)
-                self._group_name = name
-            tensors = self._receive_buckets(update)
+                self._group = _new_group(
+                    self._store, name.decode(), self.rank, self.world_size, self.backend, self.timeout
+                )
+                self._group_name = name.decode()
+            layout = kept if kept is not None and kept.plan == plan else self._new_layout(update, plan)
+            self._receive_messages(layout)
         except StaleUpdate:
             raise
         except Exception:
             self._drop_group()
             self._store = None
             raise
-        return list(zip(update.names, tensors))
+        return list(zip(update.names, self._views))
 
-    def _buffer_size(self, layout: _Layout) -> tuple[int, bool]:
-        return layout.total_bytes, False
+    def _new_layout(self, update: WeightUpdate, plan: str) -> _Layout:
+        self._reuse = self._buffer  # a layout of the same size (another plan) keeps the buffer
+        try:
+            return super()._new_layout(update, plan)
+        finally:
+            self._reuse = None
 
-    def _receive_buckets(self, update: WeightUpdate) -> list[torch.Tensor]:
-        layout, buffer = self._prepare(update)
-        largest = max((stop - start for start, stop, _, _ in layout.messages), default=0)
-        if self.stage_on_host and (self._bounce is None or self._bounce.numel() < largest):
-            self._bounce = torch.empty(largest, dtype=torch.uint8, device=self.device)
-        for start, stop, _, _ in layout.messages:
-            if self._bounce is None:
-                self._broadcast(buffer[start:stop])
-            else:
-                self._broadcast(self._bounce[: stop - start])
-                buffer[start:stop].copy_(self._bounce[: stop - start])
-        return [self._views[i] for i in range(len(layout.nbytes))]
+    def _allocate(self, layout: _Layout) -> None:
+        buffer, self._reuse = self._reuse, None
+        if buffer is None or buffer.numel() != layout.total_bytes:
+            buffer = None  # let go of the old buffer before allocating the new one
+            pin = self.staging_device.type == "cpu" and self.device.type == "cuda"
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.staging_device, pin_memory=pin)
+        self._buffer = buffer
+        self._views = layout.views(self._buffer)
+        self._parts = [[] for _ in layout.bucket_sizes]
+        for m in layout.messages:
+            self._parts[m.bucket].append(self._buffer[m.start : m.stop])
+
+    def _release(self) -> None:
+        super()._release()
+        self._buffer = None
+        self._views = []
+        self._parts = []
+
+    def _receive_messages(self, layout: _Layout) -> None:
+        """Into the receive buffer: the messages of two buckets started at a time, bucket b + 2's
+        once bucket b's are done (a message never waits behind more than two buckets: NCCL
+        counts a collective's timeout from its start). Staged on host: one message at a time
+        through the bounce buffer."""
+        parts = self._parts
+        if not self.stage_on_host:
+            started = [[self._start(part) for part in bucket] for bucket in parts[:2]]
+            for b in range(len(parts)):
+                for work in started[b]:
+                    work.wait(self.timeout)
+                if b + 2 < len(parts):
+                    started.append([self._start(part) for part in parts[b + 2]])
+            return
+        if self._bounce is None or self._bounce.numel() < layout.largest:
+            self._bounce = None
+            self._bounce = torch.empty(layout.largest, dtype=torch.uint8, device=self.device)
+        for bucket in parts:
+            for part in bucket:
+                bounce = self._bounce[: part.numel()]
+                self._start(bounce).wait(self.timeout)
+                part.copy_(bounce)
 
     def publish(self, key: str, value: str) -> None:
         """Set `key` in the sender's store: how a receiver in a process of its own (a
@@ -405,15 +635,16 @@ class WeightReceiver(_Endpoint):
             self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
         return self._store
 
-    def _store_get(self, key: str) -> bytes:
+    def _store_get(self, keys: list[str]) -> list[bytes]:
+        """The values of `keys` (waiting for missing ones), in one round trip."""
         if self._store is not None:
             try:
-                return self._store.get(key)
+                return self._store.multi_get(keys)
             except Exception as e:  # the sender's store went away (trainer restarted): connect again
                 log.warning("weight-sync store at %s:%d: %s; reconnecting", self.host, self.port, e)
                 self._drop_group()
                 self._store = None
-        return self._connect().get(key)
+        return self._connect().multi_get(keys)
 
     def close(self) -> None:
         super().close()

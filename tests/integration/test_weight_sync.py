@@ -60,7 +60,7 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
         writer.flush()
 
     sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
-    broadcast = sender._broadcast
+    start = sender._start
     base = load_file(str(Path(model_dir) / "model.safetensors"))
     print("ready", flush=True)
     for line in sys.stdin:
@@ -77,9 +77,9 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
             if buffers[0] == 2 and mode == "hang":
                 print("hanging", flush=True)
                 time.sleep(3600)
-            broadcast(buffer)
+            return start(buffer)
 
-        sender._broadcast = gated
+        sender._start = gated
         try:
             seconds = sender.send(int(version), weights.items(), announce, bucket_mb=BUCKET_MB)
             print(f"sent {version} {seconds:.3f}", flush=True)
@@ -215,8 +215,10 @@ def test_mixed_tensors_arrive_intact_in_reused_buffers(stage_on_host):
 
 def test_sender_takes_each_tensor_only_when_its_message_is_built():
     """With specs, the announcement needs no tensor and the tensors are pulled from a generator
-    one message at a time (what lets the trainer gather one bucket at a time); a generator
-    that strays from the specs is refused, naming the tensor."""
+    one message at a time, and a bucket's messages are done before the next bucket's first
+    tensor is taken (what lets the trainer gather one bucket at a time, and what makes reusing
+    the pack area safe on NCCL, whose broadcasts run asynchronously); a generator that strays
+    from the specs is refused, naming the tensor."""
     import threading
 
     g = torch.Generator().manual_seed(0)
@@ -233,8 +235,21 @@ def test_sender_takes_each_tensor_only_when_its_message_is_built():
     addr = f"127.0.0.1:{free_port()}"
     sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
     receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
-    broadcast = sender._broadcast
-    sender._broadcast = lambda buffer: (events.append(f"send {buffer.numel()}"), broadcast(buffer))
+    start = sender._start
+
+    class Work:
+        def __init__(self, work, n):
+            self.work, self.n = work, n
+
+        def wait(self, timeout):
+            self.work.wait(timeout)
+            events.append(f"done {self.n}")
+
+    def started(buffer):
+        events.append(f"send {buffer.numel()}")
+        return Work(start(buffer), buffer.numel())
+
+    sender._start = started
     announced, got = [], []
     thread = threading.Thread(target=lambda: got.append(receiver.receive(announced[0])))
 
@@ -251,9 +266,9 @@ def test_sender_takes_each_tensor_only_when_its_message_is_built():
     msg = 300 * 300 * 4 * 2
     assert events == [
         "announce",
-        *["take w0", "take w1", f"send {msg}"],
-        *["take w2", "take empty", "take w3", f"send {msg}"],
-        *["take w4", "take w5", f"send {msg}"],
+        *["take w0", "take w1", f"send {msg}", f"done {msg}"],
+        *["take w2", "take empty", "take w3", f"send {msg}", f"done {msg}"],
+        *["take w4", "take w5", f"send {msg}", f"done {msg}"],
     ], events
 
     wrong = [("other", weights[0][1]), *weights[1:]]
