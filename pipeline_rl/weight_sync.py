@@ -52,14 +52,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_layout import Layout, check_announcement, dtype_name, flat_span, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -82,34 +83,6 @@ class StaleUpdate(Exception):
     """An announcement whose transfer is already over; the receiver did not take part."""
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in weight update")
-    return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def plan_buckets(sizes_bytes: list[int], bucket_mb: int) -> list[int]:
-    """Tensors per bucket: consecutive tensors, at most `bucket_mb` MiB each (a larger tensor
-    gets a bucket of its own)."""
-    limit = bucket_mb * 2**20
-    buckets: list[int] = []
-    count = filled = 0
-    for size in sizes_bytes:
-        if count and filled + size > limit:
-            buckets.append(count)
-            count = filled = 0
-        count += 1
-        filled += size
-    if count:
-        buckets.append(count)
-    return buckets
-
-
 def _split_host_port(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
@@ -126,152 +99,6 @@ def _new_group(store: dist.Store, name: str, rank: int, world_size: int, backend
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
-
-
-_ALIGN = 64
-"""Each tensor starts at a multiple of this many bytes, so a typed view of any dtype can be
-taken there."""
-
-_DIRECT_BYTES = 1 << 20
-"""A tensor this large is broadcast on its own, from the sender's own storage: packing it
-would cost a copy, while its broadcast already amortises the per-message latency."""
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-class _Message(NamedTuple):
-    start: int
-    """First byte in the receiver's buffer."""
-    stop: int
-    members: list[int]
-    """Its tensors (consecutive; a packed message may include tensors of no bytes)."""
-    packed: bool
-    """False: one tensor sent from its own storage."""
-    bucket: int
-    pack_at: int
-    """Where a packed message lies in the sender's pack area (-1 for a tensor sent as is)."""
-    at: list[tuple[int, int]]
-    """Per member, its first byte relative to `start` and its size in bytes."""
-
-
-class _Layout:
-    """Where each tensor of an update lies in the receiver's buffer (all tensors back to back,
-    each at an aligned offset), and the messages that carry them: within each bucket, a run of
-    consecutive small tensors is packed into one message, and every large tensor is a message
-    of its own; a bucket the plan marks "1" is one message, all its tensors packed. Sender and
-    receivers derive it from the announcement and the plan alone, so the wire format needs no
-    more than the WeightUpdate record and the store's "plan". Built once per layout: `matches`
-    tells whether a later announcement and plan have the same one."""
-
-    def __init__(self, update: WeightUpdate, plan: str = ""):
-        # Copies: the key compared with later announcements, whoever owns their lists.
-        self.plan = plan
-        self.shapes = [list(s) for s in update.shapes]
-        self.dtype_names = list(update.dtypes)
-        self.bucket_sizes = list(update.bucket_sizes)
-        self.sizes = [torch.Size(s) for s in self.shapes]
-        self.dtypes = [_dtype(d) for d in self.dtype_names]
-        self.offsets: list[int] = []
-        self.nbytes: list[int] = []
-        pos = 0
-        for size, dtype in zip(self.sizes, self.dtypes):
-            self.offsets.append(pos)
-            self.nbytes.append(size.numel() * dtype.itemsize)
-            pos += _aligned(self.nbytes[-1])
-        self.total_bytes = pos
-        self.messages: list[_Message] = []
-        self.pack_bytes = 0
-        """The sender's pack area: the largest sum over one bucket of its packed messages."""
-        if plan and len(plan) != len(self.bucket_sizes):
-            raise ValueError(f"weight-update plan {plan!r} does not fit {len(self.bucket_sizes)} buckets")
-        self.bucket_spans: list[_Message | None] = []
-        """Per bucket, all its tensors as one packed message (None when they have no bytes)."""
-        self.split_counts: list[int] = []
-        """Per bucket, its messages without the plan: a plan of "1" for it saves all but one."""
-        first = 0
-        for bucket, count in enumerate(self.bucket_sizes):
-            self.bucket_spans.append(self._message(list(range(first, first + count)), True, bucket, pack_at=0))
-            small = [self.nbytes[i] < _DIRECT_BYTES for i in range(first, first + count)]
-            self.split_counts.append(sum(not s or j == 0 or not small[j - 1] for j, s in enumerate(small)))
-            whole = plan[bucket : bucket + 1] == "1"
-            filled = 0
-            run: list[int] = []
-            for i in [*range(first, first + count), -1]:  # -1: the bucket's end
-                if i >= 0 and (whole or self.nbytes[i] < _DIRECT_BYTES):
-                    run.append(i)
-                    continue
-                if run and (msg := self._message(run, True, bucket, pack_at=filled)) is not None:
-                    self.messages.append(msg)
-                    filled += _aligned(msg.stop - msg.start)
-                run = []
-                if i >= 0 and (msg := self._message([i], False, bucket, pack_at=-1)) is not None:
-                    self.messages.append(msg)
-            self.pack_bytes = max(self.pack_bytes, filled)
-            first += count
-        self.largest = max((m.stop - m.start for m in self.messages), default=0)
-
-    def _message(self, members: list[int], packed: bool, bucket: int, pack_at: int) -> _Message | None:
-        """The message of `members`; None when they have no bytes."""
-        start, stop = self.offsets[members[0]], self.offsets[members[-1]] + self.nbytes[members[-1]]
-        if stop <= start:
-            return None
-        at = [(self.offsets[i] - start, self.nbytes[i]) for i in members]
-        return _Message(start, stop, members, packed, bucket, pack_at, at)
-
-    def matches(self, update: WeightUpdate, plan: str | None = None) -> bool:
-        """Whether `update` (and `plan`, unless None) has this layout (list comparisons: no
-        Python loop per tensor)."""
-        return (
-            (plan is None or plan == self.plan)
-            and len(update.names) == len(self.shapes)
-            and update.shapes == self.shapes
-            and update.dtypes == self.dtype_names
-            and update.bucket_sizes == self.bucket_sizes
-        )
-
-    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of every tensor where the receiver's uint8 `buffer` has it."""
-        return [
-            buffer[at : at + n].view(dtype).view(size)
-            for at, n, dtype, size in zip(self.offsets, self.nbytes, self.dtypes, self.sizes)
-        ]
-
-    def pack_views(self, area: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Typed views of the packed tensors where the sender's uint8 pack `area` has them."""
-        out = {}
-        for msg in self.messages:
-            if msg.packed:
-                for i in msg.members:
-                    at = msg.pack_at + self.offsets[i] - msg.start
-                    out[i] = area[at : at + self.nbytes[i]].view(self.dtypes[i]).view(self.sizes[i])
-        return out
-
-
-def _flat_span(msg: _Message, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The packed message's bytes as one uint8 tensor over its tensors' own storage, when they
-    lie there as the message has them (each contiguous at its offset from the first, the whole
-    span inside the first one's storage; CPU and GPU memory share one address space): then the
-    message needs no copy. Else None."""
-    base = 0
-    first: torch.Tensor | None = None
-    for t, (rel, nbytes) in zip(tensors, msg.at):
-        if nbytes == 0:
-            continue
-        if t is None or not t.is_contiguous():
-            return None
-        if first is None:
-            first, base = t, t.data_ptr() - rel
-        elif t.data_ptr() - rel != base:
-            return None
-    if first is None:
-        return None
-    storage = first.untyped_storage()
-    offset = base - storage.data_ptr()
-    if offset < 0 or offset + msg.stop - msg.start > storage.nbytes():
-        return None
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (msg.stop - msg.start,), (1,))
 
 
 class _Endpoint:
@@ -292,23 +119,23 @@ class _Endpoint:
         # Kept between updates while the layout stays the same (it does: the same model each
         # time), with the buffers the subclass allocates for it: neither a packing buffer nor
         # receive memory is allocated (and page-faulted), nor any view taken, per update.
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
 
-    def _kept_layout(self, update: WeightUpdate, plan: str | None) -> _Layout | None:
+    def _kept_layout(self, update: WeightUpdate, plan: str | None) -> Layout | None:
         """The kept layout, when `update` and `plan` (unless None) have it."""
         layout = self._layout
         return layout if layout is not None and layout.matches(update, plan) else None
 
-    def _new_layout(self, update: WeightUpdate, plan: str) -> _Layout:
+    def _new_layout(self, update: WeightUpdate, plan: str) -> Layout:
         """Compute the layout of `update` and `plan` and keep it, with its buffers (the kept
         ones are let go first, so the old and new buffers are never held together)."""
         self._release()
-        layout = _Layout(update, plan)
+        layout = Layout(update, plan)
         self._allocate(layout)
         self._layout = layout
         return layout
 
-    def _allocate(self, layout: _Layout) -> None:
+    def _allocate(self, layout: Layout) -> None:
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -348,7 +175,7 @@ class WeightSender(_Endpoint):
         """names, shapes, dtypes and bucket sizes announced for `_specs` (specs, bucket_mb)."""
         self._plan = ""
         """The plan of the next update: per bucket "1" when the last update found all its
-        tensors flat (_flat_span of the whole bucket), "" before any such update."""
+        tensors flat (flat_span of the whole bucket), "" before any such update."""
         self._published: str | None = None
 
     def send(
@@ -405,17 +232,17 @@ class WeightSender(_Endpoint):
             self._announced = (
                 [name for name, _, _ in specs],
                 [list(shape) for _, shape, _ in specs],
-                [_dtype_name(dtype) for _, _, dtype in specs],
+                [dtype_name(dtype) for _, _, dtype in specs],
                 plan_buckets([torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in specs], bucket_mb),
             )
             self._specs = ([(name, list(shape), dtype) for name, shape, dtype in specs], bucket_mb)
         names, shapes, dtypes, buckets = self._announced
         return WeightUpdate(version=version, names=names, shapes=shapes, dtypes=dtypes, bucket_sizes=buckets)
 
-    def _allocate(self, layout: _Layout) -> None:
+    def _allocate(self, layout: Layout) -> None:
         pass  # the pack area waits for a message to pack (_packed)
 
-    def _packed(self, layout: _Layout, k: int) -> torch.Tensor:
+    def _packed(self, layout: Layout, k: int) -> torch.Tensor:
         """Packed message k's bytes in the pack area, which is allocated (with its views) the
         first time the kept layout needs it."""
         if self._pack is None:
@@ -434,9 +261,9 @@ class WeightSender(_Endpoint):
         self._pack_views = {}
         self._pack_parts = {}
 
-    def _send_messages(self, update: WeightUpdate, layout: _Layout, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _send_messages(self, update: WeightUpdate, layout: Layout, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Start each message of a bucket: a packed run from its tensors' own storage when they
-        are flat there (_flat_span), else packed into the reused pack area by one
+        are flat there (flat_span), else packed into the reused pack area by one
         _foreach_copy_; a large tensor from its own storage. Wait for the bucket's messages
         before taking the next bucket's first tensor. Takes each tensor from `named` only when
         its message is being built."""
@@ -457,8 +284,8 @@ class WeightSender(_Endpoint):
                     )
                 if tensor.dtype != dtypes[taken]:
                     raise ValueError(
-                        f"weight tensor {taken} ({name}) is {_dtype_name(tensor.dtype)}, "
-                        f"announced as {_dtype_name(dtypes[taken])}"
+                        f"weight tensor {taken} ({name}) is {dtype_name(tensor.dtype)}, "
+                        f"announced as {dtype_name(dtypes[taken])}"
                     )
                 bucket_tensors[taken] = tensor
                 taken += 1
@@ -472,7 +299,7 @@ class WeightSender(_Endpoint):
             self._wait(in_flight)
             span = layout.bucket_spans[b] if b < len(layout.bucket_spans) else None
             if span is not None and layout.split_counts[b] > 1:
-                source = _flat_span(span, [bucket_tensors.get(i) for i in span.members])
+                source = flat_span(span, [bucket_tensors.get(i) for i in span.members])
                 flat[b] = "1" if source is not None and source.device == self.device else "0"
             bucket_tensors.clear()
 
@@ -486,7 +313,7 @@ class WeightSender(_Endpoint):
                     bucket = msg.bucket
                 if msg.packed:
                     tensors = [take(i) for i in msg.members]
-                    source = _flat_span(msg, tensors)
+                    source = flat_span(msg, tensors)
                     if source is None or source.device != self.device:
                         part = self._packed(layout, k)
                         if source is not None:  # flat elsewhere (another device): one copy
@@ -554,7 +381,7 @@ class WeightReceiver(_Endpoint):
         stalls past the timeout."""
         kept = self._kept_layout(update, None)
         if kept is None:
-            _check_announcement(update)
+            check_announcement(update)
         try:
             latest, name, planned = self._store_get(["latest", "group", "plan"])
             plan_version, _, plan = planned.decode().partition(":")
@@ -577,14 +404,14 @@ class WeightReceiver(_Endpoint):
             raise
         return list(zip(update.names, self._views))
 
-    def _new_layout(self, update: WeightUpdate, plan: str) -> _Layout:
+    def _new_layout(self, update: WeightUpdate, plan: str) -> Layout:
         self._reuse = self._buffer  # a layout of the same size (another plan) keeps the buffer
         try:
             return super()._new_layout(update, plan)
         finally:
             self._reuse = None
 
-    def _allocate(self, layout: _Layout) -> None:
+    def _allocate(self, layout: Layout) -> None:
         buffer, self._reuse = self._reuse, None
         if buffer is None or buffer.numel() != layout.total_bytes:
             buffer = None  # let go of the old buffer before allocating the new one
@@ -602,7 +429,7 @@ class WeightReceiver(_Endpoint):
         self._views = []
         self._parts = []
 
-    def _receive_messages(self, layout: _Layout) -> None:
+    def _receive_messages(self, layout: Layout) -> None:
         """Into the receive buffer: the messages of two buckets started at a time, bucket b + 2's
         once bucket b's are done (a message never waits behind more than two buckets: NCCL
         counts a collective's timeout from its start). Staged on host: one message at a time
@@ -650,15 +477,3 @@ class WeightReceiver(_Endpoint):
         super().close()
         self._bounce = None
         self._store = None
-
-
-def _check_announcement(update: WeightUpdate) -> None:
-    n = len(update.names)
-    if len(update.shapes) != n or len(update.dtypes) != n:
-        raise ValueError(
-            f"weight update {update.version}: {n} names, {len(update.shapes)} shapes, {len(update.dtypes)} dtypes"
-        )
-    if sum(update.bucket_sizes) != n or any(c < 1 for c in update.bucket_sizes):
-        raise ValueError(f"weight update {update.version}: bucket sizes {update.bucket_sizes} do not cover {n} tensors")
-    for name in update.dtypes:
-        _dtype(name)

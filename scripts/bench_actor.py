@@ -303,7 +303,7 @@ def main() -> None:
     workers = ""
     if args.tp > 1:
         with hook.lock:
-            worker_loads = llm.llm_engine.collective_rpc(lambda worker: list(worker._pipeline_rl.load_s))
+            worker_loads = llm.llm_engine.collective_rpc(lambda worker: list(worker._pipeline_rl.load_s))  # pyright: ignore[reportAttributeAccessIssue]  (TensorParallelWorker's state, mixed into vLLM's worker)
         print(
             "TP workers' copies (queued ahead of the next step, outside the lock hold): p50 "
             + " / ".join(f"{percentile(w, 0.5) * 1e3:.2f}" for w in worker_loads)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import deepspeed
 import torch
 
-from pipeline_rl.weight_sync import plan_buckets
+from pipeline_rl.weight_layout import plan_buckets
 
 
 def parameter_specs(module: torch.nn.Module) -> list[tuple[str, list[int], torch.dtype]]:

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from pipeline_rl.config import load_config
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import WeightUpdate
-from pipeline_rl.weight_sync import WeightReceiver, WeightSender, plan_buckets
+from pipeline_rl.weight_layout import plan_buckets
+from pipeline_rl.weight_sync import WeightReceiver, WeightSender
 
 pytestmark = pytest.mark.vllm
 
