@@ -128,3 +128,24 @@ def random_qwen2(attn: str | None = None, max_len: int = 128):
     if attn is not None:
         config._attn_implementation = attn
     return Qwen2ForCausalLM(config).eval()
+
+
+def record_messages(endpoint, events: list[str], label) -> None:
+    """Make a weight-sync endpoint log each message it starts ("send X" / "start X") and each
+    one it waits for ("done X") into `events`; `label(buffer)` names a message."""
+    start = endpoint._start
+
+    class Work:
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+
+        def wait(self, timeout):
+            self.work.wait(timeout)
+            events.append(f"done {self.name}")
+
+    def started(buffer):
+        name, kind = label(buffer)
+        events.append(f"{kind} {name}")
+        return Work(start(buffer), name)
+
+    endpoint._start = started

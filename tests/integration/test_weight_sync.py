@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TESTS, free_port, hf_model, perturbed
+from helpers import ROOT, TESTS, free_port, hf_model, perturbed, record_messages
 from safetensors.torch import load_file
 
 from pipeline_rl.config import load_config
@@ -236,21 +236,8 @@ def test_sender_takes_each_tensor_only_when_its_message_is_built():
     addr = f"127.0.0.1:{free_port()}"
     sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
     receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
-    start = sender._start
+    record_messages(sender, events, lambda buffer: (buffer.numel(), "send"))
 
-    class Work:
-        def __init__(self, work, n):
-            self.work, self.n = work, n
-
-        def wait(self, timeout):
-            self.work.wait(timeout)
-            events.append(f"done {self.n}")
-
-    def started(buffer):
-        events.append(f"send {buffer.numel()}")
-        return Work(start(buffer), buffer.numel())
-
-    sender._start = started
     announced, got = [], []
     thread = threading.Thread(target=lambda: got.append(receiver.receive(announced[0])))
 

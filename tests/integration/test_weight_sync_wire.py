@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, record_messages
 
 from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver, WeightSender
 
@@ -181,26 +181,13 @@ def test_a_bucket_is_all_in_flight_and_done_before_the_next_bucket_is_taken(ends
         ("big2", torch.randn(270_000, generator=g)),  # 1.08 MB
     ]
     events: list[str] = []
-    start = sender._start
-
-    class Work:
-        def __init__(self, work, n):
-            self.work, self.n = work, n
-
-        def wait(self, timeout):
-            self.work.wait(timeout)
-            events.append(f"done {self.n}")
-
-    def started(buffer):
-        events.append(f"send {buffer.numel()}")
-        return Work(start(buffer), buffer.numel())
+    record_messages(sender, events, lambda buffer: (buffer.numel(), "send"))
 
     def generate():
         for name, t in named:
             events.append(f"take {name}")
             yield name, t
 
-    sender._start = started
     specs = [(n, list(t.shape), t.dtype) for n, t in named]
     got, update = transfer(sender, receiver, 1, generate(), bucket_mb=2, specs=specs)
     assert_exact(got, named)
@@ -256,22 +243,8 @@ def test_a_receiver_keeps_two_buckets_of_messages_started(ends):
     g = torch.Generator().manual_seed(0)
     named = [(f"w{i}", torch.randn(150_000, generator=g)) for i in range(4)]  # 600 kB: one per 1 MiB bucket
     events: list[str] = []
-    start = receiver._start
+    record_messages(receiver, events, lambda buffer: (sum(e.startswith("start") for e in events), "start"))
 
-    class Work:
-        def __init__(self, work, n):
-            self.work, self.n = work, n
-
-        def wait(self, timeout):
-            self.work.wait(timeout)
-            events.append(f"done {self.n}")
-
-    def started(buffer):
-        n = len([e for e in events if e.startswith("start")])
-        events.append(f"start {n}")
-        return Work(start(buffer), n)
-
-    receiver._start = started
     got, update = transfer(sender, receiver, 1, named, bucket_mb=1)
     assert_exact(got, named)
     assert update.bucket_sizes == [1, 1, 1, 1]
