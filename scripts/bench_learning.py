@@ -3,7 +3,7 @@ sync and TRL's GRPOTrainer, one after the other on the same model, problems, hel
 reward and time budget.
 
     python scripts/bench_learning.py [--budget-s 600] [--out runs/bench_learning]
-        [--conf tiny] [--models NAME,...|--family] [--reuse-trl]
+        [--conf tiny] [--models NAME,...|--family] [--reuse]
         [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
 
 Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, then
@@ -19,9 +19,10 @@ the sync run. Variants named async<suffix> and sync<suffix> are compared the sam
 --models runs all of that on each named model (a directory, or a name scripts/make_tiny_model.py
 builds, built if missing) and ends with one table over the models (OUT/table.md) and their
 curves side by side (OUT/curves.png); --family is --models with every model of
-pipeline_rl/demo/family.py. Each model's runs go to OUT/<model>/. --reuse-trl keeps a finished
-TRL run of the same model and budget instead of running it again (TRL does not depend on
-pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With --variant, runs the named
+pipeline_rl/demo/family.py. Each model's runs go to OUT/<model>/. --reuse keeps a finished run
+(TRL or pipeline_rl) of the same model, data, budget, seed and settings instead of running it
+again, so that a table can be built over several sessions and a sweep pays for TRL once (TRL
+does not depend on pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With --variant, runs the named
 pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2 --variant
 token:actor.admission_lag=2,trainer.lag_gate=token`), with dropped samples and masked tokens.
 """
@@ -130,8 +131,38 @@ def completions_per_s(records: list[dict]) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
+def run_key(budget_s: float, overrides: list[str], settings: list[str]) -> dict:
+    """What makes two runs the same experiment: model (its weight files' times, so that a rebuilt
+    model at the same path counts as another), data, budget, seed and the run's own settings."""
+    cfg = load_config("tiny", overrides)
+    model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
+    weights = {f.name: f.stat().st_mtime_ns for f in sorted(model.glob("*.safetensors"))}
+    key = {"model": str(model.resolve()), "weights": weights, "data": str(data.resolve()), "budget_s": budget_s}
+    return {**key, "seed": cfg.seed, "settings": settings}
+
+
+def reused(name: str, run_dir: Path, key: dict, reuse: bool) -> dict | None:
+    """The summary of a finished run of the same experiment, when asked to keep one."""
+    done = run_dir / "done.json"
+    found = json.loads(done.read_text()) if reuse and done.exists() else {}
+    if found.get("key") == key:
+        print(f"[{name}] reusing {run_dir} (same model, data, budget, seed and settings)", flush=True)
+        return summarize(name, run_dir, found["wall_s"], found["started"])
+    done.unlink(missing_ok=True)
+    return None
+
+
+def finished(name: str, run_dir: Path, key: dict, started: float) -> dict:
+    wall_s = time.time() - started
+    (run_dir / "done.json").write_text(json.dumps({"key": key, "started": started, "wall_s": wall_s}))
+    return summarize(name, run_dir, wall_s, started)
+
+
+def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
     run_dir = out / name
+    key = run_key(budget_s, overrides, [f"conf={conf}", *overrides])
+    if (kept := reused(name, run_dir, key, reuse)) is not None:
+        return kept
     argv = [
         sys.executable,
         "launch.py",
@@ -147,35 +178,29 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str]) 
     code = subprocess.run(argv, cwd=ROOT).returncode
     if code != 0:
         raise SystemExit(f"[{name}] launch.py exited with {code}; see {run_dir / 'logs'}")
-    return summarize(name, run_dir, time.time() - start)
+    return finished(name, run_dir, key, start)
 
 
 def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
     cfg = load_config("tiny", overrides)
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
     run_dir = out / "trl"
-    done = run_dir / "done.json"
-    # A rebuilt model at the same path has new weight files: their times say it is another model.
-    weights = {f.name: f.stat().st_mtime_ns for f in sorted(model.glob("*.safetensors"))}
-    key = {"model": str(model.resolve()), "weights": weights, "data": str(data.resolve()), "budget_s": budget_s}
-    key["seed"] = cfg.seed
-    if reuse and done.exists() and json.loads(done.read_text()) == key:
-        print(f"[trl] reusing {run_dir} (same model, data, budget and seed)", flush=True)
-        return summarize("trl", run_dir, budget_s)
+    # TRL does not read pipeline_rl's settings: only the model, data, budget and seed make it another run.
+    key = run_key(budget_s, overrides, [])
+    if (kept := reused("trl", run_dir, key, reuse)) is not None:
+        return kept
+    start = time.time()
     argv = [sys.executable, "scripts/bench_trl.py", f"--model={model}", f"--data={data}", f"--budget-s={budget_s}"]
-    argv += [f"--out={run_dir}", f"--seed={cfg.seed}"]
+    argv += [f"--out={run_dir}", f"--seed={cfg.seed}", f"--started-at={start}"]
     print(f"[trl] {' '.join(argv[1:])} (TRL's log: {run_dir / 'trl.log'})", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    done.unlink(missing_ok=True)
     for old in (run_dir / "metrics").glob("*.jsonl"):
         old.unlink()
-    start = time.time()
     with open(run_dir / "trl.log", "w") as log:
         code = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise SystemExit(f"[trl] bench_trl.py exited with {code}; see {run_dir / 'trl.log'}")
-    done.write_text(json.dumps(key))
-    return summarize("trl", run_dir, time.time() - start)
+    return finished("trl", run_dir, key, start)
 
 
 STABILITY = ("entropy", "behaviour_kl", "clip_fraction", "ess", "grad_norm")
@@ -222,9 +247,10 @@ def version_costs(records: list[dict], steps: list[dict]) -> dict[str, float]:
     return costs
 
 
-def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
+def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
+    """A run's figures; times count from t0, the moment its command was started (imports, model
+    loading and engine start-up included, for pipeline_rl and TRL alike)."""
     records = read_metrics(run_dir)
-    t0 = min(r["time"] for r in records)
     latest = last_values(records)
     curve = eval_curve(records, t0)
     steps = step_records(records)
@@ -423,6 +449,17 @@ def model_path(name: str, default: Path) -> Path:
     return path
 
 
+def warm_up(model: Path) -> None:
+    """Untimed, before the first run: import the stacks of every run once (from disk into the
+    page cache) and let vLLM inspect the model's architecture, which it does in a subprocess the
+    first time on a machine and then caches (measured: 113 s from launch to the first step in a
+    fresh environment, 46 s after), so that the first run timed is not the only one to pay."""
+    code = f"import deepspeed, transformers; from vllm.config import ModelConfig; ModelConfig(model={str(model)!r})"
+    start = time.time()
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    print(f"warm-up: {time.time() - start:.0f} s (imports, vLLM's architecture inspection)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=600.0, help="wall-time budget of each run")
@@ -431,7 +468,9 @@ def main() -> None:
         "--variant", action="append", default=[], help="NAME:KEY=VALUE,... a pipeline_rl run to compare (repeatable)"
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
-    parser.add_argument("--reuse-trl", action="store_true", help="keep a finished TRL run of the same model and budget")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep finished runs of the same model, data, budget, seed and settings"
+    )
     parser.add_argument("--models", default="", help="comma-separated model directories or names to run on, in turn")
     parser.add_argument("--family", action="store_true", help="run on every model of pipeline_rl/demo/family.py")
     parser.add_argument("--conf", default="tiny", help="config of the pipeline_rl runs (TRL runs only with tiny)")
@@ -452,13 +491,14 @@ def main() -> None:
         names = [m for m in args.models.split(",") if m]
     default = Path(load_config(args.conf, args.overrides).model.path)
     models = [model_path(n, default) for n in names] or [default]
+    warm_up(models[0])
     per_model = []
     for model in models:
         overrides = ([f"model.path={model}"] if names else []) + args.overrides
         out = args.out / model.name
-        results = [run(name, args.conf, args.budget_s, out, own + overrides) for name, own in runs]
+        results = [run(name, args.conf, args.budget_s, out, own + overrides, args.reuse) for name, own in runs]
         if with_trl:
-            results.append(run_trl(args.budget_s, out, overrides, args.reuse_trl))
+            results.append(run_trl(args.budget_s, out, overrides, args.reuse))
         report(results, out, args.conf)
         per_model.append((model.name, results))
     if len(per_model) > 1:

@@ -8,7 +8,8 @@ except the learning rate (5e-5), bounded by wall time.
 Needs the `bench` extra (`bash scripts/setup_cpu.sh --bench`); TRL is never a dependency of
 pipeline_rl itself. Writes RUN_DIR/metrics/trl.jsonl in pipeline_rl's metrics format:
 "eval/reward" (one sample at T=1 on each of the first 200 test problems, every 20 s of wall
-time, timed in the run's wall clock, evaluation included) and per-step "reward_mean",
+time, timed in the run's wall clock, evaluation included; the budget counts from --started-at,
+the moment bench_learning started the command) and per-step "reward_mean",
 "rollouts_per_s", "version" (optimizer steps) and "compute_s".
 """
 
@@ -42,7 +43,11 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--started-at", type=float, default=None, help="epoch seconds the budget counts from (default: now)"
+    )
     opts = parser.parse_args()
+    started = opts.started_at if opts.started_at is not None else time.time()
 
     import torch
 
@@ -112,7 +117,9 @@ def main() -> None:
             self.last_eval = time.time()
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.time()
+            # The budget counts from the command's start, as launch.py's max_time_s does:
+            # imports and model loading are part of the wall time a user waits.
+            self.start = started
             self._eval(0)
 
         def on_step_begin(self, args, state, control, **kwargs):

@@ -37,6 +37,19 @@ ActorMode = StrEnum("ActorMode", {"async": "async", "sync": "sync"})
 RL, generate one batch with the current policy, wait for the update, repeat."""
 
 
+class LrDecay(StrEnum):
+    """The learning rate after warm-up."""
+
+    constant = "constant"
+    """Stays at lr."""
+    cosine = "cosine"
+    """Falls along a half cosine to `min_lr_ratio` x lr at the end of the run: at
+    `trainer.max_steps`, or at `max_time_s` when the run is bounded by time and that comes first
+    (the schedule then follows the wall clock, so it fits a run of any speed). Late in a run a
+    sharpened policy that each version still moves by a full step oscillates; smaller steps there
+    let it settle."""
+
+
 class LossKind(StrEnum):
     """Policy-gradient objective of the built-in loss (`trainer.loss.function`)."""
 
@@ -314,9 +327,13 @@ class LossConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = 1e-5
-    """Learning rate (constant after warm-up)."""
+    """Peak learning rate, reached at the end of warm-up."""
     warmup_steps: int = 0
     """Linear warm-up over this many optimizer updates (`trainer.updates_per_step` per step)."""
+    decay: LrDecay = LrDecay.constant
+    """What the lr does after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Where `decay: cosine` ends, as a fraction of lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -449,7 +466,13 @@ def validate(cfg: RunConfig) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 1")
-    for key in ["trainer.max_lag", "world.gpus_per_node", "trainer.checkpoint_every", "model.logprob_chunk_tokens"]:
+    for key in [
+        "trainer.max_lag",
+        "world.gpus_per_node",
+        "trainer.checkpoint_every",
+        "model.logprob_chunk_tokens",
+        "trainer.optimizer.warmup_steps",
+    ]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
     if cfg.actor.admission_lag is not None and cfg.actor.admission_lag < 0:
@@ -459,6 +482,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"bad value for 'trainer.loss.ppo_clip_high': {high}, must be >= 'trainer.loss.ppo_clip' "
             f"({cfg.trainer.loss.ppo_clip}) or null"
+        )
+    if not 0.0 <= cfg.trainer.optimizer.min_lr_ratio <= 1.0:
+        raise ConfigError(
+            f"bad value for 'trainer.optimizer.min_lr_ratio': {cfg.trainer.optimizer.min_lr_ratio}, expected 0-1"
         )
     if cfg.trainer.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")

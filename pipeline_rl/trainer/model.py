@@ -3,6 +3,8 @@ ZeRO-3), its optimizer (on the device or offloaded) and the DeepSpeed config tha
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -11,7 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import LrDecay, RunConfig
 from pipeline_rl.trainer.logprobs import attention_kernel
 
 
@@ -63,6 +65,22 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torc
     return torch.optim.AdamW(params, **kwargs)
 
 
-def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
-    """LR multiplier of optimizer step s (0-based): linear up to 1 over `warmup_steps` steps."""
-    return lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+def lr_factor(cfg: RunConfig, clock: Callable[[], float] = time.monotonic) -> Callable[[int], float]:
+    """LR multiplier of optimizer update s (0-based): linear up to 1 over `warmup_steps`; then
+    constant, or a half cosine down to `min_lr_ratio` whose progress is the larger of the updates
+    made of `trainer.max_steps` and, when the run is bounded by time, the wall time spent (since
+    this call) of `max_time_s`."""
+    o, started = cfg.trainer.optimizer, clock()
+    updates = cfg.trainer.max_steps * cfg.trainer.updates_per_step
+
+    def factor(s: int) -> float:
+        if s < o.warmup_steps:
+            return (s + 1) / o.warmup_steps
+        if o.decay == LrDecay.constant:
+            return 1.0
+        done = (s + 1 - o.warmup_steps) / max(1, updates - o.warmup_steps)
+        if cfg.max_time_s > 0:
+            done = max(done, (clock() - started) / cfg.max_time_s)
+        return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
+
+    return factor

@@ -43,7 +43,7 @@ from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
-from pipeline_rl.trainer.model import deepspeed_config, load_model, make_optimizer, warmup_factor
+from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.steps import StepCollector, update_slices
 from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
@@ -66,14 +66,13 @@ class Trainer:
         )
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        opt_cfg = cfg.trainer.optimizer
         optimizer = make_optimizer(model.parameters(), cfg)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             config=deepspeed_config(cfg),
             # DeepSpeed's annotation names the old _LRScheduler base; any LRScheduler works.
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_factor(opt_cfg.warmup_steps)),  # pyright: ignore[reportArgumentType]
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)),  # pyright: ignore[reportArgumentType]
         )
         self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
         offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""

@@ -31,9 +31,15 @@ from pipeline_rl.trainer import checkpoint
 
 pytestmark = pytest.mark.deepspeed
 
-# Warm-up over the 3 steps: each step has its own LR, so a resume that lost the schedule
-# (or the Adam moments) would not reproduce the uninterrupted run.
-SETTINGS = ("trainer.optimizer.warmup_steps=3", "trainer.keep_checkpoints=2")
+# Warm-up, then a cosine to the floor at step 3: each step has its own LR (0.5, 1 and 0.1 x lr),
+# so a resume that lost the schedule (or the Adam moments) would not reproduce the uninterrupted run.
+SETTINGS = (
+    "trainer.optimizer.warmup_steps=2",
+    "trainer.optimizer.decay=cosine",
+    "trainer.optimizer.min_lr_ratio=0.1",
+    "trainer.keep_checkpoints=2",
+)
+LR_FACTORS = [0.5, 1.0, 0.1]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +66,11 @@ def test_restart_continues_exactly(tiny_model, reference, tmp_path):
     save_config(cfg, run_dir / "config.yaml")
     train(cfg)
     assert update_error(final_weights(run_dir, 3), expected, initial) < REL_TOL
-    after_resume = trainer_metrics(run_dir)[-1]
+    metrics = trainer_metrics(run_dir)
+    after_resume = metrics[-1]
     assert after_resume["version"] == 3
+    lr = cfg.trainer.optimizer.lr
+    assert [m["lr"] for m in metrics if "lr" in m] == pytest.approx([f * lr for f in LR_FACTORS], rel=1e-9)
     assert after_resume["skipped_microbatches"] == 0  # resumed at the saved position, not from the start
 
     # The kept checkpoints, and a Hugging Face dir that transformers loads, with the tokenizer files.

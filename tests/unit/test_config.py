@@ -59,6 +59,8 @@ def test_extends_chain_and_overrides():
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
         (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),
+        (["trainer.optimizer.decay=linear"], "bad value for 'trainer.optimizer.decay': Invalid value 'linear'"),
+        (["trainer.optimizer.min_lr_ratio=1.5"], "'trainer.optimizer.min_lr_ratio': 1.5, expected 0-1"),
         (["trainer.lag_gate=tokens"], "bad value for 'trainer.lag_gate': Invalid value 'tokens'"),
         (["trainer.loss.ratio=seq"], "bad value for 'trainer.loss.ratio': Invalid value 'seq'"),
         (["noequals"], "not of the form key=value"),
