@@ -30,6 +30,7 @@ token:actor.admission_lag=2,trainer.lag_gate=token`), with dropped samples and m
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -163,6 +164,7 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], 
     key = run_key(budget_s, overrides, [f"conf={conf}", *overrides])
     if (kept := reused(name, run_dir, key, reuse)) is not None:
         return kept
+    warm_up(Path(key["model"]))
     argv = [
         sys.executable,
         "launch.py",
@@ -189,6 +191,7 @@ def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> di
     key = run_key(budget_s, overrides, [])
     if (kept := reused("trl", run_dir, key, reuse)) is not None:
         return kept
+    warm_up(model)
     start = time.time()
     argv = [sys.executable, "scripts/bench_trl.py", f"--model={model}", f"--data={data}", f"--budget-s={budget_s}"]
     argv += [f"--out={run_dir}", f"--seed={cfg.seed}", f"--started-at={start}"]
@@ -449,11 +452,13 @@ def model_path(name: str, default: Path) -> Path:
     return path
 
 
+@functools.cache
 def warm_up(model: Path) -> None:
-    """Untimed, before the first run: import the stacks of every run once (from disk into the
-    page cache) and let vLLM inspect the model's architecture, which it does in a subprocess the
-    first time on a machine and then caches (measured: 113 s from launch to the first step in a
-    fresh environment, 46 s after), so that the first run timed is not the only one to pay."""
+    """Untimed, before a model's first run that is not reused: read the stacks every run imports
+    (from disk into the page cache) and let vLLM inspect the model's architecture, which it does
+    in a subprocess the first time on a machine and then caches (measured: 113 s from launch to
+    the first step in a fresh environment, 46 s after), so that the first run timed is not the
+    only one to pay."""
     code = f"import deepspeed, transformers; from vllm.config import ModelConfig; ModelConfig(model={str(model)!r})"
     start = time.time()
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
@@ -491,7 +496,6 @@ def main() -> None:
         names = [m for m in args.models.split(",") if m]
     default = Path(load_config(args.conf, args.overrides).model.path)
     models = [model_path(n, default) for n in names] or [default]
-    warm_up(models[0])
     per_model = []
     for model in models:
         overrides = ([f"model.path={model}"] if names else []) + args.overrides
