@@ -62,16 +62,21 @@ BY_NAME = {m.name: m for m in FAMILY}
 
 def char_tokenizer():
     """One token per character of ALPHABET (ids 3..), after EOS, pad and unknown (0, 1, 2): a BPE
-    model without merges and without a pre-tokenizer splits text into characters, and survives
-    save_pretrained/from_pretrained (a Split("") pre-tokenizer, reloaded, dropped the spaces)."""
-    from tokenizers import Tokenizer, decoders, models
+    model without merges splits text into characters. The vocabulary holds each character's
+    byte-level stand-in (space is "Ġ") behind a byte-level pre-tokenizer and decoder: for a qwen2
+    model directory transformers (so vLLM and TRL) loads the tokenizer as Qwen2's class, which
+    applies its own byte-level pre-tokenizer to the saved vocabulary, and a plain " " entry was
+    then never matched (prompts lost their spaces)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    stand_in = tiny_model.byte_stand_ins()
     specials = [EOS_TOKEN, PAD_TOKEN, UNK_TOKEN]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({ch: len(specials) + i for i, ch in enumerate(sorted(set(ALPHABET)))})
+    vocab.update({stand_in[ord(ch)]: len(specials) + i for i, ch in enumerate(sorted(set(ALPHABET)))})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN)
 

@@ -95,7 +95,7 @@ def make_problems(seed: int) -> tuple[list[dict], list[dict]]:
     return problems[TEST_PROBLEMS:], problems[:TEST_PROBLEMS]
 
 
-def _byte_alphabet() -> list[str]:
+def byte_stand_ins() -> list[str]:
     """The printable stand-in character of each byte 0..255, in byte order (the byte-level
     pre-tokenizer's convention: printable Latin-1 bytes stand for themselves, the others are
     shifted to code points from 256 up)."""
@@ -116,7 +116,7 @@ def make_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(SPECIAL_TOKENS) + b for b, ch in enumerate(_byte_alphabet())})
+    vocab.update({ch: len(SPECIAL_TOKENS) + b for b, ch in enumerate(byte_stand_ins())})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
