@@ -22,8 +22,8 @@ curves side by side (OUT/curves.png); --family is --models with every model of
 pipeline_rl/demo/family.py. Each model's runs go to OUT/<model>/. --reuse keeps a finished run
 (TRL or pipeline_rl) of the same model, data, budget, seed and settings instead of running it
 again, so that a table can be built over several sessions and a sweep pays for TRL once (TRL
-does not depend on pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With --variant, runs the named
-pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2 --variant
+does not depend on pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With
+--variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2 --variant
 token:actor.admission_lag=2,trainer.lag_gate=token`), with dropped samples and masked tokens.
 """
 
@@ -132,10 +132,10 @@ def completions_per_s(records: list[dict]) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def run_key(budget_s: float, overrides: list[str], settings: list[str]) -> dict:
+def run_key(conf: str, budget_s: float, overrides: list[str], settings: list[str]) -> dict:
     """What makes two runs the same experiment: model (its weight files' times, so that a rebuilt
     model at the same path counts as another), data, budget, seed and the run's own settings."""
-    cfg = load_config("tiny", overrides)
+    cfg = load_config(conf, overrides)
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
     weights = {f.name: f.stat().st_mtime_ns for f in sorted(model.glob("*.safetensors"))}
     key = {"model": str(model.resolve()), "weights": weights, "data": str(data.resolve()), "budget_s": budget_s}
@@ -161,7 +161,7 @@ def finished(name: str, run_dir: Path, key: dict, started: float) -> dict:
 
 def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
     run_dir = out / name
-    key = run_key(budget_s, overrides, [f"conf={conf}", *overrides])
+    key = run_key(conf, budget_s, overrides, [f"conf={conf}", *overrides])
     if (kept := reused(name, run_dir, key, reuse)) is not None:
         return kept
     warm_up(Path(key["model"]))
@@ -188,7 +188,7 @@ def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> di
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
     run_dir = out / "trl"
     # TRL does not read pipeline_rl's settings: only the model, data, budget and seed make it another run.
-    key = run_key(budget_s, overrides, [])
+    key = run_key("tiny", budget_s, overrides, [])
     if (kept := reused("trl", run_dir, key, reuse)) is not None:
         return kept
     warm_up(model)
