@@ -149,3 +149,25 @@ def record_messages(endpoint, events: list[str], label) -> None:
         return Work(start(buffer), name)
 
     endpoint._start = started
+
+
+def peft_model(model_dir, adapter: dict, lora):
+    """The tiny model at `model_dir` with peft adapters of config `lora` holding `adapter`
+    (tensors by PEFT's saved names)."""
+    from peft import set_peft_model_state_dict
+
+    from pipeline_rl.lora import wrap
+
+    model = wrap(hf_model(model_dir, {}), lora)
+    result = set_peft_model_state_dict(model, adapter)
+    assert not result.unexpected_keys, result.unexpected_keys
+    return model.eval()
+
+
+def random_adapter(shapes: dict, seed: int, scale: float = 0.3) -> dict:
+    """Adapter tensors of `shapes` (name -> shape), normal with std `scale` (A and B alike: a
+    delta of the same order as the tiny model's weights, so that it changes greedy choices)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) * scale for name, shape in shapes.items()}

@@ -25,10 +25,17 @@ def argmax_agreement(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]
 
 
 def swap_during_generation(
-    client, tiny_model, weights_a: dict, weights_b: dict, swap: Callable[[], object], max_tokens: int = 160
+    client,
+    tiny_model,
+    weights_a: dict,
+    weights_b: dict,
+    swap: Callable[[], object],
+    max_tokens: int = 160,
+    model_of: Callable[[dict], torch.nn.Module] | None = None,
 ) -> None:
     """`client` serves `weights_a`; `swap()` (run in another thread after 40 forward passes)
-    loads `weights_b` as the next version."""
+    loads `weights_b` as the next version. `model_of(weights)` is the transformers model that
+    serves them (default: the tiny model holding them)."""
     hook = client.hook
     old, new = hook.version, hook.version + 1
     prompt = client.tokenizer.encode("12 + 7 =")
@@ -53,7 +60,8 @@ def swap_during_generation(
     assert swap_after <= s < len(c.token_ids) - 20, f"swap at token {s} of {len(c.token_ids)}"
 
     tokens = c.token_ids
-    model_a, model_b = hf_model(tiny_model, weights_a), hf_model(tiny_model, weights_b)
+    model_of = model_of or (lambda weights: hf_model(tiny_model, weights))
+    model_a, model_b = model_of(weights_a), model_of(weights_b)
     P = len(prompt)
     with torch.no_grad():
         full_a = model_a(torch.tensor([prompt + tokens])).logits[0, P - 1 : -1]

@@ -123,9 +123,12 @@ class Actor:
         self.rollout = load_domain(cfg.actor.domain)
 
         found = latest_checkpoint(run_dir)
-        model_path, version = (str(found[0]), found[1]) if found else (cfg.model.path, 0)
-        log.info("starting the engine from %s at version %d", model_path, version)
-        self.llm = LLMClient.create(cfg, model_path, version)
+        policy, version = (str(found[0]), found[1]) if found else (cfg.model.path, 0)
+        model_path, adapter_dir = policy, None
+        if cfg.model.lora is not None:  # the engine serves the base, the policy is its adapter
+            model_path, adapter_dir = cfg.model.path, policy if found else str(self._zero_adapter())
+        log.info("starting the engine from %s at version %d", adapter_dir or model_path, version)
+        self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
         self.streams = open_streams(cfg)
         self.writer = self.streams.writer(Topic.ACTOR, partitions=cfg.world.actors)
         self.receiver = None
@@ -216,6 +219,18 @@ class Actor:
             self._take_lost()
             self._save(force=True)
             self._log_metrics(0)
+
+    def _zero_adapter(self) -> Path:
+        """The adapter of version 0 (zeros: the base model's output, as a fresh peft adapter
+        gives), written once per actor into the run directory."""
+        import torch
+
+        from pipeline_rl.lora import write_zero_adapter
+
+        assert self.cfg.model.lora is not None
+        out = Path(self.cfg.run_dir) / "lora" / f"initial_{self.name}"
+        dtype = getattr(torch, self.cfg.model.dtype)
+        return write_zero_adapter(out, self.cfg.model.path, self.cfg.model.lora, dtype)
 
     def _take_lost(self) -> None:
         """Give back the admission slot of every group a preprocessor reported lost."""

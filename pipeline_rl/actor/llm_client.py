@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline_rl.actor.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request
 from pipeline_rl.actor.engine_weights import keep_cpu_linear_weights
 from pipeline_rl.actor.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
 from pipeline_rl.actor.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
@@ -126,6 +127,9 @@ def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
         async_scheduling=False,
         disable_log_stats=True,
     )
+    if cfg.model.lora is not None:
+        # One slot, the policy's, written in place by every update (actor/adapter_slot.py).
+        args.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=engine_max_rank(cfg.model.lora.rank))
     if cfg.world.gpus_per_node > 0:
         args.update(gpu_memory_utilization=llm.gpu_memory_utilization)  # vLLM sizes the KV cache from it
     else:
@@ -164,10 +168,12 @@ def cpu_thread_binds(workers: int, cores: list[int]) -> str:
 
 
 class LLMClient:
-    def __init__(self, engine: LLMEngine, hook: SwapGate, tokenizer: TokenizerLike):
+    def __init__(self, engine: LLMEngine, hook: SwapGate, tokenizer: TokenizerLike, lora: Any = None):
         self.engine = engine
         self.hook = hook
         self.tokenizer = tokenizer
+        self.lora = lora
+        """The LoRARequest every request names (the policy's adapter slot), or None."""
         self.tokens_generated = 0
         self.update_failures = 0
         self.updates_skipped = 0
@@ -192,8 +198,10 @@ class LLMClient:
         self._thread.start()
 
     @classmethod
-    def create(cls, cfg: RunConfig, model_path: str, version: int) -> LLMClient:
-        """Start an in-process engine for `model_path` (weights of policy `version`) and hook it."""
+    def create(cls, cfg: RunConfig, model_path: str, version: int, adapter_dir: str | None = None) -> LLMClient:
+        """Start an in-process engine for `model_path` (weights of policy `version`) and hook it.
+        With LoRA (cfg.model.lora), `model_path` is the base and `adapter_dir` the PEFT adapter of
+        policy `version`, which the engine serves in its one LoRA slot."""
         set_engine_environment(cfg)
         tp = cfg.actor.llm.tensor_parallel_size
         import vllm
@@ -201,6 +209,14 @@ class LLMClient:
 
         check_vllm_version(vllm.__version__)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
+        if cfg.model.lora is not None:
+            if adapter_dir is None:
+                raise ValueError("model.lora is set: the engine needs the policy's adapter directory")
+            request = lora_request(adapter_dir)
+            engine.add_lora(request)  # loads it into a slot
+            engine.pin_lora(POLICY_LORA_ID)  # and keeps it there
+            hook = WeightSwapHook.install(engine, model_path, version, adapter_dir)
+            return cls(engine, hook, engine.get_tokenizer(), request)
         if tp > 1:
             hook: SwapGate = TensorParallelSwapHook.install(engine, model_path, version)
         else:
@@ -295,7 +311,7 @@ class LLMClient:
                     # samples still share theirs). Requests in flight keep their own KV by design.
                     prompt = tokens_input(prompt_ids, cache_salt=f"policy-v{self.hook.version}")
                     try:
-                        request.engine_id = self.engine.add_request(rid, prompt, params)
+                        request.engine_id = self.engine.add_request(rid, prompt, params, lora_request=self.lora)
                     except Exception as e:
                         _post(request.group, None, e)
                         continue

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter
 from pipeline_rl.actor.engine_weights import EngineWeights, Prepared
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import WeightReceiver
@@ -79,7 +80,7 @@ class Staged:
     the engine, under `ticket` (TP > 1)."""
 
     ticket: str
-    update: Prepared | None = None
+    update: Prepared | PreparedAdapter | None = None
     problem: str | None = None
     """Why the check at staging failed (the swap refuses it), or None."""
 
@@ -226,15 +227,20 @@ class SwapGate:
 
 class WeightSwapHook(SwapGate):
     """Gates `model_runner.execute_model` and swaps weights between forward passes; the update
-    is held in this process."""
+    is held in this process. What it swaps: the model's weights (EngineWeights) or, with LoRA,
+    the policy's adapter slot (AdapterSlot); both prepare an update without the lock and load it
+    under it."""
 
-    def __init__(self, model_runner, version: int, weights: EngineWeights, history: int = 10000):
+    def __init__(self, model_runner, version: int, weights: EngineWeights | AdapterSlot, history: int = 10000):
         super().__init__(model_runner, "execute_model", version, history)
         self.weights = weights
 
     @classmethod
-    def install(cls, llm_engine, model_path: str | Path, version: int) -> WeightSwapHook:
-        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process)."""
+    def install(
+        cls, llm_engine, model_path: str | Path, version: int, adapter_dir: str | Path | None = None
+    ) -> WeightSwapHook:
+        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process);
+        with `adapter_dir` (the adapter the engine serves in its LoRA slot) updates are adapters."""
         try:
             runner = llm_engine.model_executor.driver_worker.worker.model_runner
         except AttributeError:
@@ -242,11 +248,15 @@ class WeightSwapHook(SwapGate):
                 "the weight-swap hook needs the model runner in this process: set "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 and use one worker (tensor_parallel_size=1)"
             ) from None
+        if adapter_dir is not None:
+            return cls(runner, version, AdapterSlot(runner, adapter_dir))
         return cls(runner, version, EngineWeights.of(runner, model_path))
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ticket: str = "local") -> Staged:
         try:
-            prepared = self.weights.prepare([(name, t.contiguous()) for name, t in named_tensors])
+            prepared: Prepared | PreparedAdapter = self.weights.prepare(
+                [(name, t.contiguous()) for name, t in named_tensors]
+            )
         except ValueError as e:
             return Staged(ticket, problem=str(e))
         return Staged(ticket, update=prepared)
@@ -262,7 +272,7 @@ class WeightSwapHook(SwapGate):
 
     def _load(self, staged: Staged) -> None:
         assert staged.update is not None  # _check passed
-        self.weights.load(staged.update)
+        self.weights.load(staged.update)  # pyright: ignore[reportArgumentType] (prepared by self.weights)
 
 
 class LocalReceiver:

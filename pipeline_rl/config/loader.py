@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -29,12 +29,14 @@ def conf_dirs() -> list[Path]:
 
 def _all_keys(schema: type, prefix: str = "") -> list[str]:
     keys = []
+    hints = get_type_hints(schema)
     for f in fields(schema):
         full = prefix + f.name
         keys.append(full)
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        if is_dataclass(default):
-            keys += _all_keys(type(default), full + ".")
+        # A section that may be null (model.lora) is a dataclass in a union with None.
+        for kind in get_args(hints[f.name]) or (hints[f.name],):
+            if isinstance(kind, type) and is_dataclass(kind):
+                keys += _all_keys(kind, full + ".")
     return keys
 
 

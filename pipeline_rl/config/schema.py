@@ -111,6 +111,25 @@ class WandbMode(StrEnum):
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the frozen base model (pipeline_rl/lora.py)."""
+
+    rank: int = 16
+    """Rank r of each adapter pair (A: r x in, B: out x r). The actor's engine reserves it as
+    vLLM's max_lora_rank."""
+    alpha: int = 32
+    """Scale of the adapter's output: alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training. The engine samples without it, so above 0
+    the trainer's logprobs differ from the behaviour policy's even at lag 0."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get an adapter (the last part of the module name, as in
+    PEFT); every name must be a linear layer of the model."""
+
+
+@dataclass
 class ModelConfig:
     path: str = CACHE + "/tiny_model"
     """Hugging Face model directory (config.json + safetensors) loaded by actors, scorers and trainers."""
@@ -122,6 +141,10 @@ class ModelConfig:
     intermediates then exist for one chunk at a time (about 4 x chunk x vocabulary x 4 bytes:
     5 GB for a 152k vocabulary) instead of being kept for every token (about 3 x tokens x
     vocabulary x 4 bytes: 36 GB for 20k tokens). 0: all tokens at once."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of all weights (null: full fine-tuning). The trainer trains
+    and publishes only the adapter; the actor's engine serves it in one LoRA slot, written in
+    place between two decode steps; checkpoints hold it in PEFT format."""
     make_tiny_if_missing: bool = False
     """Build the tiny model at `path` (scripts/make_tiny_model.py) when it does not exist; the
     directory's name says which (pipeline_rl/demo/__init__.py: tiny_model, the demo's;
@@ -509,5 +532,20 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"bad value for 'actor.llm.tensor_parallel_size': {cfg.actor.llm.tensor_parallel_size}, expected >= 1"
         )
+    lora = cfg.model.lora
+    if lora is not None:
+        if lora.rank < 1:
+            raise ConfigError(f"bad value for 'model.lora.rank': {lora.rank}, must be >= 1")
+        if lora.alpha <= 0:
+            raise ConfigError(f"bad value for 'model.lora.alpha': {lora.alpha}, must be > 0")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ConfigError(f"bad value for 'model.lora.dropout': {lora.dropout}, expected 0 <= dropout < 1")
+        if not lora.target_modules:
+            raise ConfigError("bad value for 'model.lora.target_modules': empty, name at least one linear layer")
+        if cfg.actor.llm.tensor_parallel_size > 1:
+            raise ConfigError(
+                "'model.lora' with 'actor.llm.tensor_parallel_size' > 1 is not supported yet: the adapter "
+                "swap runs in the actor process, not in the tensor-parallel workers"
+            )
     if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
         raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")

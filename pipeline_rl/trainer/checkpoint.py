@@ -4,6 +4,9 @@ Layout under RUN_DIR/checkpoints:
 
     step_000050/hf/                    Hugging Face model: config, safetensors shards (one per
                                        weight bucket, with their index), the tokenizer files
+    step_000050/adapter/               instead of hf/ with model.lora: the PEFT adapter
+                                       (adapter_config.json, adapter_model.safetensors); the
+                                       DeepSpeed state then leaves out the frozen base
     step_000050/deepspeed/             engine.save_checkpoint: ZeRO shards, optimizer, LR schedule
     step_000050/position_rank{r}.json  rank r's position in the "trainer" stream
     step_000050/state.json             {"version", "world_size", ...}
@@ -35,6 +38,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from pipeline_rl.config import LoraConfig
+from pipeline_rl.lora import write_adapter
 from pipeline_rl.streams import PositionStore
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 STATE = "state.json"
 HF_DIR = "hf"
+ADAPTER_DIR = "adapter"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
 _NAME = re.compile(r"^step_(\d+)$")
@@ -79,12 +85,14 @@ def latest_dir(run_dir: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, int] | None:
-    """(Hugging Face model dir, policy version) of the newest checkpoint, or None."""
+    """(the policy's directory: the Hugging Face model, or with LoRA the PEFT adapter; policy
+    version) of the newest checkpoint, or None."""
     found = latest_dir(run_dir)
     if found is None:
         return None
     path, state = found
-    return path / HF_DIR, int(state["version"])
+    policy = path / ADAPTER_DIR if (path / ADAPTER_DIR).is_dir() else path / HF_DIR
+    return policy, int(state["version"])
 
 
 def _version_of(path: Path) -> int | None:
@@ -160,9 +168,11 @@ def save(
     weights: Iterable[list[tuple[str, torch.Tensor]]],
     keep: int,
     extra: dict[str, Any] | None = None,
+    lora: LoraConfig | None = None,
 ) -> Path:
     """Collective: every rank calls it, and iterates `weights` (full_weights.gathered_chunks: the
-    model's parameters chunk by chunk, full size on rank 0, empty elsewhere)."""
+    published parameters chunk by chunk, full size on rank 0, empty elsewhere): the model, or
+    with `lora` the adapter."""
     root = checkpoints_root(run_dir)
     name = f"step_{version:06d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -172,9 +182,13 @@ def save(
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+    engine.save_checkpoint(
+        str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=lora is not None
+    )
     PositionStore(tmp / f"position_rank{rank}.json").save(position)
-    if rank == 0:
+    if rank == 0 and lora is not None:
+        write_adapter(tmp / ADAPTER_DIR, (pair for chunk in weights for pair in chunk), lora, model_path)
+    elif rank == 0:
         hf_dir = tmp / HF_DIR
         hf_dir.mkdir()
         engine.module.config.save_pretrained(hf_dir)
@@ -208,14 +222,19 @@ def prune(root: Path, keep: int) -> None:
 
 def load(engine: Any, ckpt_dir: Path, state: dict[str, Any], rank: int, world_size: int) -> dict:
     """Restore the engine (weights, optimizer, LR schedule) from `ckpt_dir`; returns this
-    rank's stream position. Collective."""
+    rank's stream position. Collective. A LoRA checkpoint's DeepSpeed state holds the adapter
+    only; the frozen base stays as loaded from model.path."""
     if state.get("world_size") != world_size:
         raise RuntimeError(
             f"checkpoint {ckpt_dir} was written by {state.get('world_size')} trainer ranks, "
             f"this run has {world_size} (world.trainers): resume with the same number"
         )
     path, _ = engine.load_checkpoint(
-        str(ckpt_dir / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(ckpt_dir / DEEPSPEED_DIR),
+        tag=DEEPSPEED_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_strict=not (ckpt_dir / ADAPTER_DIR).is_dir(),
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load its state from {ckpt_dir / DEEPSPEED_DIR}")

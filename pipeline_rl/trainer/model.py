@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from pipeline_rl import lora
 from pipeline_rl.config import LrDecay, RunConfig
 from pipeline_rl.trainer.logprobs import attention_kernel
 
@@ -34,11 +35,19 @@ def deepspeed_config(cfg: RunConfig) -> dict:
     }
 
 
-def load_model(cfg: RunConfig) -> PreTrainedModel:
+def load_model(cfg: RunConfig) -> Any:
     """The policy at model.path, in fp32 (DeepSpeed casts it to bf16 when model.dtype asks and
-    keeps fp32 master weights in the optimizer). Under ZeRO-3 it is built already partitioned
-    (deepspeed.zero.Init, through transformers' DeepSpeed integration): no rank ever holds the
-    full model; rank 0 reads the checkpoint one module at a time and scatters it."""
+    keeps fp32 master weights in the optimizer, of the trained parameters only). Under ZeRO-3 it
+    is built already partitioned (deepspeed.zero.Init, through transformers' DeepSpeed
+    integration): no rank ever holds the full model; rank 0 reads the checkpoint one module at a
+    time and scatters it. With model.lora, peft adapters wrap it and only they are trained."""
+    model = _load_base(cfg)
+    if cfg.model.lora is None:
+        return model
+    return lora.wrap(model, cfg.model.lora)
+
+
+def _load_base(cfg: RunConfig) -> PreTrainedModel:
     kwargs: dict[str, Any] = dict(
         dtype=torch.float32, attn_implementation=attention_kernel(cfg, torch.cuda.is_available())
     )

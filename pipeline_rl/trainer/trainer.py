@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.lora import trained_parameters
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.preprocess.packing import PAD_GROUP_ID
 from pipeline_rl.streams import open_streams
@@ -62,11 +63,20 @@ class Trainer:
             "rank %d holds %d of the model's %d parameter elements after loading",
             rank,
             sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters()),  # ZeRO-3: its partition
-            sum(math.prod(shape) for _, shape, _ in parameter_specs(model)),
+            sum(math.prod(shape) for _, shape, _ in parameter_specs(list(model.named_parameters()))),
         )
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        optimizer = make_optimizer(model.parameters(), cfg)
+            if cfg.model.lora is not None:  # the frozen embeddings' output must carry grad into the checkpoints
+                model.enable_input_require_grads()
+        self.published = trained_parameters(model)
+        """What a weight update and a checkpoint's model carry: all parameters, or the adapter."""
+        log.info(
+            "training %d parameter elements (%d tensors)",
+            sum(math.prod(shape) for _, shape, _ in parameter_specs(self.published)),
+            len(self.published),
+        )
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -323,7 +333,7 @@ class Trainer:
         if not self.broadcast:
             return {}
         bucket_mb = self.cfg.trainer.weight_bucket_mb
-        chunks = gathered_chunks(self.model, self.rank, bucket_mb)
+        chunks = gathered_chunks(self.published, self.rank, bucket_mb)
         if self.rank != 0:
             for _ in chunks:
                 pass
@@ -335,7 +345,7 @@ class Trainer:
                 (pair for chunk in chunks for pair in chunk),
                 announce=self._announce,
                 bucket_mb=bucket_mb,
-                specs=parameter_specs(self.model),
+                specs=parameter_specs(self.published),
             )
         except Exception as e:  # an actor died or stalled: keep training, the next send rebuilds the group
             log.error("weight broadcast of version %d failed: %s", self.version, e)
@@ -363,9 +373,10 @@ class Trainer:
             self.trained_position,
             self.rank,
             self.world_size,
-            gathered_chunks(self.model, self.rank, self.cfg.trainer.weight_bucket_mb),
+            gathered_chunks(self.published, self.rank, self.cfg.trainer.weight_bucket_mb),
             self.cfg.trainer.keep_checkpoints,
             {"dropped_total": self.dropped_total},
+            self.cfg.model.lora,
         )
         self.saved_version = self.version
         # Entries before the checkpoint's position are trained for good: the backend may drop them.
