@@ -17,14 +17,19 @@ copy times are printed beside it.
 
 With --tp 2 the engine is tensor parallel (two worker processes, each a receiver of the
 broadcast; on CPU each bound to its own cores) and (1) is plain vLLM with the same TP size.
+With --lora RANK the engine serves a LoRA adapter of that rank (alpha 2 x rank) in its slot,
+every request names it (plain vLLM's too), and each update is a new adapter written in place
+(scripts/bench_lora.py runs both and compares them). --json PATH also writes the figures there.
 
-    python scripts/bench_actor.py [--model DIR] [--tp 1] [--seconds 15] [--loads-per-round 2] [--update-every 2]
+    python scripts/bench_actor.py [--model DIR] [--tp 1] [--lora RANK] [--seconds 15] [--loads-per-round 2]
+        [--update-every 2] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import resource
 import socket
@@ -54,9 +59,10 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
 
 
-def run_config(run_dir: str, tp: int):
+def run_config(run_dir: str, tp: int, lora_rank: int = 0):
     from pipeline_rl.config import load_config
 
+    lora = [f"model.lora.rank={lora_rank}", f"model.lora.alpha={2 * lora_rank}"] if lora_rank else []
     return load_config(
         "base",
         [
@@ -64,32 +70,45 @@ def run_config(run_dir: str, tp: int):
             "actor.llm.max_model_len=256",
             "actor.llm.max_num_seqs=256",
             f"actor.llm.tensor_parallel_size={tp}",
+            *lora,
         ],
     )
 
 
-def sender_main(addr: str, model_dir: str, run_dir: str, tp: str) -> None:
-    """The trainer side: one update per `send VERSION` line on stdin, alternating between two
-    weight sets; prints `sent VERSION SECONDS`, and its peak RSS when stdin closes."""
+def update_sets(model_dir: str, cfg) -> list[dict]:
+    """Two updates to alternate between: the model and a perturbed copy, or with LoRA two random
+    adapters (A and B of std 0.05: the tiny model's answers change, its decoding does not stall)."""
     import torch
     from safetensors.torch import load_file
 
+    g = torch.Generator().manual_seed(0)
+    if cfg.model.lora is not None:
+        from pipeline_rl.lora import adapter_shapes
+
+        shapes = adapter_shapes(model_dir, cfg.model.lora)
+        return [{k: 0.05 * torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(2)]
+    base = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        base.update(load_file(str(file)))
+    noisy = {k: t + 0.1 * t.std() * torch.randn(t.shape, generator=g) if t.dim() > 1 else t for k, t in base.items()}
+    return [noisy, base]
+
+
+def sender_main(addr: str, model_dir: str, run_dir: str, tp: str, lora_rank: str) -> None:
+    """The trainer side: one update per `send VERSION` line on stdin, alternating between two
+    weight sets; prints `sent VERSION SECONDS`, and its peak RSS when stdin closes."""
     from pipeline_rl.streams import open_streams
     from pipeline_rl.weight_sync import WeightSender
 
-    streams = open_streams(run_config(run_dir, int(tp)))
+    cfg = run_config(run_dir, int(tp), int(lora_rank))
+    streams = open_streams(cfg)
     writer = streams.writer("weights")
 
     def announce(update):
         writer.write(update)
         writer.flush()
 
-    base = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        base.update(load_file(str(file)))
-    g = torch.Generator().manual_seed(0)
-    noisy = {k: t + 0.1 * t.std() * torch.randn(t.shape, generator=g) if t.dim() > 1 else t for k, t in base.items()}
-    sets = [noisy, base]
+    sets = update_sets(model_dir, cfg)
     sender = WeightSender(addr, world_size=1 + int(tp), timeout_s=60)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -99,15 +118,11 @@ def sender_main(addr: str, model_dir: str, run_dir: str, tp: str) -> None:
     print(f"rss {peak_rss_mib():.0f}", flush=True)
 
 
-def memcpy_ms(model_dir: str, repeats: int = 50) -> tuple[float, float]:
-    """Median time to copy the model's tensors into preallocated tensors of the same shapes,
+def memcpy_ms(src: dict, repeats: int = 50) -> tuple[float, float]:
+    """Median time to copy an update's tensors into preallocated tensors of the same shapes,
     one copy_ per tensor (what a swap's load cannot beat), and the update's size in MiB."""
     import torch
-    from safetensors.torch import load_file
 
-    src = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        src.update(load_file(str(file)))
     dst = {k: torch.empty_like(t) for k, t in src.items()}
     times = []
     for _ in range(repeats):
@@ -165,29 +180,34 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="time per phase")
     parser.add_argument("--loads-per-round", type=int, default=2, help="loads per phase in one round")
     parser.add_argument("--update-every", type=float, default=2.0)
-    parser.add_argument("--sender", nargs=4, metavar=("ADDR", "MODEL", "RUN_DIR", "TP"), help=argparse.SUPPRESS)
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="serve and update a LoRA adapter")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--sender", nargs=5, metavar=("ADDR", "MODEL", "RUN_DIR", "TP", "LORA"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sender:
         sender_main(*args.sender)
         return
 
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs.engine import tokens_input
 
+    from pipeline_rl.actor.adapter_slot import lora_request
     from pipeline_rl.actor.llm_client import LLMClient, engine_args, set_engine_environment
     from pipeline_rl.actor.tp_swap import TensorParallelSwapHook
     from pipeline_rl.actor.vllm_hook import WeightSwapHook
+    from pipeline_rl.lora import write_zero_adapter
     from pipeline_rl.streams import open_streams
     from pipeline_rl.streams.records import WeightUpdate
 
     run_dir = tempfile.mkdtemp(prefix="bench_actor_")
-    cfg = run_config(run_dir, args.tp)
+    cfg = run_config(run_dir, args.tp, args.lora)
     set_engine_environment(cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     sender = subprocess.Popen(
-        [sys.executable, __file__, "--sender", addr, args.model, run_dir, str(args.tp)],
+        [sys.executable, __file__, "--sender", addr, args.model, run_dir, str(args.tp), str(args.lora)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -197,9 +217,16 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(**engine_args(cfg, args.model))
     print(f"engine start-up: {time.perf_counter() - start:.1f} s")
-    hook_cls = TensorParallelSwapHook if args.tp > 1 else WeightSwapHook
-    hook = hook_cls.install(llm.llm_engine, args.model, version=0)
-    client = LLMClient(llm.llm_engine, hook, llm.get_tokenizer())
+    lora = None
+    if cfg.model.lora is not None:
+        lora = lora_request(write_zero_adapter(Path(run_dir) / "adapter", args.model, cfg.model.lora, torch.float32))
+        llm.llm_engine.add_lora(lora)
+        llm.llm_engine.pin_lora(lora.lora_int_id)
+        hook = WeightSwapHook.install(llm.llm_engine, args.model, 0, lora.lora_path)
+    else:
+        hook_cls = TensorParallelSwapHook if args.tp > 1 else WeightSwapHook
+        hook = hook_cls.install(llm.llm_engine, args.model, version=0)
+    client = LLMClient(llm.llm_engine, hook, llm.get_tokenizer(), lora)
     streams = open_streams(cfg)
     receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")
     client.start_receiver(receiver, streams.reader("weights", WeightUpdate))
@@ -214,7 +241,7 @@ def main() -> None:
 
     def plain_rep() -> int:
         with hook.bypassed():
-            outs = llm.generate([tokens_input(p) for p in prompts], plain_params, use_tqdm=False)  # pyright: ignore[reportArgumentType]  (generate takes these at run time; its annotation does not list them)
+            outs = llm.generate([tokens_input(p) for p in prompts], plain_params, use_tqdm=False, lora_request=lora)  # pyright: ignore[reportArgumentType]  (generate takes these at run time; its annotation does not list them)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     def client_rep() -> int:
@@ -263,7 +290,7 @@ def main() -> None:
     sender.wait()
 
     rate = {k: t / s for k, (t, s) in totals.items()}
-    copy_ms, update_mib = memcpy_ms(args.model)
+    copy_ms, update_mib = memcpy_ms(update_sets(args.model, cfg)[0])
     swaps = list(hook.swaps)
     waits = [s.lock_wait_s * 1e3 for s in swaps]
     loads = [s.load_s * 1e3 for s in swaps]
@@ -272,6 +299,7 @@ def main() -> None:
     print(
         f"load: {PROMPTS} prompts x n={N} x {NEW_TOKENS} tokens, {r} rounds of {args.loads_per_round} loads "
         f"per phase, model {args.model}, tensor_parallel_size {args.tp}"
+        + (f", LoRA rank {args.lora}" if args.lora else "")
     )
     print(f"(1) plain vLLM generate:       {rate[1]:8.0f} tok/s")
     print(
@@ -313,6 +341,26 @@ def main() -> None:
             rss = llm.llm_engine.collective_rpc(lambda _worker: peak_rss_mib())
         workers = ", TP workers " + " / ".join(f"{r:.0f}" for r in rss) + " MiB"
     print(f"peak RSS: actor (engine) process {peak_rss_mib():.0f} MiB{workers}, sender process {sender_rss} MiB")
+    if args.json:
+        figures = {
+            "update_bytes": update_mib * 2**20,
+            "plain_tok_s": rate[1],
+            "client_tok_s": rate[2],
+            "updating_tok_s": rate[3],
+            "updating_over_client": rate[3] / rate[2],
+            "updating_over_client_median": percentile(ratios["3/2"], 0.5),
+            "lock_hold_p50_ms": percentile(loads, 0.5),
+            "lock_hold_p99_ms": percentile(loads, 0.99),
+            "lock_wait_p50_ms": percentile(waits, 0.5),
+            "send_p50_ms": percentile(updater.send_s, 0.5) * 1e3,
+            "memcpy_ms": copy_ms,
+            "step_p50_ms": step50,
+            "swaps": hook.swap_count,
+            "failures": client.stats()["swap_failures"],
+            "actor_rss_mib": peak_rss_mib(),
+            "sender_rss_mib": float(sender_rss),
+        }
+        args.json.write_text(json.dumps(figures, indent=1))
     client.close()
     streams.close()
 

@@ -209,19 +209,16 @@ class LLMClient:
 
         check_vllm_version(vllm.__version__)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
+        request = None
         if cfg.model.lora is not None:
             if adapter_dir is None:
                 raise ValueError("model.lora is set: the engine needs the policy's adapter directory")
             request = lora_request(adapter_dir)
-            engine.add_lora(request)  # loads it into a slot
+            engine.add_lora(request)  # loads it into a slot (in every worker)
             engine.pin_lora(POLICY_LORA_ID)  # and keeps it there
-            hook = WeightSwapHook.install(engine, model_path, version, adapter_dir)
-            return cls(engine, hook, engine.get_tokenizer(), request)
-        if tp > 1:
-            hook: SwapGate = TensorParallelSwapHook.install(engine, model_path, version)
-        else:
-            hook = WeightSwapHook.install(engine, model_path, version)
-        return cls(engine, hook, engine.get_tokenizer())
+        installer = TensorParallelSwapHook if tp > 1 else WeightSwapHook
+        hook = installer.install(engine, model_path, version, adapter_dir)
+        return cls(engine, hook, engine.get_tokenizer(), request)
 
     def weight_receiver(
         self, addr: str, actor_index: int, actors: int, backend: str, stage_on_host: bool = False

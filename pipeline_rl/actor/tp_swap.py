@@ -92,12 +92,17 @@ class TensorParallelSwapHook(SwapGate):
         """The ticket of a load queued to the workers and the future of their replies."""
 
     @classmethod
-    def install(cls, llm_engine, model_path: str | Path, version: int) -> TensorParallelSwapHook:
-        """Hook an in-process LLMEngine whose workers run WORKER_EXTENSION."""
+    def install(
+        cls, llm_engine, model_path: str | Path, version: int, adapter_dir: str | Path | None = None
+    ) -> TensorParallelSwapHook:
+        """Hook an in-process LLMEngine whose workers run WORKER_EXTENSION; with `adapter_dir`
+        (the adapter the engine serves in its LoRA slot) updates are adapters."""
         tp = llm_engine.vllm_config.parallel_config.tensor_parallel_size
         hook = cls(llm_engine, version, tp)
         with hook.lock:
-            failed = _failures(hook._rpc("pipeline_rl_setup", str(model_path)))
+            failed = _failures(
+                hook._rpc("pipeline_rl_setup", str(model_path), None if adapter_dir is None else str(adapter_dir))
+            )
         if failed:
             raise RuntimeError(f"tensor-parallel weight swap set-up failed: {failed}")
         return hook

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
+from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter
 from pipeline_rl.actor.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
 from pipeline_rl.actor.tp_swap import CHECK, STALE, staged_key
 from pipeline_rl.streams.records import WeightUpdate, decode
@@ -29,10 +30,11 @@ keep_cpu_linear_weights()
 
 
 class _WorkerState:
-    def __init__(self, weights: EngineWeights):
+    def __init__(self, weights: EngineWeights | AdapterSlot):
         self.weights = weights
+        """This worker's shard of the model, or (LoRA) of the policy's adapter slot."""
         self.receiver: WeightReceiver | None = None
-        self.staged: tuple[str, Prepared] | None = None
+        self.staged: tuple[str, Prepared | PreparedAdapter] | None = None
         self.receiving: threading.Thread | None = None
         self.load_s: deque[float] = deque(maxlen=10000)
         """Seconds each load took in this worker (at the head of the step after the swap)."""
@@ -46,9 +48,13 @@ class TensorParallelWorker:
     rank: int
     _pipeline_rl: _WorkerState
 
-    def pipeline_rl_setup(self, model_path: str) -> str | None:
+    def pipeline_rl_setup(self, model_path: str, adapter_dir: str | None = None) -> str | None:
         try:
-            self._pipeline_rl = _WorkerState(EngineWeights.of(self.model_runner, model_path))
+            if adapter_dir is not None:  # each worker's set_lora writes its own shard of the adapter
+                weights: EngineWeights | AdapterSlot = AdapterSlot(self.model_runner, adapter_dir)
+            else:
+                weights = EngineWeights.of(self.model_runner, model_path)
+            self._pipeline_rl = _WorkerState(weights)
         except Exception as e:
             return f"worker {self.rank}: {e}"
         return None
@@ -127,7 +133,7 @@ class TensorParallelWorker:
             return f"worker {self.rank}: this update is not staged"
         started = time.perf_counter()
         try:
-            state.weights.load(staged[1])
+            state.weights.load(staged[1])  # pyright: ignore[reportArgumentType] (prepared by state.weights)
         except Exception as e:
             return f"worker {self.rank}: {e}"
         state.load_s.append(time.perf_counter() - started)

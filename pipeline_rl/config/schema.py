@@ -542,10 +542,5 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"bad value for 'model.lora.dropout': {lora.dropout}, expected 0 <= dropout < 1")
         if not lora.target_modules:
             raise ConfigError("bad value for 'model.lora.target_modules': empty, name at least one linear layer")
-        if cfg.actor.llm.tensor_parallel_size > 1:
-            raise ConfigError(
-                "'model.lora' with 'actor.llm.tensor_parallel_size' > 1 is not supported yet: the adapter "
-                "swap runs in the actor process, not in the tensor-parallel workers"
-            )
     if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
         raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")

@@ -10,6 +10,9 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
   master weights and two Adam moments), divided by r under ZeRO-3 (only the 12 optimizer bytes
   are divided under ZeRO-2; with trainer.optimizer.offload they are in host memory); checkpointed activations (one hidden vector per layer per token);
   one layer's activations being recomputed; the fp32 logits chunk, its log-softmax and gradient.
+- with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
+  and the 16 bytes per parameter above for the adapter's parameters only; the actor holds the
+  adapter's slot (at vLLM's reserved rank) beside the base; an update is the adapter.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.actor.adapter_slot import engine_max_rank
+from pipeline_rl.config import LoraConfig, RunConfig
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -61,6 +65,24 @@ class ModelShape:
             layer += h + 2 * self.kv_dim
         return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
 
+    def lora_params(self, lora: LoraConfig, rank: int | None = None) -> int:
+        """Elements of the LoRA adapter (A: rank x in, B: out x rank per target layer)."""
+        h, kv, inter = self.hidden, self.kv_dim, self.intermediate
+        per_layer = {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, inter),
+            "up_proj": (h, inter),
+            "down_proj": (inter, h),
+        }
+        r = lora.rank if rank is None else rank
+        total = self.layers * sum(r * (i + o) for name, (i, o) in per_layer.items() if name in lora.target_modules)
+        if "lm_head" in lora.target_modules:
+            total += r * (h + self.vocab)
+        return total
+
     @property
     def largest_tensor(self) -> int:
         """Elements of the largest single tensor (the embedding, or an MLP matrix)."""
@@ -92,6 +114,19 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
     tokens = max(0, int(kv / kv_per_token))
     bucket = cfg.trainer.weight_bucket_mb * 2**20
     staging = max(bucket, shape.largest_tensor * size) if llm.stage_weights_on_host else weights
+    lora = cfg.model.lora
+    adapter = 0
+    if lora is not None:
+        adapter = shape.lora_params(lora) * size
+        slot = shape.lora_params(lora, engine_max_rank(lora.rank)) * size / tp
+        kv -= slot
+        tokens = max(0, int(kv / kv_per_token))
+        staging = adapter  # an update is the adapter
+        lines.append(
+            f"memory: LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {adapter / size / 1e6:.1f} M "
+            f"parameters; an update is {adapter / 2**20:.0f} MiB (the full model: {weights / GIB:.1f} GiB); "
+            f"the actor's adapter slot {slot / GIB:.2f} GiB per GPU"
+        )
     outside = gpu - budget
     ok = kv > 0 and tokens >= llm.max_model_len and staging <= outside
     lines.append(
@@ -100,7 +135,7 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
         f"max_model_len) within {llm.gpu_memory_utilization:g} x {cfg.world.gpu_memory_gib:g} GiB; weight staging "
         f"{staging / GIB:.1f} GiB in the {outside / GIB:.1f} GiB outside it: {'fits' if ok else 'DOES NOT FIT'}"
     )
-    if llm.stage_weights_on_host:
+    if llm.stage_weights_on_host and lora is None:
         per_node = min(cfg.world.actors * tp, cfg.world.gpus_per_node or 1)
         lines.append(
             f"memory: actor host staging {weights / GIB:.1f} GiB pinned per TP worker, "
@@ -110,7 +145,10 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
     ranks = cfg.world.trainers
     t = cfg.trainer
     optimizer = 0 if t.optimizer.offload else 12 / ranks  # offloaded: in host memory
-    state = shape.params * (4 / ranks + optimizer if t.zero_stage == 3 else 4 + optimizer)
+    trained = shape.params if lora is None else shape.lora_params(lora)
+    state = trained * (4 / ranks + optimizer if t.zero_stage == 3 else 4 + optimizer)
+    if lora is not None:  # the frozen base: weights only, no gradient or optimizer state
+        state += shape.params * size / (ranks if t.zero_stage == 3 else 1)
     tokens_step = cfg.preprocess.seq_length
     checkpoints = tokens_step * shape.hidden * shape.layers * size if t.gradient_checkpointing else 0
     per_layer = tokens_step * (6 * shape.hidden + 3 * shape.intermediate) * size
@@ -124,5 +162,5 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
         f"{'fits' if total <= gpu else 'DOES NOT FIT'}"
     )
     if t.optimizer.offload:
-        lines.append(f"memory: trainer host optimizer state {shape.params * 12 / ranks / GIB:.1f} GiB per rank")
+        lines.append(f"memory: trainer host optimizer state {trained * 12 / ranks / GIB:.1f} GiB per rank")
     return lines

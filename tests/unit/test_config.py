@@ -64,6 +64,10 @@ def test_extends_chain_and_overrides():
         (["trainer.lag_gate=tokens"], "bad value for 'trainer.lag_gate': Invalid value 'tokens'"),
         (["trainer.loss.ratio=seq"], "bad value for 'trainer.loss.ratio': Invalid value 'seq'"),
         (["noequals"], "not of the form key=value"),
+        (["model.lora.rnk=8"], "unknown key 'model.lora.rnk' (did you mean 'model.lora.rank'?)"),
+        (["model.lora.rank=0"], "'model.lora.rank': 0, must be >= 1"),
+        (["model.lora.dropout=1"], "'model.lora.dropout': 1.0, expected 0 <= dropout < 1"),
+        (["model.lora.target_modules=[]"], "'model.lora.target_modules': empty"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, expected):
@@ -114,6 +118,12 @@ def test_bad_file_names_the_file(tmp_path):
         load_config("missing", dirs=[tmp_path])
     with pytest.raises(ConfigError, match="extends itself"):
         load_config("loop", dirs=[tmp_path])
+
+
+def test_lora_is_off_by_default_and_a_key_turns_it_on():
+    assert load_config("tiny").model.lora is None
+    lora = load_config("tiny", ["model.lora.rank=8"]).model.lora
+    assert lora is not None and lora.rank == 8 and lora.alpha == 32 and "down_proj" in lora.target_modules
 
 
 def test_saved_config_round_trips(tmp_path):

@@ -106,3 +106,33 @@ def test_optimizer_offload_moves_the_12_optimizer_bytes_to_the_host(tmp_path):
     assert offloaded[-1] == f"memory: trainer host optimizer state {expected:.1f} GiB per rank"
     with pytest.raises(ConfigError, match=r"'trainer\.optimizer\.offload' needs 'trainer\.zero_stage' >= 1"):
         load_config("tiny", ["trainer.optimizer.offload=true", "trainer.zero_stage=0"])
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "down_proj", "lm_head"]])
+def test_lora_parameter_count_matches_peft(tmp_path, targets):
+    from pipeline_rl.config import LoraConfig
+    from pipeline_rl.lora import trained_parameters, wrap
+
+    model = random_qwen2()
+    model.config.save_pretrained(tmp_path)
+    lora = LoraConfig(rank=3) if targets is None else LoraConfig(rank=3, target_modules=targets)
+    real = sum(p.numel() for _, p in trained_parameters(wrap(model, lora)))
+    assert ModelShape.read(tmp_path).lora_params(lora) == real
+
+
+def test_math_32b_lora_fits_the_trainer_on_two_gpus_of_one_node(tmp_path):
+    """The frozen bf16 base (61 GiB) over 2 ZeRO-3 ranks, plus 16 bytes per adapter parameter
+    (67.1 M at rank 8) over 2 ranks; one rank would hold the whole base beside the activations."""
+    lines = plan(tmp_path, conf="math_32b_lora")
+    assert all(not line.endswith("DOES NOT FIT") for line in lines), lines
+    adapter = 64 * 8 * (2 * 10240 + 2 * 6144 + 3 * 32768)
+    assert f"{adapter / 1e6:.1f} M parameters; an update is {adapter * 2 / 2**20:.0f} MiB" in lines[1]
+    trainer = next(line for line in lines if "trainer GPU" in line)
+    state = float(trainer.split("model and optimizer state ")[1].split(" GiB")[0])
+    params = float(lines[0].split("memory: model ")[1].split(" B")[0]) * 1e9
+    assert state == pytest.approx((params * 2 / 2 + adapter * 16 / 2) / 2**30, abs=0.1)
+    one = plan(tmp_path, "world.trainers=1", conf="math_32b_lora")
+    assert next(line for line in one if "trainer GPU" in line).endswith("DOES NOT FIT")
+    cfg = load_config("math_32b_lora", [f"model.path={tmp_path}"])
+    used = cfg.world.trainers + cfg.world.actors * cfg.actor.llm.tensor_parallel_size + cfg.world.preprocessor_gpus
+    assert cfg.world.nodes == 1 and used <= cfg.world.gpus_per_node

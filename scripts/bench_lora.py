@@ -1,0 +1,92 @@
+"""Full-weight updates against LoRA updates on one actor engine, side by side in one run.
+
+Runs scripts/bench_actor.py twice on the same model, one after the other: full weights, then
+a LoRA adapter of --rank (alpha 2 x rank) written in place into the engine's slot. Each run
+interleaves its own phases (plain vLLM, LLMClient, LLMClient with an update every
+--update-every seconds), so its ratios are fair within it. Prints per mode the bytes per
+update, the swap's lock hold, decode tokens/s with and without updates, their ratio and the
+peak RSS, then the issue's goals: LoRA lock hold <= 1/10 of the full-weight swap's, decode
+overhead of LoRA updates <= 3%.
+
+    python scripts/bench_lora.py [--model DIR] [--rank 8] [--seconds 15] [--update-every 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: argparse.Namespace, lora: int, out: Path) -> dict:
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_actor.py"),
+        "--model",
+        args.model,
+        "--seconds",
+        str(args.seconds),
+        "--update-every",
+        str(args.update_every),
+        "--json",
+        str(out),
+    ]
+    if lora:
+        cmd += ["--lora", str(lora)]
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model", default=os.path.join(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache"), "tiny_model")
+    )
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--update-every", type=float, default=2.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        full = run(args, 0, Path(tmp) / "full.json")
+        lora = run(args, args.rank, Path(tmp) / "lora.json")
+    rows = [
+        ("bytes per update", "update_bytes", "{:,.0f}"),
+        ("sender send() p50 (ms)", "send_p50_ms", "{:.2f}"),
+        ("swap lock hold p50 (ms)", "lock_hold_p50_ms", "{:.3f}"),
+        ("swap lock hold p99 (ms)", "lock_hold_p99_ms", "{:.3f}"),
+        ("swap lock wait p50 (ms)", "lock_wait_p50_ms", "{:.2f}"),
+        ("engine step p50 (ms)", "step_p50_ms", "{:.2f}"),
+        ("plain vLLM (tok/s)", "plain_tok_s", "{:.0f}"),
+        ("LLMClient, no updates (tok/s)", "client_tok_s", "{:.0f}"),
+        (f"LLMClient, update every {args.update_every:g} s (tok/s)", "updating_tok_s", "{:.0f}"),
+        ("with / without updates", "updating_over_client", "{:.3f}"),
+        ("  median of rounds", "updating_over_client_median", "{:.3f}"),
+        ("swaps (failures)", "swaps", "{:.0f}"),
+        ("peak RSS actor (MiB)", "actor_rss_mib", "{:.0f}"),
+        ("peak RSS sender (MiB)", "sender_rss_mib", "{:.0f}"),
+    ]
+    print()
+    print(f"model {args.model}; LoRA rank {args.rank}, alpha {2 * args.rank}")
+    print(f"| | full weights | LoRA r={args.rank} |")
+    print("|---|---|---|")
+    for label, key, fmt in rows:
+        extra = (f" ({full['failures']:.0f})", f" ({lora['failures']:.0f})") if key == "swaps" else ("", "")
+        print(f"| {label} | {fmt.format(full[key])}{extra[0]} | {fmt.format(lora[key])}{extra[1]} |")
+    hold = lora["lock_hold_p50_ms"] / full["lock_hold_p50_ms"]
+    overhead = 1 - lora["updating_over_client_median"]
+    print()
+    print(f"LoRA lock hold / full-weight lock hold (p50): {hold:.3f}  (goal <= 0.1)")
+    print(f"decode overhead of LoRA updates (1 - median with/without): {overhead:+.3f}  (goal <= 0.03)")
+    print(f"bytes per update, LoRA / full: {lora['update_bytes'] / full['update_bytes']:.4f}")
+    print(f"decode rate without updates, LoRA / full: {lora['client_tok_s'] / full['client_tok_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
