@@ -103,41 +103,64 @@ def _writes_in_place(name: str) -> bool:
     return name.endswith("_") and name != "requires_grad_"
 
 
-class _CopyRecorder(TorchFunctionMode):
-    """Records each `dst.copy_(src)` whose src is a view of the tensor being loaded; any other
-    in-place write while a tensor is being loaded refuses the plan."""
+Copies = dict[Any, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]]
+"""Per incoming tensor's key, the (parameter view, source shape, stride, storage offset) of each
+copy made from it."""
+
+
+class CopyRecorder(TorchFunctionMode):
+    """Records each `dst.copy_(src)` whose src is a view of one of the tensors being loaded
+    (`incoming`, by key); any other in-place write while tensors are being loaded refuses the
+    plan. Also used for the LoRA slot's plan (actor/adapter_slot.py)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.name: str | None = None
-        self.incoming: torch.Tensor | None = None
-        self.copies: dict[str, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]] = {}
+        self.incoming: dict[Any, torch.Tensor] = {}
+        self.copies: Copies = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if self.incoming is not None and self.name is not None and _writes_in_place(name):
-            if name in ("fill_", "zero_"):  # constants (vocabulary padding): in place already, for good
+        if self.incoming and _writes_in_place(name):
+            loading = ", ".join(map(str, self.incoming))
+            constant = name in ("fill_", "zero_") or (
+                name == "__setitem__" and len(args) > 2 and isinstance(args[2], (int, float))
+            )
+            if constant:  # vocabulary padding, a cleared LoRA slot: in place already, for good
                 return func(*args, **kwargs)
             if name != "copy_":
-                raise PlanRefused(f"loading {self.name} writes a tensor with {name}")
+                raise PlanRefused(f"loading {loading} writes a tensor with {name}")
             dst, src = args[0], args[1]
-            incoming = self.incoming
-            if not (
-                isinstance(src, torch.Tensor)
-                and src.device == incoming.device
-                and src.untyped_storage().data_ptr() == incoming.untyped_storage().data_ptr()
-            ):
-                raise PlanRefused(f"loading {self.name} copies a transformed tensor, not a view of it")
-            offset = int(src.storage_offset()) - int(incoming.storage_offset())
-            self.copies.setdefault(self.name, []).append((dst, tuple(src.shape), tuple(src.stride()), offset))
+            key = next(
+                (
+                    k
+                    for k, t in self.incoming.items()
+                    if isinstance(src, torch.Tensor)
+                    and src.device == t.device
+                    and src.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                ),
+                None,
+            )
+            if key is None:
+                raise PlanRefused(f"loading {loading} copies a transformed tensor, not a view of it")
+            offset = int(src.storage_offset()) - int(self.incoming[key].storage_offset())
+            self.copies.setdefault(key, []).append((dst, tuple(src.shape), tuple(src.stride()), offset))
         return func(*args, **kwargs)
+
+
+def bind(copies: Copies, key: Any, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (parameter view, source view) pairs that the recorded copies from `key` make from
+    `tensor` (of the recorded tensor's shape and layout)."""
+    return [
+        (dst, tensor.as_strided(shape, stride, tensor.storage_offset() + offset))
+        for dst, shape, stride, offset in copies.get(key, ())
+    ]
 
 
 class LoadPlan:
     """Per checkpoint name, the (parameter view, source slice) pairs one update copies."""
 
-    def __init__(self, copies: dict[str, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]]):
+    def __init__(self, copies: Copies):
         self.copies = copies
         self.device = next((dst.device for pairs in copies.values() for dst, *_ in pairs), torch.device("cpu"))
 
@@ -147,13 +170,13 @@ class LoadPlan:
     ) -> LoadPlan:
         """Load `tensors` (the checkpoint the engine already serves) through the model's own
         `load_weights`, recording where every byte goes. Raises PlanRefused."""
-        recorder = _CopyRecorder()
+        recorder = CopyRecorder()
 
         def feed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in tensors:
-                recorder.name, recorder.incoming = name, tensor.contiguous()
-                yield name, recorder.incoming
-            recorder.name = recorder.incoming = None
+                recorder.incoming = {name: tensor.contiguous()}
+                yield name, recorder.incoming[name]
+            recorder.incoming = {}
 
         load_weights: Any = getattr(model, "load_weights", None)
         if load_weights is None:
@@ -173,11 +196,7 @@ class LoadPlan:
     def bind(self, named_tensors: Named) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (parameter view, source view) pairs that load an update (contiguous tensors of
         the checkpoint's shapes): the per-update work done before the lock is taken."""
-        pairs = []
-        for name, tensor in named_tensors:
-            for dst, shape, stride, offset in self.copies.get(name, ()):
-                pairs.append((dst, tensor.as_strided(shape, stride, tensor.storage_offset() + offset)))
-        return pairs
+        return [pair for name, tensor in named_tensors for pair in bind(self.copies, name, tensor)]
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy bound pairs into the parameters: all a swap does under the lock."""

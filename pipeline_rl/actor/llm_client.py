@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.actor.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request
+from pipeline_rl.actor.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request, single_slot_cpu_lora
 from pipeline_rl.actor.engine_weights import keep_cpu_linear_weights
 from pipeline_rl.actor.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
 from pipeline_rl.actor.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
@@ -149,9 +149,14 @@ def set_engine_environment(cfg: RunConfig) -> None:
     """Environment an actor's engine needs, set before vLLM starts (also by scripts/bench_actor.py)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the hook reaches it
     keep_cpu_linear_weights()  # swaps copy into the weights (TP workers fork from here and inherit it)
+    if cfg.model.lora is not None and cfg.world.gpus_per_node == 0:
+        single_slot_cpu_lora()
     tp = cfg.actor.llm.tensor_parallel_size
     if tp > 1 and cfg.world.gpus_per_node == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binds(tp, sorted(os.sched_getaffinity(0)))
+        from vllm import envs
+
+        envs.disable_envs_cache()  # an engine started earlier in this process froze the old value
 
 
 def cpu_thread_binds(workers: int, cores: list[int]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter
+from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
 from pipeline_rl.actor.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
 from pipeline_rl.actor.tp_swap import CHECK, STALE, staged_key
 from pipeline_rl.streams.records import WeightUpdate, decode
@@ -27,6 +27,8 @@ from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver
 log = logging.getLogger(__name__)
 
 keep_cpu_linear_weights()
+if not torch.cuda.is_available():
+    single_slot_cpu_lora()
 
 
 class _WorkerState:

@@ -6,22 +6,28 @@ against transformers + peft.
 - a write from another thread during a long greedy generation takes effect at the next decode
   step, and the request carries both versions;
 - an adapter of another rank, or of other target modules, is refused naming the tensor, and the
-  engine keeps serving the old one.
+  engine keeps serving the old one;
+- with tensor_parallel_size 2, an adapter broadcast to both workers is written shard by shard
+  (vLLM's set_lora slices it per worker) and gives the same logprobs and the same next-step swap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+import queue
+import threading
 
 import pytest
 import torch
-from helpers import peft_model, random_adapter
+from helpers import free_port, peft_model, random_adapter
 from swap_checks import swap_during_generation
 
 from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
 from pipeline_rl.lora import adapter_shapes, write_zero_adapter
+from pipeline_rl.weight_sync import WeightSender
 
 pytestmark = pytest.mark.vllm
 
@@ -65,6 +71,8 @@ def test_written_adapter_gives_peft_logprobs(client, tiny_model, lora_cfg, shape
     # A rank-4 adapter whose shapes cover q/k/v, o, gate/up and down: vLLM packs q/k/v and
     # gate/up into one layer each, so every kind of slot is written.
     assert {n.split(".")[-3] for n in shapes} == set(lora_cfg.model.lora.target_modules)
+    # Writes go by the copy plan set_lora traced at start-up (one _foreach_copy_ in the lock).
+    assert client.hook.weights.plan_refused is None and client.hook.weights.copies
     prompts = [client.tokenizer.encode(p) for p in ("12 + 7 =", "the quick brown", "3")]
     before = [greedy(client, p) for p in prompts]
     client.hook.swap(adapter.items(), client.version + 1)
@@ -137,3 +145,59 @@ def test_wrong_adapter_is_refused_and_the_old_one_keeps_serving(client, tiny_mod
     assert "lora_" in str(e.value) or change == "missing"
     assert client.version == version
     assert greedy(client, prompt) == before
+
+
+@pytest.mark.slow  # a tensor-parallel engine: two worker processes, 30-70 s to start on 2 cores
+def test_tensor_parallel_workers_each_write_their_shard_of_a_broadcast_adapter(tiny_model, lora_cfg, shapes, tmp_path):
+    cfg = dataclasses.replace(lora_cfg, actor=copy.deepcopy(lora_cfg.actor))
+    cfg.actor.llm.tensor_parallel_size = 2
+    adapter_dir = write_zero_adapter(tmp_path / "adapter", tiny_model, lora_cfg.model.lora, torch.float32)
+    llm = LLMClient.create(cfg, str(tiny_model), version=0, adapter_dir=str(adapter_dir))
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, world_size=3, timeout_s=60)
+    receiver = llm.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")
+
+    def broadcast(adapter: dict) -> None:
+        """Trainer rank 0's broadcast to both workers (ranks 1 and 2), then the swap."""
+        announced: queue.Queue = queue.Queue()
+        version = llm.version + 1
+        thread = threading.Thread(target=sender.send, args=(version, adapter.items(), announced.put, 1))
+        thread.start()
+        assert llm.apply_update(receiver, announced.get(timeout=60))
+        thread.join()
+
+    try:
+        # Each worker holds half of every sharded LoRA buffer (q/k/v and gate/up B by rows,
+        # o and down A by columns), so a wrong shard would show in the logprobs.
+        shard_shapes = llm.engine.collective_rpc(
+            lambda w: sorted(
+                tuple(t.shape)
+                for m in w.model_runner.lora_manager._adapter_manager.modules.values()
+                for t in m.lora_b_stacked
+            )
+        )
+        assert shard_shapes[0] == shard_shapes[1]
+        assert llm.engine.collective_rpc(lambda w: w._pipeline_rl.weights.plan_refused) == [None, None]
+        adapter_a, adapter_b = random_adapter(shapes, seed=6), random_adapter(shapes, seed=7)
+        broadcast(adapter_a)
+        prompt = llm.tokenizer.encode("12 + 7 =")
+        [c] = asyncio.run(llm.generate(prompt, 1, 24, 0.7, ignore_eos=True))
+        model = peft_model(tiny_model, adapter_a, lora_cfg.model.lora)
+        ids = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1] / 0.7
+        expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        # As above, plus the all-reduce of two partial sums per row-parallel layer.
+        assert (expected - torch.tensor(c.logprobs)).abs().max() < 1e-3
+        swap_during_generation(
+            llm,
+            tiny_model,
+            adapter_a,
+            adapter_b,
+            lambda: broadcast(adapter_b),
+            model_of=lambda adapter: peft_model(tiny_model, adapter, lora_cfg.model.lora),
+        )
+    finally:
+        receiver.close()
+        sender.close()
+        llm.close()

@@ -5,12 +5,14 @@ plain model with the adapter folded in."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, hf_model, peft_model
+from helpers import ROOT, free_port, hf_model, peft_model
 from safetensors.torch import load_file
 from trainer_runs import (
     REL_TOL,
@@ -91,7 +93,9 @@ def test_lora_trains_broadcasts_and_resumes_only_the_adapter(tiny_model, tmp_pat
     # Merged into a plain model: the same function (folding B A into W reorders fp32 sums:
     # relative differences of a few 2^-24 per layer).
     merged_dir = tmp_path / "merged"
-    lora.merge(adapter_dir, tiny_model, merged_dir)
+    export = [sys.executable, str(ROOT / "scripts" / "merge_lora.py"), str(ref.run_dir), str(merged_dir)]
+    subprocess.run(export, check=True, capture_output=True, timeout=120)
+    assert (merged_dir / "tokenizer.json").is_file()
     with torch.no_grad():
         merged = hf_model(merged_dir, {})(ids).logits
     assert (merged - want).abs().max() < 1e-4 * want.abs().max()
