@@ -8,7 +8,13 @@ update, the swap's lock hold, decode tokens/s with and without updates, their ra
 peak RSS, then the issue's goals: LoRA lock hold <= 1/10 of the full-weight swap's, decode
 overhead of LoRA updates <= 3%.
 
-    python scripts/bench_lora.py [--model DIR] [--rank 8] [--seconds 15] [--update-every 2]
+With --random-shape HIDDENxLAYERS the engines serve a model of that shape with random weights
+(the tiny model's tokenizer and vocabulary, 4 x hidden MLP, one KV head per 64 dimensions of 4
+heads): what a swap costs at a larger size, where the tiny model's fixed costs no longer hide
+the copy.
+
+    python scripts/bench_lora.py [--model DIR] [--random-shape 512x8] [--rank 8] [--seconds 15]
+        [--update-every 2] [--loads-per-round 2]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 def run(args: argparse.Namespace, lora: int, out: Path) -> dict:
@@ -34,6 +41,8 @@ def run(args: argparse.Namespace, lora: int, out: Path) -> dict:
         str(args.seconds),
         "--update-every",
         str(args.update_every),
+        "--loads-per-round",
+        str(args.loads_per_round),
         "--json",
         str(out),
     ]
@@ -44,16 +53,47 @@ def run(args: argparse.Namespace, lora: int, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def random_model(like: str, shape: str, out: Path) -> str:
+    """A model of `like`'s vocabulary and tokenizer with HIDDENxLAYERS and random weights."""
+    import torch
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from pipeline_rl.demo.tiny_model import qwen2_config
+    from pipeline_rl.trainer.checkpoint import copy_tokenizer_files
+
+    hidden, layers = (int(x) for x in shape.split("x"))
+    base = AutoConfig.from_pretrained(like)
+    config = qwen2_config(
+        base.vocab_size,
+        hidden=hidden,
+        layers=layers,
+        heads=hidden // 64,
+        kv_heads=max(1, hidden // 256),
+        max_len=base.max_position_embeddings,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        tie_word_embeddings=base.tie_word_embeddings,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(str(out))
+    copy_tokenizer_files(like, out)
+    return str(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", default=os.path.join(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache"), "tiny_model")
     )
+    parser.add_argument("--random-shape", metavar="HIDDENxLAYERS", help="a random model of this shape")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--update-every", type=float, default=2.0)
+    parser.add_argument("--loads-per-round", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.random_shape:
+            args.model = random_model(args.model, args.random_shape, Path(tmp) / "model")
         full = run(args, 0, Path(tmp) / "full.json")
         lora = run(args, args.rank, Path(tmp) / "lora.json")
     rows = [

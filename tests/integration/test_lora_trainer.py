@@ -15,6 +15,7 @@ import torch
 from helpers import ROOT, free_port, hf_model, peft_model
 from safetensors.torch import load_file
 from trainer_runs import (
+    LINEAR_ADAM,
     REL_TOL,
     make_steps,
     receive_weights,
@@ -114,3 +115,30 @@ def test_lora_trains_broadcasts_and_resumes_only_the_adapter(tiny_model, tmp_pat
     # Control: one step moves the adapter far beyond the tolerance, so a step lost or trained
     # twice by the resume would show.
     assert b_error(received[2], expected) > 100 * REL_TOL
+
+
+def test_lora_under_zero3_on_two_ranks_gives_the_one_rank_update(tiny_model, tmp_path):
+    """The base partitioned over 2 ranks (zero.Init), the adapter added by peft on each rank from
+    the same seed: the same adapter after two steps as one ZeRO-2 rank."""
+    steps = make_steps(tiny_model, steps=2, groups=4, seed=8)
+    adapters = {}
+    for name, ranks, stage in (("zero2_1rank", 1, 2), ("zero3_2ranks", 2, 3)):
+        cfg = trainer_config(
+            tmp_path / name,
+            tiny_model,
+            "trainer.max_steps=2",
+            f"world.trainers={ranks}",
+            f"trainer.zero_stage={stage}",
+            *LORA,
+            *LINEAR_ADAM,
+        )
+        write_steps(cfg, steps, ranks=ranks)
+        train(cfg, ranks=ranks, timeout=240)
+        adapters[name] = adapter_of(Path(cfg.run_dir), 2)[1]
+    one, two = adapters["zero2_1rank"], adapters["zero3_2ranks"]
+    assert one.keys() == two.keys()
+    # A starts from the same random values on every rank (a rank with other values would give
+    # a mixed adapter far from the one-rank run); B starts at zero, so it is all update.
+    a_names = [n for n in one if ".lora_A." in n]
+    assert max((one[n] - two[n]).abs().max() / one[n].abs().max() for n in a_names) < REL_TOL
+    assert b_error(two, one) < REL_TOL
