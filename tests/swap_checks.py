@@ -86,3 +86,20 @@ def swap_during_generation(
     # (the argmax checks above).
     diff = (expected - torch.tensor(c.logprobs)).abs().max().item()
     assert diff < 1e-3, f"behaviour logprobs differ from transformers' by {diff:.2e}"
+
+
+def worst_logprob_error(model: torch.nn.Module, prompts: list[list[int]], groups: list, temperature: float) -> float:
+    """The largest |engine logprob - transformers logprob at `temperature`| over every sampled
+    token of `groups` (one group of completions per prompt); also checks each completion's
+    lengths and that its tokens carry one version."""
+    worst = 0.0
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
+            assert len(set(c.versions)) == 1
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+            expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+            worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
+    return worst

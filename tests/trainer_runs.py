@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -236,3 +237,17 @@ def receive_weights(cfg: RunConfig, addr: str, versions: int, received: dict, er
     finally:
         endpoint.close()
         streams.close()
+
+
+def start_ranks_with_receiver(
+    cfg: RunConfig, ranks: int, versions: int
+) -> tuple[list[multiprocessing.Process], threading.Thread, dict, list]:
+    """Trainer ranks whose rank 0 broadcasts each version to an actor's receiver that runs in a
+    thread here (receive_weights, until `versions` arrived): (ranks, thread, received, errors)."""
+    sync_addr = f"127.0.0.1:{free_port()}"
+    received: dict = {}
+    errors: list = []
+    receiver = threading.Thread(target=receive_weights, args=(cfg, sync_addr, versions, received, errors), daemon=True)
+    receiver.start()
+    procs = start_ranks(Path(cfg.run_dir), ranks, env={WEIGHT_SYNC_ADDR_ENV: sync_addr})
+    return procs, receiver, received, errors

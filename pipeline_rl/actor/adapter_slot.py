@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pipeline_rl.actor.engine_weights import Copies, CopyRecorder, PlanRefused, bind
+from pipeline_rl.actor.engine_weights import Copies, CopyRecorder, PlanRefused, bind, check_update
 from pipeline_rl.lora import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
@@ -129,21 +129,8 @@ class AdapterSlot:
     def check(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Raise ValueError, naming the tensor, unless the update has every tensor of the engine's
         adapter with its shape (its rank, its target modules) and nothing else."""
-        seen = set()
-        for name, tensor in named_tensors:
-            if name not in self.expected:
-                raise ValueError(f"adapter update has {name!r}, which the engine's adapter has not (target modules?)")
-            if list(tensor.shape) != self.expected[name]:
-                raise ValueError(
-                    f"adapter update: {name} has shape {list(tensor.shape)}, the engine's adapter has "
-                    f"{self.expected[name]} (rank {self._config['r']})"
-                )
-            if not tensor.is_floating_point():
-                raise ValueError(f"adapter update: {name} has non-float dtype {tensor.dtype}")
-            seen.add(name)
-        missing = sorted(set(self.expected) - seen)
-        if missing:
-            raise ValueError(f"adapter update lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+        holder = f"the engine's rank-{self._config['r']} adapter on {sorted(self._config['target_modules'])}"
+        check_update(named_tensors, self.expected, what="adapter update", unit="tensor", holder=holder)
 
     def _writes(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Write], Any]:
         """Check an update and have vLLM's own code turn it into per-layer slot contents: q/k/v

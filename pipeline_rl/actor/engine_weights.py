@@ -249,6 +249,32 @@ class _ExpectedReloadWarnings(logging.Filter):
         )
 
 
+def check_update(
+    named_tensors: Named,
+    expected: dict[str, list[int]],
+    optional: set[str] | frozenset[str] = frozenset(),
+    what: str = "weight update",
+    unit: str = "parameter",
+    holder: str = "the engine's model",
+) -> None:
+    """Raise ValueError, naming the tensor, unless `named_tensors` has every name of `expected`
+    (but `optional`) with its shape, as contiguous float tensors, and nothing else."""
+    seen = set()
+    for name, tensor in named_tensors:
+        if name not in expected:
+            raise ValueError(f"{what} has unknown {unit} {name!r} ({holder} has no such tensor)")
+        if list(tensor.shape) != expected[name]:
+            raise ValueError(f"{what}: {name} has shape {list(tensor.shape)}, {holder} has {expected[name]}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{what}: {name} has non-float dtype {tensor.dtype}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what}: {name} is not contiguous")
+        seen.add(name)
+    missing = set(expected) - set(optional) - seen
+    if missing:
+        raise ValueError(f"{what} lacks {len(missing)} {unit}(s), e.g. {sorted(missing)[:3]}")
+
+
 class EngineWeights:
     """The weights of one model runner (a whole model, or one tensor-parallel shard): checks an
     update against the checkpoint's names and shapes, and loads it in place, by the copy plan
@@ -287,23 +313,7 @@ class EngineWeights:
     def check(self, named_tensors: Named) -> None:
         """Raise ValueError unless the update has every parameter of the engine's model with
         its shape, contiguous, and nothing else."""
-        seen = set()
-        for name, tensor in named_tensors:
-            if name not in self._expected:
-                raise ValueError(f"weight update has unknown parameter {name!r}")
-            if list(tensor.shape) != self._expected[name]:
-                raise ValueError(
-                    f"weight update: {name} has shape {list(tensor.shape)}, "
-                    f"the engine's model has {self._expected[name]}"
-                )
-            if not tensor.is_floating_point():
-                raise ValueError(f"weight update: {name} has non-float dtype {tensor.dtype}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"weight update: {name} is not contiguous")
-            seen.add(name)
-        missing = set(self._expected) - self._optional - seen
-        if missing:
-            raise ValueError(f"weight update lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
+        check_update(named_tensors, self._expected, self._optional)
 
     def prepare(self, named_tensors: Named) -> Prepared:
         """Check an update and bind it to the copy plan (no lock needed); raises ValueError."""

@@ -22,7 +22,7 @@ import threading
 import pytest
 import torch
 from helpers import free_port, peft_model, random_adapter
-from swap_checks import swap_during_generation
+from swap_checks import swap_during_generation, worst_logprob_error
 
 from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
@@ -83,15 +83,8 @@ def test_written_adapter_gives_peft_logprobs(client, tiny_model, lora_cfg, shape
 
     groups = asyncio.run(run())
     model = peft_model(tiny_model, adapter, lora_cfg.model.lora)
-    worst = 0.0
-    for prompt, group in zip(prompts, groups):
-        for c in group:
-            assert c.versions == [client.version] * len(c.token_ids)
-            ids = torch.tensor([prompt + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
-            expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
-            worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
+    assert all(c.versions[0] == client.version for group in groups for c in group)
+    worst = worst_logprob_error(model, prompts, groups, temperature)
     # The adapter adds a rank-4 product to each of the 7 linear layers per block; engine and
     # peft sum the same fp32 products in different orders, each sum off by at most its length
     # (<= 512) x 2^-24 relative: about 3e-5 per layer, 1e-3 over the 4 blocks and the log-softmax
@@ -183,12 +176,8 @@ def test_tensor_parallel_workers_each_write_their_shard_of_a_broadcast_adapter(t
         prompt = llm.tokenizer.encode("12 + 7 =")
         [c] = asyncio.run(llm.generate(prompt, 1, 24, 0.7, ignore_eos=True))
         model = peft_model(tiny_model, adapter_a, lora_cfg.model.lora)
-        ids = torch.tensor([prompt + c.token_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(prompt) - 1 : -1] / 0.7
-        expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
         # As above, plus the all-reduce of two partial sums per row-parallel layer.
-        assert (expected - torch.tensor(c.logprobs)).abs().max() < 1e-3
+        assert worst_logprob_error(model, [prompt], [[c]], 0.7) < 1e-3
         swap_during_generation(
             llm,
             tiny_model,

@@ -7,19 +7,17 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, free_port, hf_model, peft_model
+from helpers import ROOT, hf_model, peft_model
 from safetensors.torch import load_file
 from trainer_runs import (
     LINEAR_ADAM,
     REL_TOL,
     make_steps,
-    receive_weights,
-    start_ranks,
+    start_ranks_with_receiver,
     train,
     trainer_config,
     wait_all,
@@ -29,7 +27,6 @@ from trainer_runs import (
 from pipeline_rl import lora
 from pipeline_rl.config import save_config
 from pipeline_rl.trainer import checkpoint
-from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 
 pytestmark = pytest.mark.deepspeed
 
@@ -58,11 +55,7 @@ def test_lora_trains_broadcasts_and_resumes_only_the_adapter(tiny_model, tmp_pat
     steps = make_steps(tiny_model, steps=3, groups=2, seed=7)
     ref = trainer_config(tmp_path / "uninterrupted", tiny_model, "trainer.max_steps=3", *LORA)
     write_steps(ref, steps, ranks=1)
-    sync_addr = f"127.0.0.1:{free_port()}"
-    received, errors = {}, []
-    receiver = threading.Thread(target=receive_weights, args=(ref, sync_addr, 3, received, errors), daemon=True)
-    receiver.start()
-    procs = start_ranks(Path(ref.run_dir), 1, env={WEIGHT_SYNC_ADDR_ENV: sync_addr})
+    procs, receiver, received, errors = start_ranks_with_receiver(ref, 1, 3)
     wait_all(procs, Path(ref.run_dir), timeout=180)
     receiver.join(30)
     assert not errors and sorted(received) == [1, 2, 3], f"received {sorted(received)}, errors {errors}"

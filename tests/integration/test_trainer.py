@@ -8,21 +8,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, hf_model
+from helpers import hf_model
 from safetensors.torch import load_file
 from trainer_runs import (
     LINEAR_ADAM,
     REL_TOL,
     final_weights,
     make_steps,
-    receive_weights,
-    start_ranks,
+    start_ranks_with_receiver,
     train,
     trainer_config,
     trainer_metrics,
@@ -34,7 +32,6 @@ from trainer_runs import (
 from pipeline_rl.preprocess.packing import pack_step
 from pipeline_rl.streams import open_streams
 from pipeline_rl.trainer.checkpoint import latest_checkpoint
-from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 
 pytestmark = pytest.mark.deepspeed
 
@@ -76,11 +73,7 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
         *cases[1][1:],
     )
     write_steps(three, steps, ranks=2)
-    sync_addr = f"127.0.0.1:{free_port()}"
-    received, errors = {}, []
-    receiver = threading.Thread(target=receive_weights, args=(three, sync_addr, 2, received, errors), daemon=True)
-    receiver.start()
-    procs = start_ranks(Path(three.run_dir), 2, env={WEIGHT_SYNC_ADDR_ENV: sync_addr})
+    procs, receiver, received, errors = start_ranks_with_receiver(three, 2, 2)
     deadline = time.time() + 240
     while not any(m.get("version") == 2 for m in trainer_metrics(Path(three.run_dir))):
         assert time.time() < deadline and all(p.is_alive() for p in procs), (

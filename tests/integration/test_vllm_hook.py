@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import hf_model, perturbed
 from safetensors.torch import load_file
-from swap_checks import swap_during_generation
+from swap_checks import swap_during_generation, worst_logprob_error
 
 from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
@@ -67,18 +67,11 @@ def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, trained):
 
     groups = asyncio.run(run())
     model = hf_model(tiny_model, trained)
-    worst = 0.0
-    for prompt, group in zip(prompts, groups):
+    for group in groups:
         assert len(group) == 4
         for c in group:
-            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
-            assert c.versions == [client.version] * len(c.token_ids)
-            assert c.finish_reason in ("stop", "length")
-            ids = torch.tensor([prompt + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
-            expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
-            worst = max(worst, (expected - torch.tensor(c.logprobs)).abs().max().item())
+            assert c.versions[0] == client.version and c.finish_reason in ("stop", "length")
+    worst = worst_logprob_error(model, prompts, groups, temperature)
     assert worst < 1e-4, f"vLLM logprobs differ from transformers at T={temperature} by {worst}"
     # At T=1 the same tokens would have other logprobs: the check above can tell the temperature.
     assert any(len(set(c.token_ids)) > 1 for g in groups for c in g)
