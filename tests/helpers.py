@@ -171,3 +171,15 @@ def random_adapter(shapes: dict, seed: int, scale: float = 0.3) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) * scale for name, shape in shapes.items()}
+
+
+def start_tp_client(cfg, model_path, **kwargs):
+    """LLMClient.create for a tensor-parallel CPU engine, with its workers' thread binding set in
+    the environment only while it starts (the in-process engines of later tests must not inherit
+    a binding for another number of workers: vLLM asserts they match)."""
+    from pipeline_rl.actor.llm_client import LLMClient, cpu_thread_binds
+
+    binding = cpu_thread_binds(cfg.actor.llm.tensor_parallel_size, sorted(os.sched_getaffinity(0)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", binding)
+        return LLMClient.create(cfg, str(model_path), **kwargs)

@@ -154,9 +154,11 @@ def set_engine_environment(cfg: RunConfig) -> None:
     tp = cfg.actor.llm.tensor_parallel_size
     if tp > 1 and cfg.world.gpus_per_node == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binds(tp, sorted(os.sched_getaffinity(0)))
-        from vllm import envs
+    from vllm import envs
 
-        envs.disable_envs_cache()  # an engine started earlier in this process froze the old value
+    # vLLM freezes its environment variables when an engine starts: a later engine in the same
+    # process (tests, benchmarks) must see the environment as it is now.
+    envs.disable_envs_cache()
 
 
 def cpu_thread_binds(workers: int, cores: list[int]) -> str:

@@ -21,7 +21,7 @@ import threading
 
 import pytest
 import torch
-from helpers import free_port, peft_model, random_adapter
+from helpers import free_port, peft_model, random_adapter, start_tp_client
 from swap_checks import swap_during_generation, worst_logprob_error
 
 from pipeline_rl.actor.llm_client import LLMClient
@@ -145,7 +145,7 @@ def test_tensor_parallel_workers_each_write_their_shard_of_a_broadcast_adapter(t
     cfg = dataclasses.replace(lora_cfg, actor=copy.deepcopy(lora_cfg.actor))
     cfg.actor.llm.tensor_parallel_size = 2
     adapter_dir = write_zero_adapter(tmp_path / "adapter", tiny_model, lora_cfg.model.lora, torch.float32)
-    llm = LLMClient.create(cfg, str(tiny_model), version=0, adapter_dir=str(adapter_dir))
+    llm = start_tp_client(cfg, tiny_model, version=0, adapter_dir=str(adapter_dir))
     addr = f"127.0.0.1:{free_port()}"
     sender = WeightSender(addr, world_size=3, timeout_s=60)
     receiver = llm.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")

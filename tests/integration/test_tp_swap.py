@@ -31,7 +31,7 @@ import time
 
 import pytest
 import torch
-from helpers import free_port, hf_model, perturbed
+from helpers import free_port, hf_model, perturbed, start_tp_client
 from safetensors.torch import load_file
 from swap_checks import swap_during_generation
 
@@ -57,7 +57,7 @@ def start_engine(run_dir, tiny_model) -> LLMClient:
             f"actor.llm.tensor_parallel_size={TP}",
         ],
     )
-    return LLMClient.create(cfg, str(tiny_model), version=0)
+    return start_tp_client(cfg, tiny_model, version=0)
 
 
 @pytest.fixture(scope="module")
