@@ -3,6 +3,7 @@ real loss, on a locally built Qwen2-shaped model with random weights.
 
     python scripts/gpu_check.py                 # GPU: ~0.5 B parameters, bf16, NCCL
     python scripts/gpu_check.py --reduced       # CPU: a tiny model, fp32, gloo (the test suite runs this)
+    python scripts/gpu_check.py --lora 16       # the same with LoRA adapters of rank 16 on the frozen base
 
 Prints throughput, MFU (GPU only: model FLOPs over the device's dense bf16 peak) and peak
 device memory, and writes them as JSON to OUT/gpu_check.json. The micro-batches go through
@@ -111,6 +112,7 @@ def main() -> int:
     parser.add_argument("--sequences-per-row", type=int, default=16, help="packed sequences per micro-batch")
     parser.add_argument("--out", default=None, help="directory for the run and gpu_check.json")
     parser.add_argument("--zero-stage", type=int, default=3, choices=(2, 3))
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
     parser.add_argument("--profile", action="store_true", help="print the operators that take the most device time")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.reduced
@@ -131,6 +133,7 @@ def main() -> int:
             f"preprocess.seq_length={seq_length}",
             "metrics.tensorboard=false",
             f"world.gpus_per_node={1 if gpu else 0}",
+            *([f"model.lora.rank={args.lora}"] if args.lora else []),
         ],
     )
     save_config(cfg, Path(cfg.run_dir) / "config.yaml")
@@ -166,6 +169,7 @@ def main() -> int:
         "version": version,
         "seq_length": seq_length,
         "zero_stage": args.zero_stage,
+        "lora_rank": args.lora or None,
         "micro_batches_per_step": args.micro_batches,
         "sequences_per_row": sequences_per_row,
         "parameters": params,

@@ -1,5 +1,6 @@
 """scripts/gpu_check.py in its reduced CPU mode: the same code path that measures MFU on a GPU
-(model build, packed micro-batches through the trainer stream, ZeRO-3 steps) runs to the end."""
+(model build, packed micro-batches through the trainer stream, ZeRO-3 steps) runs to the end,
+with full fine-tuning and with LoRA."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from helpers import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 
-def test_gpu_check_runs_in_reduced_mode(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora", "4"]], ids=["full", "lora"])
+def test_gpu_check_runs_in_reduced_mode(tmp_path, lora):
     out = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--reduced", "--steps", "3", "--out", str(tmp_path)],
+        [sys.executable, "scripts/gpu_check.py", "--reduced", "--steps", "3", "--out", str(tmp_path), *lora],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -25,4 +27,5 @@ def test_gpu_check_runs_in_reduced_mode(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["device"] == "cpu" and result["version"] == 3
+    assert result["lora_rank"] == (int(lora[1]) if lora else None)
     assert result["tokens_per_s"] > 0 and all(math.isfinite(x) for x in result["loss_first_last"])
