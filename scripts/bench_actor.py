@@ -187,6 +187,9 @@ def main() -> None:
     if args.sender:
         sender_main(*args.sender)
         return
+    from pipeline_rl.demo import ensure_built
+
+    ensure_built(Path(args.model))  # the tiny model, on a fresh clone
 
     import torch
     from vllm import LLM, SamplingParams

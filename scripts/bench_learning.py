@@ -440,15 +440,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def model_path(name: str, default: Path) -> Path:
     """A directory as given, or a model scripts/make_tiny_model.py builds (built if missing)."""
-    from pipeline_rl.demo import BUILT, build_named
+    from pipeline_rl.demo import BUILT, ensure_built
 
     path = Path(name)
     if path.exists() or name not in BUILT:
         return path
     path = default.parent / name
-    if not (path / "config.json").exists():
-        print(f"building {path}", flush=True)
-        build_named(path.parent, name)
+    ensure_built(path)
     return path
 
 

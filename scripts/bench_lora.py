@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--update-every", type=float, default=2.0)
     parser.add_argument("--loads-per-round", type=int, default=2)
     args = parser.parse_args()
+    from pipeline_rl.demo import ensure_built
+
+    ensure_built(Path(args.model))  # the tiny model, on a fresh clone
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_shape:
             args.model = random_model(args.model, args.random_shape, Path(tmp) / "model")

@@ -39,3 +39,15 @@ def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
         multistep.build(cache_dir, seed)
     else:
         raise ValueError(f"no demo model is called {name!r}; known: {', '.join(BUILT)}")
+
+
+def ensure_built(path: Path, seed: int = 0) -> None:
+    """Build the demo model at `path` when it is missing and the directory's name is one of
+    BUILT (what `launch.py conf=tiny` and the benchmarks do on a fresh clone); raises ValueError
+    for a missing directory of another name."""
+    if (path / "config.json").exists():
+        return
+    if path.name not in BUILT:
+        raise ValueError(f"{path} does not exist, and only {', '.join(BUILT)} can be built")
+    print(f"building the tiny model into {path} ...", flush=True)
+    build_named(path.parent, path.name, seed=seed)

@@ -120,15 +120,14 @@ def _ensure_tiny_model(cfg: RunConfig) -> None:
     model = Path(cfg.model.path)
     if (model / "config.json").exists() or not cfg.model.make_tiny_if_missing:
         return
-    from pipeline_rl.demo import BUILT, build_named
+    from pipeline_rl.demo import ensure_built
 
-    if model.name not in BUILT:
+    try:
+        ensure_built(model, seed=cfg.seed)
+    except ValueError as e:
         raise ConfigError(
-            f"model.path={model} does not exist, and model.make_tiny_if_missing builds only "
-            f"{', '.join(BUILT)} (name the directory so, or turn it off)"
-        )
-    print(f"building the tiny model into {model} ...", flush=True)
-    build_named(model.parent, model.name, seed=cfg.seed)
+            f"model.path={e} (model.make_tiny_if_missing; name the directory so, or turn it off)"
+        ) from None
 
 
 def _end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:
