@@ -534,8 +534,10 @@ def validate(cfg: RunConfig) -> None:
         )
     lora = cfg.model.lora
     if lora is not None:
-        if lora.rank < 1:
-            raise ConfigError(f"bad value for 'model.lora.rank': {lora.rank}, must be >= 1")
+        if not 1 <= lora.rank <= 512:
+            raise ConfigError(
+                f"bad value for 'model.lora.rank': {lora.rank}, expected 1-512 (vLLM's largest LoRA rank)"
+            )
         if lora.alpha <= 0:
             raise ConfigError(f"bad value for 'model.lora.alpha': {lora.alpha}, must be > 0")
         if not 0.0 <= lora.dropout < 1.0:
