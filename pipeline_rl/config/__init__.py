@@ -1,5 +1,6 @@
 """Typed run configuration: the schema (`schema.py`) and how YAML layers load into it (`loader.py`)."""
 
+from pipeline_rl.config.choices import *  # noqa: F403  (the Enums of choice-valued keys)
 from pipeline_rl.config.loader import (
     SHIPPED_CONF_DIR,
     conf_dirs,
@@ -9,7 +10,7 @@ from pipeline_rl.config.loader import (
     parse_overrides,
     save_config,
 )
-from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses and Enums)
+from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses)
 from pipeline_rl.config.schema import ConfigError, RunConfig, validate
 
 __all__ = [

@@ -1,113 +1,29 @@
 """The typed configuration schema: every key of a run, documented once, here.
 
-Choice-valued keys are Enums whose members document themselves; `validate` checks what
-types cannot express. Loading and merging YAML layers lives in `loader.py`.
+Choice-valued keys are Enums whose members document themselves (`choices.py`); `validate`
+checks what types cannot express. Loading and merging YAML layers lives in `loader.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
+from pipeline_rl.config.choices import (
+    ActorMode,
+    Attention,
+    DType,
+    LagGateMode,
+    LossKind,
+    LossNormalize,
+    LrDecay,
+    RatioLevel,
+    StreamsBackend,
+    WandbMode,
+)
 from pipeline_rl.wire import CACHE_ENV
 
 CACHE = f"${{oc.env:{CACHE_ENV},.cache}}"
-
-
-class DType(StrEnum):
-    """Parameter dtype of every process."""
-
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
-class StreamsBackend(StrEnum):
-    """Stream transport between pools."""
-
-    jsonl = "jsonl"
-    """Append-only files under RUN_DIR/streams: one node only."""
-    redis = "redis"
-    """Redis streams (XADD/XREAD): any number of nodes; options under `streams.redis`."""
-
-
-# `async` is a Python keyword, so this Enum is built by name.
-ActorMode = StrEnum("ActorMode", {"async": "async", "sync": "sync"})
-"""async: generate while training, weights swapped in flight (PipelineRL); sync: conventional
-RL, generate one batch with the current policy, wait for the update, repeat."""
-
-
-class LrDecay(StrEnum):
-    """The learning rate after warm-up."""
-
-    constant = "constant"
-    """Stays at lr."""
-    cosine = "cosine"
-    """Falls along a half cosine to `min_lr_ratio` x lr at the end of the run: at
-    `trainer.max_steps`, or at `max_time_s` when the run is bounded by time and that comes first
-    (the schedule then follows the wall clock, so it fits a run of any speed). Late in a run a
-    sharpened policy that each version still moves by a full step oscillates; smaller steps there
-    let it settle."""
-
-
-class LossKind(StrEnum):
-    """Policy-gradient objective of the built-in loss (`trainer.loss.function`)."""
-
-    reinforce = "reinforce"
-    """-min(w, is_truncation).detach() * A * logprob; option: `is_truncation`."""
-    ppo = "ppo"
-    """-min(w * A, clip(w, 1 - ppo_clip, 1 + ppo_clip) * A); option: `ppo_clip`."""
-
-
-class RatioLevel(StrEnum):
-    """What one importance ratio w = pi / pi_behaviour covers in the built-in loss."""
-
-    token = "token"
-    """One ratio per token (PPO, GRPO)."""
-    sequence = "sequence"
-    """One ratio per sequence, the geometric mean of its tokens' ratios exp(mean log w), given to
-    every token of the sequence (GSPO): clipping and truncation act on whole sequences. GSPO
-    pairs it with `normalize: sequence` and a small `ppo_clip` (about 3e-4)."""
-
-
-class Attention(StrEnum):
-    """The trainer's attention kernel for packed rows (several sequences per row, their
-    position_ids restarting at 0)."""
-
-    auto = "auto"
-    """flash_attention_2 on GPU when the flash-attn package is installed and prompts are not
-    shared; sdpa otherwise."""
-    flash_attention_2 = "flash_attention_2"
-    """Varlen flash-attention: sequence boundaries come from position_ids, no [T, T] mask."""
-    sdpa = "sdpa"
-    """torch's scaled_dot_product_attention with a block-diagonal mask built from position_ids."""
-    eager = "eager"
-    """Plain matmul attention with the same mask (slow; for debugging)."""
-
-
-class LagGateMode(StrEnum):
-    """What the max_lag gate removes from a stale sample (pipeline_rl/trainer/lag_gate.py)."""
-
-    sample = "sample"
-    """The whole sample, when its oldest trained token is more than max_lag versions old."""
-    token = "token"
-    """Only its tokens more than max_lag versions old (counted as masked tokens); the fresh tail
-    is trained on. A sample with no fresh token left is dropped as in `sample` mode."""
-
-
-class LossNormalize(StrEnum):
-    """How token losses are averaged over an optimizer step."""
-
-    token = "token"
-    """Every trained token of the step weighs the same."""
-    sequence = "sequence"
-    """Each sequence's mean over its tokens, then the mean over sequences."""
-
-
-class WandbMode(StrEnum):
-    online = "online"
-    offline = "offline"
-    """Needs no network; sync later with `wandb sync`."""
 
 
 @dataclass

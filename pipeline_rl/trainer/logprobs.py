@@ -31,7 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.config.schema import Attention
+from pipeline_rl.config.choices import Attention
 
 
 def attention_kernel(cfg: RunConfig, cuda: bool) -> str:
