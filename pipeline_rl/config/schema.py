@@ -74,10 +74,20 @@ class RedisConfig:
     """Redis host. With `start_server`, rank 0 starts redis-server and this is the address others use."""
     port: int = 6379
     """Redis port."""
-    password: str | None = None
-    """Redis password (AUTH), or null."""
+    password_env: str | None = None
+    """Name of the environment variable that holds the password (AUTH) of an external Redis
+    (`start_server: false`), or null for none; every process reads it from its environment, so the
+    secret itself is never in a config file. A Redis the run starts ignores it: it gets a random
+    password of its own, kept in RUN_DIR/redis.password (mode 0600)."""
     tls: bool = False
-    """Connect with TLS."""
+    """Connect to an external Redis with TLS (the server's certificate is verified against
+    `tls_ca_file`, or the system's CAs, and must name `host`). A Redis the run starts has no TLS."""
+    tls_ca_file: str | None = None
+    """PEM file of the CA that signed the Redis server's certificate (null: the system's CAs)."""
+    tls_cert_file: str | None = None
+    """PEM client certificate, for a server that requires one (tls-auth-clients); with `tls_key_file`."""
+    tls_key_file: str | None = None
+    """PEM private key of `tls_cert_file`."""
     maxlen: int = 100000
     """Approximate cap on entries kept per stream key (XADD MAXLEN ~) of the small broadcast
     topics (metrics, weights, control, dead letters); 0 keeps everything. The data topics
@@ -115,6 +125,18 @@ class WorldConfig:
     """Port of the weight-update process group's store, on the trainer's node."""
     trainer_port: int = 29500
     """MASTER_PORT of the trainers' own process group."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective and rendezvous store of the run: the trainers' process group
+    (DeepSpeed's), the weight-update group and its TCPStore. A peer that died or hangs makes the
+    survivors raise within it (NCCL runs with blocking wait: pipeline_rl/collectives.py), and the
+    process stops naming the peer. It must exceed the longest legitimate wait inside a collective:
+    trainer ranks wait at a checkpoint's barrier while rank 0 writes the Hugging Face weights
+    (`--dry-run` prints that estimate)."""
+    disk_gib_per_s: float = 1.0
+    """Assumed read and write bandwidth of the file system under run_dir and model.path, GiB/s
+    (one shared stream: every rank's checkpoint shards together). The plan's checkpoint-write and
+    model-load estimates divide bytes by it; they set the trainers' stop grace period and the
+    start-up watchdog unless those are given."""
 
 
 @dataclass
@@ -313,6 +335,10 @@ class TrainerConfig:
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk."""
+    stop_grace_s: float | None = None
+    """How long a normal stop (SIGTERM, Ctrl-C, max_time_s, the watchdog) waits for trainers to
+    finish their micro-batch and write the final checkpoint before killing them; null: derived
+    from the model size (pipeline_rl/launch/budget.py, printed by `--dry-run`)."""
     weight_bucket_mb: int = 256
     """Size of one weight-broadcast bucket."""
     gradient_checkpointing: bool = False
@@ -352,8 +378,10 @@ class RunConfig:
     interval between two versions so far) while every process is alive, the launcher prints
     what each process last did and waits on, stops the run and exits non-zero. Adapts to slow
     steps (a 32B run), yet catches a stalled tiny demo within minutes. 0 disables it."""
-    watchdog_startup_s: float = 1800.0
-    """The same limit for the first version (engines and models loading, compilation)."""
+    watchdog_startup_s: float | None = None
+    """The same limit for the first version (engines and models loading, compilation, the first
+    step's rollouts); null: derived from the model size (pipeline_rl/launch/budget.py, printed
+    by `--dry-run`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     world: WorldConfig = field(default_factory=WorldConfig)
@@ -460,5 +488,30 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"bad value for 'model.lora.dropout': {lora.dropout}, expected 0 <= dropout < 1")
         if not lora.target_modules:
             raise ConfigError("bad value for 'model.lora.target_modules': empty, name at least one linear layer")
+    _validate_redis(cfg)
+    for key in ["world.collective_timeout_s", "world.disk_gib_per_s"]:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be > 0")
+    for key in ["trainer.stop_grace_s", "watchdog_startup_s"]:
+        if _get(cfg, key) is not None and _get(cfg, key) < 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0 or null")
     if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
         raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")
+
+
+def _validate_redis(cfg: RunConfig) -> None:
+    r = cfg.streams.redis
+    files = {"tls_ca_file": r.tls_ca_file, "tls_cert_file": r.tls_cert_file, "tls_key_file": r.tls_key_file}
+    given = [k for k, v in files.items() if v]
+    if given and not r.tls:
+        raise ConfigError(f"'streams.redis.{given[0]}' is set but 'streams.redis.tls' is false")
+    if bool(r.tls_cert_file) != bool(r.tls_key_file):
+        raise ConfigError(
+            "'streams.redis.tls_cert_file' and 'streams.redis.tls_key_file' go together: set both or neither"
+        )
+    if r.start_server and (r.tls or r.password_env):
+        key = "tls" if r.tls else "password_env"
+        raise ConfigError(
+            f"'streams.redis.{key}' is for an external Redis: the one 'streams.redis.start_server' starts has no "
+            "TLS and a random password of its own (RUN_DIR/redis.password)"
+        )

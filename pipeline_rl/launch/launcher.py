@@ -10,18 +10,18 @@ run through the `control` stream.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline_rl.config import ConfigError, RunConfig, load_config, parse_overrides, save_config
+from pipeline_rl.launch.budget import budget_lines, run_limits
 from pipeline_rl.launch.memory_plan import memory_plan
 from pipeline_rl.launch.placement import Node, child_env, describe, plan, this_node
+from pipeline_rl.launch.redis_server import start_redis, wait_port
 from pipeline_rl.launch.supervisor import ChildFailed, Supervisor, describe_exit, last_lines
 from pipeline_rl.launch.watchdog import Watchdog
 from pipeline_rl.scorers import check_scorers
@@ -32,8 +32,6 @@ from pipeline_rl.wire import POOL_MODULES, Topic
 if TYPE_CHECKING:
     from pipeline_rl.streams.api import Streams
 
-TRAINER_STOP_GRACE_S = 120.0
-"""How long trainers may take to write their final checkpoint on a normal stop."""
 NODES_LEAVE_TIMEOUT_S = 30.0
 """How long node 0 keeps its Redis up for the other nodes to stop and say so."""
 
@@ -74,48 +72,6 @@ def _wipe_redis(cfg: RunConfig) -> None:
     streams.close()
 
 
-def _start_redis(cfg: RunConfig, node: Node, services: Supervisor) -> None:
-    r = cfg.streams.redis
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise ConfigError("streams.redis.start_server is true but redis-server is not on PATH")
-    redis_dir = Path(cfg.run_dir).resolve() / "redis"
-    redis_dir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        binary,
-        "--port",
-        str(r.port),
-        "--bind",
-        r.host,
-        # An append-only file under the run directory, so that a resumed run finds its streams:
-        # every acknowledged XADD is written to the file before the reply (a killed redis-server
-        # loses nothing; a machine crash at most the last second, fsynced every second).
-        "--save",
-        "",
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "everysec",
-        "--dir",
-        str(redis_dir),
-    ]
-    if r.password:
-        argv += ["--requirepass", r.password]
-    services.spawn("redis", argv, dict(os.environ))
-    _wait_port(r.host, r.port, what="redis-server")
-
-
-def _wait_port(host: str, port: int, what: str, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{what} at {host}:{port} is not reachable after {timeout:.0f} s")
-
-
 def _ensure_tiny_model(cfg: RunConfig) -> None:
     model = Path(cfg.model.path)
     if (model / "config.json").exists() or not cfg.model.make_tiny_if_missing:
@@ -148,6 +104,8 @@ class Launcher:
         self.services = Supervisor(self.run_dir / "logs")
         self.streams: Streams | None = None
         self.stop_reason: str | None = None
+        # Sized by the model (launch/budget.py): a 32B checkpoint takes minutes, a tiny one seconds.
+        self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
 
     def _request_stop(self, signum, _frame) -> None:
         self.stop_reason = f"received {signal.Signals(signum).name}"
@@ -155,9 +113,9 @@ class Launcher:
     def start(self) -> None:
         if self.cfg.streams.backend == "redis":
             if self.cfg.streams.redis.start_server and self.node.rank == 0:
-                _start_redis(self.cfg, self.node, self.services)
+                start_redis(self.cfg, self.services)
             else:
-                _wait_port(self.cfg.streams.redis.host, self.cfg.streams.redis.port, "redis", timeout=120)
+                wait_port(self.cfg.streams.redis.host, self.cfg.streams.redis.port, "redis", timeout=120)
         from pipeline_rl.streams import open_streams
 
         self.streams = streams = open_streams(self.cfg)
@@ -194,7 +152,7 @@ class Launcher:
                 streams.reader(Topic.METRICS, Metrics, position=_end_of(streams, Topic.METRICS, Metrics)),
                 self.cfg.max_time_s,
             )
-        watchdog = Watchdog(self.cfg.watchdog_s, self.cfg.watchdog_startup_s)
+        watchdog = Watchdog(self.cfg.watchdog_s, self.watchdog_startup_s)
         start = time.time()
         try:
             while True:
@@ -257,7 +215,7 @@ class Launcher:
 
     def _stop_all(self, graceful: bool) -> None:
         trainers = {s.name for s in self.local if s.pool == "trainer"}
-        self.supervisor.stop(first=trainers if graceful else None, first_grace_s=TRAINER_STOP_GRACE_S)
+        self.supervisor.stop(first=trainers if graceful else None, first_grace_s=self.trainer_stop_grace_s)
         if self.streams is not None:
             if self.node.rank > 0:
                 self.control_writer.write(Control(event="left", source=f"node{self.node.rank}"))
@@ -301,6 +259,7 @@ def main(argv: list[str]) -> int:
         specs = plan(cfg)
         if args.dry_run:
             print("\n".join(describe(cfg, specs)))
+            print("\n".join(budget_lines(cfg)))
             if cfg.world.gpus_per_node:
                 lines = memory_plan(cfg)
                 print("\n".join(lines))

@@ -14,11 +14,13 @@ from pipeline_rl.wire import redis_namespace
 
 
 def open_streams(cfg: RunConfig) -> Streams:
-    """The run's streams: JSONL files under RUN_DIR/streams, or Redis."""
+    """The run's streams: JSONL files under RUN_DIR/streams, or Redis (with the run's password:
+    streams/redis_secret.py)."""
     if cfg.streams.backend == "redis":
         from pipeline_rl.streams.redis_backend import RedisStreams
+        from pipeline_rl.streams.redis_secret import redis_password
 
-        return RedisStreams(cfg.streams.redis, namespace=redis_namespace(cfg.name))
+        return RedisStreams(cfg.streams.redis, namespace=redis_namespace(cfg.name), password=redis_password(cfg))
     from pipeline_rl.streams.jsonl_backend import JsonlStreams
 
     return JsonlStreams(Path(cfg.run_dir) / "streams")

@@ -154,7 +154,8 @@ def _as_sent(reply: Any, **options: Any) -> Any:
 class RedisStreams(Streams):
     reader_class = RedisReader
 
-    def __init__(self, rcfg: RedisConfig, namespace: str):
+    def __init__(self, rcfg: RedisConfig, namespace: str, password: str | None = None):
+        """`password`: the run's (streams.redis_secret.redis_password), never a config value."""
         super().__init__()
         self.namespace = namespace
         self.maxlen = rcfg.maxlen
@@ -162,8 +163,13 @@ class RedisStreams(Streams):
         self.client = redis.Redis(
             host=rcfg.host,
             port=rcfg.port,
-            password=rcfg.password,
+            password=password,
             ssl=rcfg.tls,
+            # The server's certificate is always verified (redis-py's defaults: required, and
+            # the hostname checked); a client certificate only when the server asks for one.
+            ssl_ca_certs=rcfg.tls_ca_file,
+            ssl_certfile=rcfg.tls_cert_file,
+            ssl_keyfile=rcfg.tls_key_file,
             socket_connect_timeout=5.0,
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_keepalive=True,

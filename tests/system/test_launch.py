@@ -19,7 +19,7 @@ from faulty_domain import MALFORMED
 from helpers import CACHE, ROOT, TESTS, RedisServer, free_port, hf_model
 
 from pipeline_rl.config import load_saved_config
-from pipeline_rl.launch.launcher import TRAINER_STOP_GRACE_S
+from pipeline_rl.launch.budget import run_limits
 from pipeline_rl.launch.supervisor import STOP_GRACE_S
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams import open_streams
@@ -361,7 +361,7 @@ def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     """A scorer that hangs after three steps' worth of groups: every process stays alive, the
     version stops moving; the launcher must stop the run, exit non-zero and show what the trainer
     and the preprocessor were doing. The hung preprocessor ignores SIGTERM, so it is killed after
-    the rest's STOP_GRACE_S, not kept for the trainers' TRAINER_STOP_GRACE_S."""
+    the rest's STOP_GRACE_S, not kept for the trainers' stop grace (launch/budget.py)."""
     run_dir = tmp_path / "run"
     scorer = "preprocess.scorers=[{cls: 'faulty_scorer:HangsAfterGroups', kwargs: {after_groups: 12}}]"
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
@@ -382,7 +382,8 @@ def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     out = "".join(lines)
     assert code == 3, out
     # The trainer's checkpoint of a tiny model takes seconds, then at most STOP_GRACE_S for the rest.
-    assert stopped_in < STOP_GRACE_S + 30 < TRAINER_STOP_GRACE_S, out
+    trainer_stop_grace_s, _ = run_limits(load_saved_config(run_dir / "config.yaml"))
+    assert stopped_in < STOP_GRACE_S + 30 < trainer_stop_grace_s, out
     assert "no progress: the policy version has stayed at" in out
     assert "trainer0: last report" in out and "waiting on: micro-batches of step" in out
     assert "preprocessor0: last report" in out

@@ -1,0 +1,62 @@
+"""The redis-server a run starts (`streams.redis.start_server`), beside trainer rank 0.
+
+It listens on `streams.redis.host` with the run's random password (streams/redis_secret.py),
+which reaches it in a 0600 config file, never on its command line, and keeps an append-only
+file under RUN_DIR/redis so that a resumed run finds its streams.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.launch.supervisor import Child, Supervisor
+from pipeline_rl.streams.redis_secret import ensure_password, write_server_config
+
+
+def start_redis(cfg: RunConfig, services: Supervisor) -> Child:
+    """Start the run's redis-server under `services` and wait until it accepts connections."""
+    r = cfg.streams.redis
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ConfigError("streams.redis.start_server is true but redis-server is not on PATH")
+    redis_dir = Path(cfg.run_dir).resolve() / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    secret = write_server_config(redis_dir, ensure_password(cfg.run_dir))
+    argv = [
+        binary,
+        str(secret),  # a config file must be the first argument; the options below add to it
+        "--port",
+        str(r.port),
+        "--bind",
+        r.host,
+        # An append-only file under the run directory, so that a resumed run finds its streams:
+        # every acknowledged XADD is written to the file before the reply (a killed redis-server
+        # loses nothing; a machine crash at most the last second, fsynced every second).
+        "--save",
+        "",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--dir",
+        str(redis_dir),
+    ]
+    child = services.spawn("redis", argv, dict(os.environ))
+    wait_port(r.host, r.port, what="redis-server")
+    return child
+
+
+def wait_port(host: str, port: int, what: str, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} at {host}:{port} is not reachable after {timeout:.0f} s")
