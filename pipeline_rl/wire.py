@@ -64,6 +64,13 @@ POOL_MODULES = {
 WEIGHT_SYNC_ADDR_ENV = "PIPELINE_RL_WEIGHT_SYNC_ADDR"
 """host:port of the weight-broadcast group's rendezvous (trainer rank 0), set by the launcher."""
 
+RUN_NONCE_ENV = "PIPELINE_RL_RUN_NONCE"
+"""The nonce the launcher wrote into the run directory (RUN_NONCE_FILE) for this start: a pool
+process refuses to run unless it reads the same (pipeline_rl/launch/run_dir.py)."""
+
+RUN_NONCE_FILE = "run.nonce"
+"""File of the run directory that holds the nonce of the launcher's latest start."""
+
 CACHE_ENV = "PIPELINE_RL_CACHE"
 """Directory of locally built models and data sets (default `.cache`), read by the configs."""
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command setup of the CPU stack into ./.venv, exactly as pinned in scripts/cpu-lock.txt.
 #   bash scripts/setup_cpu.sh            install the locked versions (what the tests passed with)
-#   bash scripts/setup_cpu.sh --relock   resolve the cpu+dev extras again and rewrite the lock
+#   bash scripts/setup_cpu.sh --relock   resolve the cpu+cluster+dev extras again and rewrite the lock
 #   bash scripts/setup_cpu.sh --bench    the locked versions plus the `bench` extra (TRL, for
 #                                        scripts/bench_learning.py) from scripts/bench-lock.txt
 set -euo pipefail
@@ -16,7 +16,7 @@ fi
 [ -x .venv/bin/python ] || uv venv --quiet --python 3.11 .venv
 if [ "${1:-}" = "--relock" ]; then
     uv pip install --python .venv/bin/python "${torch_src[@]}" \
-        --override scripts/cpu-overrides.txt -e ".[cpu,dev]"
+        --override scripts/cpu-overrides.txt -e ".[cpu,cluster,dev]"
     uv pip freeze --python .venv/bin/python | grep -v -e '^-e ' -e '^pipeline-rl' > scripts/cpu-lock.txt
     echo "rewrote scripts/cpu-lock.txt"
 else

@@ -1,8 +1,9 @@
 """What every pool process shares: its command line, logging, stop signals, and the one-line
 failure report the launcher shows.
 
-`python -m pipeline_rl.<pool> --run-dir RUN_DIR --index I` reads RUN_DIR/config.yaml and runs
-the pool's body until it returns or SIGTERM/SIGINT asks it to stop (then it exits 0).
+`python -m pipeline_rl.<pool> --run-dir RUN_DIR --index I` checks that RUN_DIR is the directory
+its launcher prepared (pipeline_rl/launch/run_dir.py), reads RUN_DIR/config.yaml and runs the
+pool's body until it returns or SIGTERM/SIGINT asks it to stop (then it exits 0).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig, load_saved_config
+from pipeline_rl.launch.run_dir import check_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ def run_pool_process(pool: str, body: Body, argv: list[str] | None = None) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     try:
+        check_run_dir(args.run_dir, name)
         cfg = load_saved_config(args.run_dir / "config.yaml")
         cfg.run_dir = str(args.run_dir)
         summary = body(cfg, args.index, stopping.is_set)

@@ -22,7 +22,8 @@ STOP_GRACE_S = 6.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Ask the kernel to send this process SIGTERM when the thread that forked it dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -72,7 +73,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         child = Child(name, proc, log_path, expected_exit)
         self.children.append(child)

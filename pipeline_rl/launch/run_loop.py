@@ -1,0 +1,111 @@
+"""How a run is watched and how it ends, the same on one node (launcher.py) and on Ray
+(ray_driver.py): the status line, the watchdog, the time limit, Ctrl-C/SIGTERM, and the
+report of a failed process.
+
+A subclass says how its processes are polled and stopped; this loop decides when to stop and
+with which exit code: 0 when the trainers finished (or max_time_s), 1 when a process or a node
+failed, 3 when the watchdog found no progress, 130 on a signal.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.launch.watchdog import Watchdog
+from pipeline_rl.streams.records import Metrics
+from pipeline_rl.wire import Topic
+
+if TYPE_CHECKING:
+    from pipeline_rl.streams.api import Streams
+
+TRAINER_STOP_GRACE_S = 120.0
+"""How long trainers may take to write their final checkpoint on a normal stop."""
+
+
+@dataclass
+class Failure:
+    summary: str
+    """What failed, where and how: "process actor0 on node ... failed: exit code 1"."""
+    log_path: str
+    log_tail: str
+    """The last lines of its log."""
+
+
+def end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:
+    """Position after everything an earlier run of this directory left in `topic`."""
+    reader = streams.reader(topic, record_type)
+    while reader.read(timeout=0.0, max_count=4096):
+        pass
+    return reader.position()
+
+
+class RunLoop:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.stop_reason: str | None = None
+
+    def poll(self) -> tuple[Failure | None, bool]:
+        """(the first failure, whether the trainers have all finished)."""
+        raise NotImplementedError
+
+    def stop_all(self, graceful: bool) -> None:
+        """Stop every process: when graceful, trainers first with TRAINER_STOP_GRACE_S to checkpoint."""
+        raise NotImplementedError
+
+    def request_stop(self, signum, _frame) -> None:
+        self.stop_reason = f"received {signal.Signals(signum).name}"
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.request_stop)
+
+    def watch(self, streams: Streams) -> int:
+        """Run until the run ends, stop every process, return the exit code."""
+        from pipeline_rl.launch.status import StatusLine
+
+        status = StatusLine(
+            self.cfg.trainer.max_steps,
+            streams.reader(Topic.METRICS, Metrics, position=end_of(streams, Topic.METRICS, Metrics)),
+            self.cfg.max_time_s,
+        )
+        watchdog = Watchdog(self.cfg.watchdog_s, self.cfg.watchdog_startup_s)
+        start = time.time()
+        try:
+            while True:
+                failure, done = self.poll()
+                if failure is not None:
+                    return self.fail(failure)
+                if done:
+                    return self.finish("the trainers finished", code=0)
+                if self.stop_reason:
+                    return self.finish(self.stop_reason, code=130)
+                if self.cfg.max_time_s and time.time() - start > self.cfg.max_time_s:
+                    return self.finish(f"max_time_s={self.cfg.max_time_s:g} reached", code=0)
+                for record in status.update(timeout=0.5):
+                    watchdog.observe(record)
+                stall = watchdog.stalled()
+                if stall is not None:
+                    print(f"\n{stall}\nstopping the run", file=sys.stderr, flush=True)
+                    self.stop_all(graceful=True)
+                    return 3
+        finally:
+            status.close()
+
+    def fail(self, failure: Failure) -> int:
+        self.stop_all(graceful=False)
+        print(
+            f"\n{failure.summary}; stopped the others. Last lines of {failure.log_path}:\n{failure.log_tail}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+    def finish(self, reason: str, code: int) -> int:
+        print(f"\nstopping: {reason}", flush=True)
+        self.stop_all(graceful=True)
+        return code
