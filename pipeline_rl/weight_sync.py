@@ -45,11 +45,21 @@ receiver whose group has another name rebuilds before receiving. A receiver that
 announcement older than "latest" or than "plan" (an actor restarted after that transfer
 ended) skips it. A receiver whose store connection broke (the trainer restarted) connects
 again.
+
+A failed transfer names who is gone: every member beats a counter in the store ("alive/RANK",
+every HEARTBEAT_S, from a thread with a store connection of its own, so it beats while the
+member waits in a collective), and the member whose transfer fails reads the counters twice,
+DIAGNOSE_S apart, and raises WeightGroupFailed naming the members whose counter stood still
+(dead, or hung with the interpreter stuck; names by rank under the store key "members", which
+the sender sets). A store that cannot be reached means the sender, which hosts it, is gone.
+The timeout of every wait is `world.collective_timeout_s` (pipeline_rl/collectives.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -71,6 +81,28 @@ def group_ranks(actor_index: int, actors: int, tensor_parallel_size: int) -> tup
     when tensor_parallel_size is 1)."""
     first = 1 + actor_index * tensor_parallel_size
     return list(range(first, first + tensor_parallel_size)), 1 + actors * tensor_parallel_size
+
+
+def member_names(actors: int, tensor_parallel_size: int) -> list[str]:
+    """The process behind each rank of the weight-update group (see group_ranks)."""
+    names = [SENDER]
+    for actor in range(actors):
+        if tensor_parallel_size == 1:
+            names.append(f"actor{actor}")
+        else:
+            names += [f"actor{actor} TP worker {w}" for w in range(tensor_parallel_size)]
+    return names
+
+
+SENDER = "trainer0"
+"""Rank 0 of the weight-update group is always trainer rank 0."""
+HEARTBEAT_S = 1.0
+DIAGNOSE_S = 2.5 * HEARTBEAT_S
+"""A counter that did not move in this long belongs to a member that is gone."""
+
+
+class WeightGroupFailed(RuntimeError):
+    """A weight transfer failed; the message names the members that did not finish it."""
 
 
 def backend_for(gpus_per_node: int) -> str:
@@ -151,7 +183,58 @@ class _Endpoint:
         self._group = None
         self._group_name = None
 
+    def _start_heartbeat(self) -> None:
+        """Beat "alive/RANK" in the sender's store until close(), reconnecting when it goes away
+        (a trainer that restarted hosts a new one)."""
+        self._beating = threading.Event()
+
+        def beat() -> None:
+            store, count = None, 0
+            while not self._beating.wait(HEARTBEAT_S):
+                try:
+                    if store is None:
+                        store = dist.TCPStore(
+                            self.host, self.port, self.world_size, is_master=False, timeout=timedelta(seconds=5)
+                        )
+                    count += 1
+                    store.set(f"alive/{self.rank}", str(count))
+                except Exception:
+                    store = None
+
+        threading.Thread(target=beat, name=f"weight-sync-heartbeat-{self.rank}", daemon=True).start()
+
+    def _failed(self, store: dist.Store | None, version: int, started: float, error: Exception) -> WeightGroupFailed:
+        """This member's transfer of `version` failed: name the members that are gone."""
+        what = f"weight update {version} failed after {time.monotonic() - started:.1f} s: {error}"
+        try:
+            if store is None:
+                raise RuntimeError("no store connection")
+            names = json.loads(store.get("members")) if store.check(["members"]) else []
+            gone = self._gone(store)
+        except Exception as e:  # the store is hosted by the sender: unreachable, the sender is gone
+            return WeightGroupFailed(
+                f"{what}; the weight-sync store at {self.host}:{self.port} is unreachable ({e}): "
+                f"{SENDER} (weight-update rank 0, the sender) is gone"
+            )
+        if not gone:
+            return WeightGroupFailed(f"{what}; every other member is alive (a hung collective or a network fault?)")
+        named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in gone)
+        return WeightGroupFailed(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named}")
+
+    def _gone(self, store: dist.Store) -> list[int]:
+        """Ranks whose heartbeat did not move over DIAGNOSE_S."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+
+        def beats() -> dict[int, bytes | None]:
+            return {r: store.get(f"alive/{r}") if store.check([f"alive/{r}"]) else None for r in others}
+
+        before = beats()
+        time.sleep(DIAGNOSE_S)
+        after = beats()
+        return [r for r in others if after[r] is None or after[r] == before[r]]
+
     def close(self) -> None:
+        self._beating.set()
         self._drop_group()
         self._release()
 
@@ -159,11 +242,14 @@ class _Endpoint:
 class WeightSender(_Endpoint):
     """Trainer rank 0: hosts the store and broadcasts each published version."""
 
-    def __init__(self, addr: str, world_size: int, backend: str = "gloo", timeout_s: float = 120):
+    def __init__(self, addr: str, world_size: int, backend: str, timeout_s: float, members: list[str] | None = None):
+        """`members`: the process behind each rank (member_names), for failure messages."""
         super().__init__(addr, 0, world_size, backend, timeout_s)
         self._store: dist.TCPStore | None = dist.TCPStore(
             self.host, self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
         )
+        self._store.set("members", json.dumps(members or [f"rank {r}" for r in range(world_size)]))
+        self._start_heartbeat()
         self._pack: torch.Tensor | None = None
         """The pack area, allocated when the kept layout first packs a message (never when every
         packed run goes from a flat source)."""
@@ -202,6 +288,7 @@ class WeightSender(_Endpoint):
         if self._store is None:
             raise RuntimeError("WeightSender.send after close()")
         plan = self._plan
+        started = time.monotonic()
         try:
             layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
             if self._group is None:
@@ -216,9 +303,12 @@ class WeightSender(_Endpoint):
                 assert self._group_name is not None
                 self._group = _new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
             self._send_messages(update, layout, iter(named_tensors))
-        except Exception:
+        except ValueError:  # the tensors differ from the announcement: the sender's own fault
             self._drop_group()
             raise
+        except Exception as e:
+            self._drop_group()
+            raise self._failed(self._store, version, started, e) from e
         return time.perf_counter() - start
 
     def _announcement(
@@ -353,13 +443,14 @@ class WeightReceiver(_Endpoint):
         addr: str,
         rank: int,
         world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 120,
+        backend: str,
+        timeout_s: float,
         stage_on_host: bool = False,
     ):
         if not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
         super().__init__(addr, rank, world_size, backend, timeout_s)
+        self._start_heartbeat()
         self.stage_on_host = stage_on_host
         if stage_on_host:
             self.staging_device = torch.device("cpu")
@@ -377,11 +468,12 @@ class WeightReceiver(_Endpoint):
         tensors are views into the receive buffer, valid until the next receive() (copy them
         to keep them).
         Raises StaleUpdate for an announcement whose transfer is over, ValueError for an
-        inconsistent announcement, and RuntimeError/DistStoreError when the sender dies or
-        stalls past the timeout."""
+        inconsistent announcement, and WeightGroupFailed, naming the members that did not
+        finish, when a member dies or stalls past the timeout."""
         kept = self._kept_layout(update, None)
         if kept is None:
             check_announcement(update)
+        started = time.monotonic()
         try:
             latest, name, planned = self._store_get(["latest", "group", "plan"])
             plan_version, _, plan = planned.decode().partition(":")
@@ -398,10 +490,15 @@ class WeightReceiver(_Endpoint):
             self._receive_messages(layout)
         except StaleUpdate:
             raise
-        except Exception:
+        except ValueError:  # an announcement this receiver cannot take: not a fault of the group
             self._drop_group()
             self._store = None
             raise
+        except Exception as e:
+            self._drop_group()
+            failed = self._failed(self._store, update.version, started, e)
+            self._store = None  # a trainer that restarted hosts a new store: connect again next time
+            raise failed from e
         return list(zip(update.names, self._views))
 
     def _new_layout(self, update: WeightUpdate, plan: str) -> Layout:

@@ -109,7 +109,7 @@ def sender_main(addr: str, model_dir: str, run_dir: str, tp: str, lora_rank: str
         writer.flush()
 
     sets = update_sets(model_dir, cfg)
-    sender = WeightSender(addr, world_size=1 + int(tp), timeout_s=60)
+    sender = WeightSender(addr, world_size=1 + int(tp), backend="gloo", timeout_s=60)
     print("ready", flush=True)
     for line in sys.stdin:
         version = int(line.split()[1])
@@ -231,7 +231,7 @@ def main() -> None:
         hook = hook_cls.install(llm.llm_engine, args.model, version=0)
     client = LLMClient(llm.llm_engine, hook, llm.get_tokenizer(), lora)
     streams = open_streams(cfg)
-    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")
+    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=60)
     client.start_receiver(receiver, streams.reader("weights", WeightUpdate))
     assert sender.stdout.readline().strip() == "ready"
     updater = Updater(sender.stdin, sender.stdout, args.update_every)

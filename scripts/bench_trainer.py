@@ -241,8 +241,8 @@ def _broadcast_worker(rank: int, model_path: str, sync_addr: str, raw_port: int,
     store = dist.TCPStore("127.0.0.1", raw_port, 2, is_master=rank == 0)
     # A c10d backend object; torch's stubs omit its collectives.
     raw_group: Any = dist.ProcessGroupGloo(store, rank, 2, timeout)
-    sender = WeightSender(sync_addr, 2) if rank == 0 else None
-    receiver = WeightReceiver(sync_addr, 1, 2) if rank != 0 else None
+    sender = WeightSender(sync_addr, 2, "gloo", timeout_s=300) if rank == 0 else None
+    receiver = WeightReceiver(sync_addr, 1, 2, "gloo", timeout_s=300) if rank != 0 else None
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
 

@@ -226,7 +226,7 @@ def receive_weights(cfg: RunConfig, addr: str, versions: int, received: dict, er
     from WeightReceiver (rank 1 of 2)."""
     streams = open_streams(cfg)
     reader = streams.reader("weights", WeightUpdate)
-    endpoint = WeightReceiver(addr, rank=1, world_size=2)
+    endpoint = WeightReceiver(addr, rank=1, world_size=2, backend="gloo", timeout_s=60)
     deadline = time.time() + 120
     try:
         while len(received) < versions and time.time() < deadline:

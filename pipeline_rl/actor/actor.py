@@ -52,11 +52,13 @@ from pathlib import Path
 from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.actor.domains import load_domain
+from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams import PositionStore, open_streams
 from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
+from pipeline_rl.weight_sync import WeightGroupFailed
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger("pipeline_rl.actor.actor")
@@ -128,6 +130,8 @@ class Actor:
         if cfg.model.lora is not None:  # the engine serves the base, the policy is its adapter
             model_path, adapter_dir = cfg.model.path, policy if found else str(self._zero_adapter())
         log.info("starting the engine from %s at version %d", adapter_dir or model_path, version)
+        # Before the engine: its TP workers inherit the NCCL settings with the environment.
+        prepare_collectives(cfg.world.collective_timeout_s, blocking_wait=False)
         self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
         self.streams = open_streams(cfg)
         self.writer = self.streams.writer(Topic.ACTOR, partitions=cfg.world.actors)
@@ -138,7 +142,12 @@ class Actor:
 
             backend = backend_for(cfg.world.gpus_per_node)
             self.receiver = self.llm.weight_receiver(
-                addr, index, cfg.world.actors, backend, cfg.actor.llm.stage_weights_on_host
+                addr,
+                index,
+                cfg.world.actors,
+                backend,
+                cfg.world.collective_timeout_s,
+                cfg.actor.llm.stage_weights_on_host,
             )
             self.llm.start_receiver(self.receiver, self.streams.reader(Topic.WEIGHTS, WeightUpdate))
         else:
@@ -183,6 +192,8 @@ class Actor:
                     # Fatal even when no rollout is in flight to fail (admission may be waiting
                     # for a version that this engine can no longer receive).
                     raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
+                if self.llm.group_failure is not None:
+                    raise WeightGroupFailed(self.llm.group_failure)
                 while len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()

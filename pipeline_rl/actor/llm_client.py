@@ -40,7 +40,7 @@ from pipeline_rl.actor.vllm_hook import Receiver, SwapGate, WeightSwapHook, chec
 from pipeline_rl.config import RunConfig
 from pipeline_rl.streams.api import Reader
 from pipeline_rl.streams.records import WeightUpdate
-from pipeline_rl.weight_sync import StaleUpdate, group_ranks
+from pipeline_rl.weight_sync import StaleUpdate, WeightGroupFailed, group_ranks
 
 if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this module is
     from vllm import LLMEngine
@@ -192,6 +192,9 @@ class LLMClient:
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._error: BaseException | None = None
+        self.group_failure: str | None = None
+        """Why the weight-update group failed (names the member that did not finish), or None:
+        the actor stops on it (a peer is dead or hung; the run must stop, not drift apart)."""
         # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), which vLLM's annotation
         # types as the general EngineCoreClient.
         self._scheduler = engine.engine_core.engine_core.scheduler  # pyright: ignore[reportAttributeAccessIssue]
@@ -228,12 +231,13 @@ class LLMClient:
         return cls(engine, hook, engine.get_tokenizer(), request)
 
     def weight_receiver(
-        self, addr: str, actor_index: int, actors: int, backend: str, stage_on_host: bool = False
+        self, addr: str, actor_index: int, actors: int, backend: str, timeout_s: float, stage_on_host: bool = False
     ) -> Receiver:
         """This engine's end of the weight-update group: the actor process itself, or with TP > 1
-        every worker of the engine (see weight_sync.group_ranks)."""
+        every worker of the engine (see weight_sync.group_ranks); every wait of a transfer
+        within `timeout_s` (world.collective_timeout_s)."""
         ranks, world = group_ranks(actor_index, actors, self.hook.tensor_parallel_size)
-        return self.hook.receiver(addr, ranks[0], world, backend, stage_on_host)
+        return self.hook.receiver(addr, ranks[0], world, backend, timeout_s, stage_on_host)
 
     @property
     def failure(self) -> str | None:
@@ -411,6 +415,8 @@ class LLMClient:
             log.error(
                 "weight update %d failed while receiving, keeping version %d: %s", update.version, self.hook.version, e
             )
+            if isinstance(e, WeightGroupFailed):
+                self.group_failure = str(e)
             return False
         if update.version <= self.hook.version:
             self.updates_skipped += 1

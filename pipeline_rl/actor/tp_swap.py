@@ -46,7 +46,7 @@ from safetensors.torch import save as save_safetensors
 
 from pipeline_rl.actor.vllm_hook import Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, encode
-from pipeline_rl.weight_sync import StaleUpdate
+from pipeline_rl.weight_sync import DIAGNOSE_S, SENDER, StaleUpdate, WeightGroupFailed
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ WORKER_EXTENSION = "pipeline_rl.actor.tp_worker.TensorParallelWorker"
 """vLLM's worker_extension_cls for TP > 1 engines."""
 
 STALE = "stale: "
+GROUP_FAILED = "group failed: "
+"""Prefix of a worker's report whose transfer failed (weight_sync.WeightGroupFailed): fatal to the actor."""
 CHECK = "check: "
 """Prefix of a worker's reply or status whose staged update failed its check."""
 
@@ -152,9 +154,9 @@ class TensorParallelSwapHook(SwapGate):
             raise RuntimeError(self._broken)
 
     def receiver(
-        self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False
+        self, addr: str, first_rank: int, world_size: int, backend: str, timeout_s: float, stage_on_host: bool = False
     ) -> TensorParallelReceiver:
-        return TensorParallelReceiver(self, addr, first_rank, world_size, backend, stage_on_host)
+        return TensorParallelReceiver(self, addr, first_rank, world_size, backend, timeout_s, stage_on_host)
 
 
 class TensorParallelReceiver:
@@ -169,8 +171,8 @@ class TensorParallelReceiver:
         first_rank: int,
         world_size: int,
         backend: str,
+        timeout_s: float,
         stage_on_host: bool,
-        timeout_s: float = 120,
     ):
         self.hook, self.addr, self.first_rank, self.world_size = hook, addr, first_rank, world_size
         self.backend, self.stage_on_host, self.timeout = backend, stage_on_host, timedelta(seconds=timeout_s)
@@ -203,13 +205,20 @@ class TensorParallelReceiver:
                 self._store = dist.TCPStore(
                     self._host, self._port, self.world_size, is_master=False, timeout=self.timeout
                 )
-            self._store.wait(keys, self.timeout)
+            # A worker whose transfer fails reports it within the timeout and its diagnosis.
+            self._store.wait(keys, self.timeout + timedelta(seconds=2 * DIAGNOSE_S))
             statuses = [self._store.get(k).decode() for k in keys]
             for k in keys:
                 self._store.delete_key(k)
-        except Exception:
+        except Exception as e:
             self._store = None  # the sender's store went away (trainer restarted): connect again next time
-            raise
+            raise WeightGroupFailed(
+                f"weight update {update.version}: no report from the TP workers through the weight-sync store at "
+                f"{self.addr} ({e}): {SENDER} (weight-update rank 0, the sender, hosts it) is gone, or a worker hangs"
+            ) from e
+        failed = [s for s in statuses if s.startswith(GROUP_FAILED)]
+        if failed:
+            raise WeightGroupFailed(failed[0].removeprefix(GROUP_FAILED))
         stale = [s for s in statuses if s.startswith(STALE)]
         if stale:
             raise StaleUpdate(stale[0].removeprefix(STALE))

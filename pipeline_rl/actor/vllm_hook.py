@@ -211,7 +211,9 @@ class SwapGate:
         """Hold tensors at hand as an update for `swap` (no lock needed)."""
         raise NotImplementedError
 
-    def receiver(self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool) -> Receiver:
+    def receiver(
+        self, addr: str, first_rank: int, world_size: int, backend: str, timeout_s: float, stage_on_host: bool
+    ) -> Receiver:
         """The engine's end of the weight-update group: ranks first_rank .. + tensor_parallel_size."""
         raise NotImplementedError
 
@@ -262,9 +264,9 @@ class WeightSwapHook(SwapGate):
         return Staged(ticket, update=prepared)
 
     def receiver(
-        self, addr: str, first_rank: int, world_size: int, backend: str, stage_on_host: bool = False
+        self, addr: str, first_rank: int, world_size: int, backend: str, timeout_s: float, stage_on_host: bool = False
     ) -> LocalReceiver:
-        return LocalReceiver(self, WeightReceiver(addr, first_rank, world_size, backend, stage_on_host=stage_on_host))
+        return LocalReceiver(self, WeightReceiver(addr, first_rank, world_size, backend, timeout_s, stage_on_host))
 
     def _check(self, staged: Staged) -> None:
         if staged.update is None:

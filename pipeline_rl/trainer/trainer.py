@@ -31,6 +31,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.process import run_pool_process
 from pipeline_rl.lora import trained_parameters
@@ -46,7 +47,7 @@ from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
 from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.steps import StepCollector, update_slices
-from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks
+from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, member_names
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,11 @@ class Trainer:
         self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
         if rank == 0 and addr:
             backend = backend_for(cfg.world.gpus_per_node)
-            _, world = group_ranks(0, cfg.world.actors, cfg.actor.llm.tensor_parallel_size)
-            self.sender = WeightSender(addr, world_size=world, backend=backend)
+            tp = cfg.actor.llm.tensor_parallel_size
+            _, world = group_ranks(0, cfg.world.actors, tp)
+            self.sender = WeightSender(
+                addr, world, backend, cfg.world.collective_timeout_s, member_names(cfg.world.actors, tp)
+            )
             self.weights_writer = self.streams.writer(Topic.WEIGHTS)
 
     def _all_reduce(self, named: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
@@ -340,6 +344,8 @@ class Trainer:
             return {}
         assert self.sender is not None, "rank 0 broadcasts only with a sender"
         try:
+            # Raises WeightGroupFailed naming the actor that died or hangs: the trainer stops with
+            # it, as the actors whose group failed do, rather than train on for actors that are gone.
             seconds = self.sender.send(
                 self.version,
                 (pair for chunk in chunks for pair in chunk),
@@ -347,9 +353,6 @@ class Trainer:
                 bucket_mb=bucket_mb,
                 specs=parameter_specs(self.published),
             )
-        except Exception as e:  # an actor died or stalled: keep training, the next send rebuilds the group
-            log.error("weight broadcast of version %d failed: %s", self.version, e)
-            return {"weight_broadcast_failed": 1}
         finally:
             for _ in chunks:  # leave the last gather, and finish any the other ranks are still in
                 pass
@@ -392,13 +395,15 @@ class Trainer:
         self.streams.close()
 
 
-def _init_distributed() -> None:
-    """Join the trainers' process group (once per process: DeepSpeed caches its groups)."""
+def _init_distributed(cfg: RunConfig) -> None:
+    """Join the trainers' process group (once per process: DeepSpeed caches its groups), with
+    world.collective_timeout_s and NCCL raising on a dead peer (pipeline_rl/collectives.py)."""
     if dist.is_initialized():
         return
+    timeout = prepare_collectives(cfg.world.collective_timeout_s, blocking_wait=True)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(verbose=False)
+    deepspeed.init_distributed(verbose=False, timeout=timeout)
 
 
 def run(cfg: RunConfig, rank: int, stop: Callable[[], bool] | None = None) -> int:
@@ -408,7 +413,7 @@ def run(cfg: RunConfig, rank: int, stop: Callable[[], bool] | None = None) -> in
     if int(os.environ.get("RANK", rank)) != rank:
         raise ValueError(f"--index {rank} disagrees with env RANK={os.environ['RANK']}")
     torch.manual_seed(cfg.seed)
-    _init_distributed()
+    _init_distributed(cfg)
     trainer = Trainer(cfg, rank, world_size)
     try:
         return trainer.train(stop or (lambda: False))

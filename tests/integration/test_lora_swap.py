@@ -147,8 +147,8 @@ def test_tensor_parallel_workers_each_write_their_shard_of_a_broadcast_adapter(t
     adapter_dir = write_zero_adapter(tmp_path / "adapter", tiny_model, lora_cfg.model.lora, torch.float32)
     llm = start_tp_client(cfg, tiny_model, version=0, adapter_dir=str(adapter_dir))
     addr = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(addr, world_size=3, timeout_s=60)
-    receiver = llm.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")
+    sender = WeightSender(addr, world_size=3, backend="gloo", timeout_s=60)
+    receiver = llm.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=60)
 
     def broadcast(adapter: dict) -> None:
         """Trainer rank 0's broadcast to both workers (ranks 1 and 2), then the swap."""

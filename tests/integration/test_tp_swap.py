@@ -77,8 +77,8 @@ def broadcast(client):
     """swap(weights, version): trainer rank 0's broadcast (gloo, 1 MiB buckets) to the engine's
     two workers, ranks 1 and 2 of the weight-update group, then the swap."""
     addr = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(addr, world_size=1 + TP, timeout_s=60)
-    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo")
+    sender = WeightSender(addr, world_size=1 + TP, backend="gloo", timeout_s=60)
+    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=60)
 
     def swap(weights: dict, version: int) -> None:
         announced: queue.Queue = queue.Queue()

@@ -60,7 +60,7 @@ def sender_main(addr: str, model_dir: str, run_dir: str) -> None:
         writer.write(update)
         writer.flush()
 
-    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
+    sender = WeightSender(addr, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
     start = sender._start
     base = load_file(str(Path(model_dir) / "model.safetensors"))
     print("ready", flush=True)
@@ -101,7 +101,7 @@ class Setup:
         self.client = LLMClient.create(cfg, str(model_dir), version=0)
         self.streams = open_streams(cfg)
         self.client.start_receiver(
-            WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S),
+            WeightReceiver(addr, rank=1, world_size=2, backend="gloo", timeout_s=TIMEOUT_S),
             self.streams.reader("weights", WeightUpdate),
         )
 
@@ -172,9 +172,9 @@ def test_buckets_are_consecutive_and_bounded():
     assert plan_buckets([mib // 2, mib // 2, mib // 2, 3 * mib, 10], bucket_mb=1) == [2, 1, 1, 1]
     assert sum(plan_buckets([100] * 1000, bucket_mb=1)) == 1000
     with pytest.raises(ValueError, match="host:port"):
-        WeightSender("localhost", world_size=2)
+        WeightSender("localhost", world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
     with pytest.raises(ValueError, match="rank"):
-        WeightReceiver("127.0.0.1:1", rank=0, world_size=2)
+        WeightReceiver("127.0.0.1:1", rank=0, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("stage_on_host", [False, True])
@@ -185,8 +185,10 @@ def test_mixed_tensors_arrive_intact_in_reused_buffers(stage_on_host):
     import threading
 
     addr = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
-    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S, stage_on_host=stage_on_host)
+    sender = WeightSender(addr, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(
+        addr, rank=1, world_size=2, backend="gloo", timeout_s=TIMEOUT_S, stage_on_host=stage_on_host
+    )
     for version in (1, 2):
         g = torch.Generator().manual_seed(version)
         weights = [
@@ -234,8 +236,8 @@ def test_sender_takes_each_tensor_only_when_its_message_is_built():
             yield name, tensor
 
     addr = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
-    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    sender = WeightSender(addr, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(addr, rank=1, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
     record_messages(sender, events, lambda buffer: (buffer.numel(), "send"))
 
     announced, got = [], []

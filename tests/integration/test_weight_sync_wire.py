@@ -20,8 +20,8 @@ TIMEOUT_S = 10.0
 @pytest.fixture
 def ends():
     addr = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(addr, world_size=2, timeout_s=TIMEOUT_S)
-    receiver = WeightReceiver(addr, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+    sender = WeightSender(addr, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(addr, rank=1, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
     yield sender, receiver
     receiver.close()
     sender.close()

@@ -1,0 +1,212 @@
+"""A weight-update group whose peer is killed, on gloo with real processes: the survivors raise
+WeightGroupFailed within world.collective_timeout_s (plus weight_sync.DIAGNOSE_S to hear from
+the others) naming the dead member by process and rank; a trainer whose receiver dies exits
+with that message. And the wiring of the one timeout and NCCL's settings (no GPU here)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import free_port
+from trainer_runs import make_steps, start_ranks, trainer_config, wait_all, write_steps
+
+from pipeline_rl.collectives import nccl_env
+from pipeline_rl.weight_sync import (
+    DIAGNOSE_S,
+    WeightGroupFailed,
+    WeightReceiver,
+    WeightSender,
+    member_names,
+)
+from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
+
+TIMEOUT_S = 6.0
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"w{i}", torch.randn(64, 64, generator=g)) for i in range(4)]
+
+
+def _receiver_main(addr: str, rank: int, world: int, updates, results) -> None:
+    """A receiver process: receives each announced update and reports it (or its error)."""
+    receiver = WeightReceiver(addr, rank, world, "gloo", TIMEOUT_S)
+    while True:
+        update = updates.get()
+        try:
+            receiver.receive(update)
+            results.put((rank, update.version, "ok"))
+        except Exception as e:
+            results.put((rank, update.version, f"{type(e).__name__}: {e}"))
+
+
+def test_member_names_follow_the_group_ranks():
+    assert member_names(2, 1) == ["trainer0", "actor0", "actor1"]
+    assert member_names(1, 2) == ["trainer0", "actor0 TP worker 0", "actor0 TP worker 1"]
+
+
+def test_nccl_raises_instead_of_killing_the_process():
+    """Trainers: blocking wait (the collective call raises at the timeout); everyone: the
+    watchdog aborts the communicator without tearing the process down, and its monitor waits
+    longer than the timeout."""
+    trainer, actor = nccl_env(600, blocking_wait=True), nccl_env(600, blocking_wait=False)
+    assert trainer["TORCH_NCCL_BLOCKING_WAIT"] == "1" and "TORCH_NCCL_BLOCKING_WAIT" not in actor
+    for env in (trainer, actor):
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+        assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) > 600
+
+
+def test_the_trainer_group_gets_the_one_timeout(monkeypatch, tmp_path):
+    """deepspeed.init_distributed receives world.collective_timeout_s, after the NCCL settings
+    are in the environment (they are read when a group is built)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from pipeline_rl.config import load_config
+    from pipeline_rl.trainer import trainer
+
+    seen = {}
+
+    def init_distributed(**kwargs):
+        seen.update(kwargs, blocking=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"))
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for key in nccl_env(1, True):
+        monkeypatch.delenv(key, raising=False)
+    trainer._init_distributed(load_config("base", ["world.collective_timeout_s=1234"]))
+    assert seen["timeout"] == timedelta(seconds=1234) and seen["blocking"] == "1"
+
+
+def test_the_sender_names_a_receiver_that_was_killed():
+    addr = f"127.0.0.1:{free_port()}"
+    world = 3
+    sender = WeightSender(addr, world, "gloo", TIMEOUT_S, member_names(2, 1))
+    queues = [_SPAWN.Queue() for _ in range(world)]
+    results = _SPAWN.Queue()
+    procs = [
+        _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results), daemon=True)
+        for rank in (1, 2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+
+        def announce(update):
+            for q in queues[1:]:
+                q.put(update)
+
+        sender.send(1, _weights(1), announce, bucket_mb=1)
+        assert sorted(results.get(timeout=30) for _ in procs) == [(1, 1, "ok"), (2, 1, "ok")]
+        os.kill(procs[1].pid, signal.SIGKILL)  # actor1, weight-update rank 2
+        procs[1].join(10)
+        started = time.monotonic()
+        with pytest.raises(WeightGroupFailed) as failed:
+            sender.send(2, _weights(2), announce, bucket_mb=1)
+        took = time.monotonic() - started
+        message = str(failed.value)
+        assert "gone (no heartbeat" in message and "actor1 (weight-update rank 2)" in message, message
+        assert "actor0" not in message, message
+        assert took < TIMEOUT_S + DIAGNOSE_S + 2, took
+        # The survivor reported its end of update 2 (done, or failed with the group).
+        assert results.get(timeout=TIMEOUT_S + DIAGNOSE_S + 5)[:2] == (1, 2)
+    finally:
+        for p in procs:
+            p.kill()
+        sender.close()
+
+
+def _hanging_sender(addr: str, announced) -> None:
+    """Announces an update in the store like a sender, then never broadcasts it."""
+    sender = WeightSender(addr, 2, "gloo", 60, member_names(1, 1))
+    sender.send(1, _weights(1), lambda update: (announced.put(update), time.sleep(3600)), bucket_mb=1)
+
+
+def test_a_receiver_names_the_sender_that_was_killed():
+    addr = f"127.0.0.1:{free_port()}"
+    announced = _SPAWN.Queue()
+    proc = _SPAWN.Process(target=_hanging_sender, args=(addr, announced), daemon=True)
+    proc.start()
+    receiver = WeightReceiver(addr, 1, 2, "gloo", TIMEOUT_S)
+    try:
+        update = announced.get(timeout=60)
+        threading_error: list[BaseException] = []
+        started = time.monotonic()
+
+        def kill_soon():
+            time.sleep(1.0)
+            os.kill(proc.pid, signal.SIGKILL)
+
+        import threading
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        try:
+            receiver.receive(update)
+        except WeightGroupFailed as e:
+            threading_error.append(e)
+        killer.join()
+        took = time.monotonic() - started
+        assert threading_error, "the receive did not fail"
+        message = str(threading_error[0])
+        assert "trainer0 (weight-update rank 0" in message, message
+        assert took < TIMEOUT_S + DIAGNOSE_S + 2, took
+    finally:
+        proc.kill()
+        receiver.close()
+
+
+def _killed_receiver(cfg_path: str, addr: str, ready) -> None:
+    """An actor's receiver that takes version 1, says so, and then hangs (the test kills it)."""
+    from pipeline_rl.config import load_saved_config
+    from pipeline_rl.streams import open_streams
+    from pipeline_rl.streams.records import WeightUpdate
+
+    cfg = load_saved_config(Path(cfg_path))
+    streams = open_streams(cfg)
+    reader = streams.reader("weights", WeightUpdate)
+    receiver = WeightReceiver(addr, 1, 2, "gloo", cfg.world.collective_timeout_s)
+    while True:
+        for entry in reader.read(timeout=0.5):
+            receiver.receive(entry.record)
+            ready.put(entry.record.version)
+            time.sleep(3600)
+
+
+@pytest.mark.deepspeed
+def test_a_trainer_whose_receiver_dies_exits_naming_it(tmp_path, tiny_model):
+    """Real DeepSpeed rank 0 broadcasting to a receiver process that is killed after version 1:
+    the trainer's next broadcast fails, and trainer0 exits 1 with a message naming actor0 (what
+    the launcher shows from its log), within the timeout and the diagnosis."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=4", f"world.collective_timeout_s={TIMEOUT_S}")
+    write_steps(cfg, make_steps(tiny_model, 4, 2, seed=0), ranks=1)
+    addr = f"127.0.0.1:{free_port()}"
+    ready = _SPAWN.Queue()
+    receiver = _SPAWN.Process(target=_killed_receiver, args=(str(run_dir / "config.yaml"), addr, ready), daemon=True)
+    receiver.start()
+    procs = start_ranks(run_dir, 1, env={WEIGHT_SYNC_ADDR_ENV: addr})
+    try:
+        assert ready.get(timeout=120) == 1
+        os.kill(receiver.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_all(procs, run_dir, timeout=TIMEOUT_S + DIAGNOSE_S + 60, expect=1)
+        took = time.monotonic() - killed
+    finally:
+        receiver.kill()
+        for p in procs:
+            p.kill()
+    log = (run_dir / "trainer0.log").read_text()
+    assert "trainer0 failed: WeightGroupFailed: weight update 2 failed" in log, log[-3000:]
+    assert "actor0 (weight-update rank 1)" in log
+    # A killed gloo peer is noticed at once (its connection closes); then DIAGNOSE_S for the acks.
+    assert took < TIMEOUT_S + DIAGNOSE_S + 30, took
