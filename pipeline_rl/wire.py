@@ -23,8 +23,6 @@ class Topic(StrEnum):
     """Weight-version announcements from trainer rank 0 to every actor."""
     METRICS = "metrics"
     """Metrics records from every process, read by the launcher's status line."""
-    CONTROL = "control"
-    """Run-wide control (stop, failed) between the launchers of a multi-node run."""
     SCORER_DEAD = "scorer.dead"
     """Groups a scorer failed on, with the error (dead letters)."""
     LOST = "lost"
@@ -49,7 +47,6 @@ class Kind(StrEnum):
     MICRO_BATCH = "micro_batch"
     WEIGHT_UPDATE = "weight_update"
     METRICS = "metrics"
-    CONTROL = "control"
     DEAD_LETTER = "dead_letter"
     GROUPS_LOST = "groups_lost"
 

@@ -71,7 +71,8 @@ class ModelConfig:
 @dataclass
 class RedisConfig:
     host: str = "127.0.0.1"
-    """Redis host. With `start_server`, rank 0 starts redis-server and this is the address others use."""
+    """Redis host. With `start_server` the run's redis-server listens on it; on Ray the driver sets
+    it to the address of trainer rank 0's node, where that server runs."""
     port: int = 6379
     """Redis port."""
     password_env: str | None = None
@@ -90,11 +91,12 @@ class RedisConfig:
     """PEM private key of `tls_cert_file`."""
     maxlen: int = 100000
     """Approximate cap on entries kept per stream key (XADD MAXLEN ~) of the small broadcast
-    topics (metrics, weights, control, dead letters); 0 keeps everything. The data topics
+    topics (metrics, weights, dead letters); 0 keeps everything. The data topics
     (actor, scored, trainer) are never capped: they are trimmed only below the positions their
     readers have saved (see ARCHITECTURE.md, resume)."""
     start_server: bool = False
-    """Rank 0 starts its own redis-server (binary on PATH) on `port`, for the run's lifetime."""
+    """The run starts its own redis-server (binary on PATH of trainer rank 0's node) on `port`, beside
+    trainer rank 0, for the run's lifetime."""
 
 
 @dataclass
@@ -108,7 +110,12 @@ class StreamsConfig:
 @dataclass
 class WorldConfig:
     nodes: int = 1
-    """Number of nodes; one launch.py runs on each (RANK / SLURM_NODEID tells which)."""
+    """Number of nodes. Above 1 the run goes on a running Ray cluster (`world.ray_address`): one
+    launch.py, on any node of it, places every process (pipeline_rl/launch/ray_driver.py)."""
+    ray_address: str | None = None
+    """Address of the Ray cluster (`ray start --head`'s, e.g. 10.0.0.1:6379) for a run of several
+    nodes; null: the RAY_ADDRESS environment variable, else the cluster started on this machine.
+    Set, it also puts a one-node run on Ray."""
     gpus_per_node: int = 0
     """GPUs on each node; 0 means CPU only (every process gets one CPU thread)."""
     gpu_memory_gib: float = 80.0

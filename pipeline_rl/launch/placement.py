@@ -1,21 +1,23 @@
 """Where each process of a run goes: which node, which GPUs, which addresses.
 
-Every node's launcher computes the same placement from the config alone. Trainers come
-first (so trainer rank 0, which owns the weight-update group, sits on node 0 next to the
-Redis server), then preprocessors, then actors. On GPUs a process takes whole GPUs and an
-actor engine never spans nodes; on CPU each node gets an equal share of the processes.
+The placement follows from the config alone. Trainers come first (so trainer rank 0, which
+owns the weight-update group, sits on node 0 next to the Redis server), then preprocessors,
+then actors. On GPUs a process takes whole GPUs and an actor engine never spans nodes; on CPU
+each node gets an equal share of the processes. On several nodes the Ray driver reserves one
+bundle per process in this order (bundles.py) and Ray picks the nodes; the node indices are
+then where Ray put them.
 
 GPU binding (child_env): a process sees exactly its GPUs through CUDA_VISIBLE_DEVICES, so
 inside it they are devices 0..n-1 and a trainer's LOCAL_RANK (what torch.cuda.set_device and
 DeepSpeed use) is 0. GPU ids of the plan index the GPUs the launcher itself sees: when a job
-scheduler (SLURM) has already set CUDA_VISIBLE_DEVICES, the children get subsets of that list.
+scheduler has already set CUDA_VISIBLE_DEVICES, the children get subsets of that list. On Ray,
+Ray sets each process's CUDA_VISIBLE_DEVICES to the GPUs of its bundle.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import subprocess
 from dataclasses import dataclass, field
 
 from pipeline_rl.config import ConfigError, RunConfig
@@ -96,31 +98,6 @@ def plan(cfg: RunConfig) -> list[ProcessSpec]:
             taken, free[node] = free[node][:gpus], free[node][gpus:]
             specs.append(ProcessSpec(f"{pool}{i}", pool, i, node=node, gpus=taken))
     return specs
-
-
-def _first_slurm_host(nodelist: str) -> str:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return out.stdout.split()[0]
-
-
-def this_node(cfg: RunConfig, env: dict[str, str] | None = None) -> Node:
-    """This node's rank and node 0's address, from torchrun-style or SLURM variables."""
-    env = dict(os.environ if env is None else env)
-    if "SLURM_NODEID" in env and "RANK" not in env:
-        rank, nodes = int(env["SLURM_NODEID"]), int(env.get("SLURM_NNODES", cfg.world.nodes))
-        master = env.get("MASTER_ADDR") or _first_slurm_host(env["SLURM_JOB_NODELIST"])
-    else:
-        rank, nodes = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", cfg.world.nodes))
-        master = env.get("MASTER_ADDR", "127.0.0.1")
-    if nodes != cfg.world.nodes:
-        raise ConfigError(
-            f"world.nodes={cfg.world.nodes} but the environment says {nodes} nodes (WORLD_SIZE/SLURM_NNODES)"
-        )
-    if not 0 <= rank < nodes:
-        raise ConfigError(f"node rank {rank} is outside 0..{nodes - 1} (RANK/SLURM_NODEID)")
-    if nodes > 1 and "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" not in env:
-        raise ConfigError("several nodes need MASTER_ADDR (the address of node 0) in the environment")
-    return Node(rank=rank, nodes=nodes, master_addr=master)
 
 
 def visible_gpus(cfg: RunConfig, env: dict[str, str]) -> list[str]:

@@ -20,15 +20,22 @@ from pipeline_rl.streams.redis_secret import ensure_password, write_server_confi
 
 def start_redis(cfg: RunConfig, services: Supervisor) -> Child:
     """Start the run's redis-server under `services` and wait until it accepts connections."""
-    r = cfg.streams.redis
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         raise ConfigError("streams.redis.start_server is true but redis-server is not on PATH")
+    child = services.spawn("redis", redis_command(cfg), dict(os.environ))
+    wait_port(cfg.streams.redis.host, cfg.streams.redis.port, what="redis-server")
+    return child
+
+
+def redis_command(cfg: RunConfig) -> list[str]:
+    """The run's redis-server command line (the one-node launcher's child or a Ray actor on
+    trainer rank 0's node: `redis-server` is looked up on the PATH of the node it runs on)."""
+    r = cfg.streams.redis
     redis_dir = Path(cfg.run_dir).resolve() / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
     secret = write_server_config(redis_dir, ensure_password(cfg.run_dir))
-    argv = [
-        binary,
+    return [
+        "redis-server",
         str(secret),  # a config file must be the first argument; the options below add to it
         "--port",
         str(r.port),
@@ -46,9 +53,6 @@ def start_redis(cfg: RunConfig, services: Supervisor) -> Child:
         "--dir",
         str(redis_dir),
     ]
-    child = services.spawn("redis", argv, dict(os.environ))
-    wait_port(r.host, r.port, what="redis-server")
-    return child
 
 
 def wait_port(host: str, port: int, what: str, timeout: float = 30.0) -> None:

@@ -16,15 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.launch.budget import run_limits
 from pipeline_rl.launch.watchdog import Watchdog
 from pipeline_rl.streams.records import Metrics
 from pipeline_rl.wire import Topic
 
 if TYPE_CHECKING:
     from pipeline_rl.streams.api import Streams
-
-TRAINER_STOP_GRACE_S = 120.0
-"""How long trainers may take to write their final checkpoint on a normal stop."""
 
 
 @dataclass
@@ -48,13 +46,15 @@ class RunLoop:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.stop_reason: str | None = None
+        # Sized by the model (launch/budget.py): a 32B checkpoint takes minutes, a tiny one seconds.
+        self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
 
     def poll(self) -> tuple[Failure | None, bool]:
         """(the first failure, whether the trainers have all finished)."""
         raise NotImplementedError
 
     def stop_all(self, graceful: bool) -> None:
-        """Stop every process: when graceful, trainers first with TRAINER_STOP_GRACE_S to checkpoint."""
+        """Stop every process: when graceful, trainers first, with trainer_stop_grace_s to checkpoint."""
         raise NotImplementedError
 
     def request_stop(self, signum, _frame) -> None:
@@ -73,7 +73,7 @@ class RunLoop:
             streams.reader(Topic.METRICS, Metrics, position=end_of(streams, Topic.METRICS, Metrics)),
             self.cfg.max_time_s,
         )
-        watchdog = Watchdog(self.cfg.watchdog_s, self.cfg.watchdog_startup_s)
+        watchdog = Watchdog(self.cfg.watchdog_s, self.watchdog_startup_s)
         start = time.time()
         try:
             while True:

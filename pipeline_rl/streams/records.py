@@ -122,18 +122,6 @@ class Metrics:
 
 
 @dataclass
-class Control:
-    """Run-wide events between the launchers of several nodes (stop, failure)."""
-
-    event: str
-    """stop (the run is over), failed (a process failed; `source` names it), or left (a node's
-    launcher has stopped its processes)."""
-    source: str
-    reason: str = ""
-    kind: str = Kind.CONTROL
-
-
-@dataclass
 class DeadLetter:
     """A payload a reader could not use, with where it came from and why."""
 
@@ -161,7 +149,7 @@ class GroupsLost:
 
 RECORD_TYPES = {
     t.__dataclass_fields__["kind"].default: t
-    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, Control, DeadLetter, GroupsLost)
+    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, DeadLetter, GroupsLost)
 }
 
 # Token-level fields whose length must equal the owner's reference field.

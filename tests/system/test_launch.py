@@ -1,5 +1,5 @@
 """launch.py end to end on the tiny model: real actor (vLLM), preprocessor and trainer
-(DeepSpeed) processes, supervision, resume, and two "nodes" on loopback with Redis."""
+(DeepSpeed) processes, supervision, resume, Redis. Several nodes (Ray): test_ray_cluster.py."""
 
 from __future__ import annotations
 
@@ -283,35 +283,6 @@ def test_lora_run_resumes_with_the_engine_on_the_checkpoint_adapter(tmp_path, ti
 
     trained = token_logprobs(PeftModel.from_pretrained(hf_model(tiny_model, {}), str(found[0])))
     assert (trained - token_logprobs(hf_model(tiny_model, {}))).abs().mean() > 1e-2
-
-
-def test_two_nodes_on_loopback_with_redis(tmp_path, tiny_model):
-    port = free_port()
-    common = [
-        "world.nodes=2",
-        "streams.backend=redis",
-        "streams.redis.start_server=true",
-        f"streams.redis.port={port}",
-        "trainer.max_steps=3",
-        "name=two_nodes",
-        *ports(),
-    ]
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    node0 = launch(tmp_path / "node0", *common, env={**env, "RANK": "0"}, wait=False)
-    node1 = launch(tmp_path / "node1", *common, env={**env, "RANK": "1"}, wait=False)
-    try:
-        out0, _ = node0.communicate(timeout=300)
-        out1, _ = node1.communicate(timeout=60)
-    finally:
-        stop(node1)
-        stop(node0)
-    assert node0.returncode == 0, out0
-    assert node1.returncode == 0, out1
-    assert "started trainer0, preprocessor0" in out0 and "started actor0" in out1
-    # The actor on node 1 received new weights from the trainer on node 0.
-    actor = [r for r in read_metrics(tmp_path / "node1") if r["process"] == "actor0"]
-    assert max(r["values"].get("version", 0) for r in actor) >= 1
-    assert trainer_steps(tmp_path / "node0")[-1]["values"]["version"] == 3
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

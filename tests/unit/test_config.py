@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 
 from pipeline_rl.config import SHIPPED_CONF_DIR, ConfigError, load_config, load_saved_config, save_config
-from pipeline_rl.launch.placement import plan, this_node
+from pipeline_rl.launch.placement import plan
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in SHIPPED_CONF_DIR.glob("*.yaml")))
@@ -147,16 +147,14 @@ def test_impossible_placement_fails_before_anything_starts(tmp_path):
     assert not run_dir.exists()
 
 
-def test_node_rank_from_torchrun_and_slurm_variables():
-    cfg = load_config("math_7b")
-    node = this_node(cfg, {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5"})
-    assert (node.rank, node.nodes, node.master_addr) == (1, 2, "10.0.0.5")
-    node = this_node(
-        cfg, {"SLURM_NODEID": "1", "SLURM_NNODES": "2", "MASTER_ADDR": "10.0.0.7", "SLURM_JOB_NODELIST": "x"}
-    )
-    assert (node.rank, node.master_addr) == (1, "10.0.0.7")
-    with pytest.raises(ConfigError, match="WORLD_SIZE"):
-        this_node(cfg, {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h"})
+def test_dry_run_of_several_nodes_prints_the_ray_placement_group(capsys):
+    from pipeline_rl.launch.launcher import main
+
+    assert main(["conf=math_32b", "--dry-run"]) in (0, 2)  # 2: the memory plan may not fit its GPUs
+    out = capsys.readouterr().out
+    assert "Ray placement group (PACK, 28 bundles, CPU 28, GPU 32; world.nodes=4):" in out
+    assert "bundle   0: trainer0       plan node 0  {CPU: 1, GPU: 1} + redis-server" in out
+    assert "bundle  27: actor7         plan node 3  {CPU: 1, GPU: 2}" in out
 
 
 def test_installed_command_finds_shipped_and_user_configs_outside_the_checkout(tmp_path):
@@ -178,8 +176,8 @@ def test_installed_command_finds_shipped_and_user_configs_outside_the_checkout(t
 
 
 def test_make_tiny_if_missing_names_the_models_it_can_build(tmp_path):
-    from pipeline_rl.launch.launcher import _ensure_tiny_model
+    from pipeline_rl.launch.launcher import ensure_tiny_model
 
     cfg = load_config("tiny", [f"model.path={tmp_path / 'my_model'}"])
     with pytest.raises(ConfigError, match=r"model\.path=.*my_model does not exist.*tiny_model, tiny_learner"):
-        _ensure_tiny_model(cfg)
+        ensure_tiny_model(cfg)

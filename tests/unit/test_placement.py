@@ -75,9 +75,12 @@ def test_dry_run_prints_every_process_binding():
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if not line.startswith("memory: ")]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("node ")]
     specs = plan(load_config("math_32b"))
     assert len(lines) == len(specs)
+    # Several nodes run on Ray: one bundle per process, in the same order.
+    bundles = [line.split()[2] for line in out.stdout.splitlines() if line.startswith("  bundle ")]
+    assert bundles == [s.name for s in specs]
     for line, s in zip(lines, specs):
         assert line.startswith(f"node {s.node}: {s.name} ") and "CUDA_VISIBLE_DEVICES=" in line
         assert ("LOCAL_RANK=0" in line) == (s.pool == "trainer")

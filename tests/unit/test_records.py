@@ -7,7 +7,6 @@ import orjson
 import pytest
 
 from pipeline_rl.streams.records import (
-    Control,
     DeadLetter,
     Metrics,
     MicroBatch,
@@ -74,7 +73,6 @@ RECORDS = [
     WeightUpdate(version=7, names=["w", "b"], shapes=[[2, 3], []], dtypes=["float32", "bfloat16"], bucket_sizes=[2]),
     Metrics(process="trainer0", time=12.5, values={"loss": 0.1, "nested": {"x": [1, 2]}}, step=4),
     Metrics(process="actor0", time=1.0, values={}),
-    Control(event="failed", source="actor1", reason="exit 1"),
     DeadLetter(topic="actor", partition=0, offset="17-0", error="bad", payload='{"x": 1'),
 ]
 

@@ -1,0 +1,285 @@
+"""A run of several nodes: one driver on a running Ray cluster places, starts, watches and
+stops every process of the plan.
+
+`pipeline-rl conf=X` with world.nodes > 1 (or world.ray_address set) connects to the cluster
+(world.ray_address, else RAY_ADDRESS, else the cluster `ray start` made on this machine), and
+reserves one placement group, one bundle per process (bundles.py). It then prepares the run
+directory alone (run_dir.py), starts Redis (when streams.redis.start_server) as an actor in
+trainer rank 0's bundle, and every process as an actor (process_host.py) that runs the same
+`python -m pipeline_rl.<pool> --run-dir D --index I` as on one node.
+
+Supervision is Ray's: each actor's `run` returns its child's exit code, and a node that dies
+takes its workers with it, so their `run` calls fail (at once when the worker's socket closes;
+after Ray's node health check, some 30 s, when the node vanishes silently). Either stops the
+run; the report names the process, its node (Ray node id and address) and, for a lost node,
+every process it held. The watch loop, the watchdog and how a stop proceeds are the one-node
+launcher's (run_loop.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
+from pipeline_rl.launch.placement import Node, child_env, plan
+from pipeline_rl.launch.process_host import ProcessHost
+from pipeline_rl.launch.run_dir import prepare_run_dir
+from pipeline_rl.launch.run_loop import Failure, RunLoop
+from pipeline_rl.launch.supervisor import STOP_GRACE_S, describe_exit, last_lines
+from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
+
+PLACEMENT_REPORT_S = 30.0
+"""While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
+RAYLET_PROBE_S = 2.0
+"""How long a node's raylet may take to accept a connection before the node counts as gone."""
+
+
+@dataclass
+class RayNode:
+    id: str
+    """Ray's node id (hex), as `ray list nodes` shows it."""
+    ip: str
+    raylet_port: int
+
+    def __str__(self) -> str:
+        return f"node {self.id} ({self.ip})"
+
+
+def ray_address(cfg: RunConfig) -> str:
+    return cfg.world.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def _cluster_nodes() -> dict[str, dict[str, Any]]:
+    return {n["NodeID"]: n for n in ray.nodes()}
+
+
+def _reserve(found: list[Bundle], name: str) -> PlacementGroup:
+    pg = placement_group([b.resources for b in found], strategy=STRATEGY, name=name)
+    while not pg.wait(timeout_seconds=PLACEMENT_REPORT_S):
+        print(
+            f"waiting for the Ray cluster to fit the placement group ({len(found)} bundles: "
+            f"{', '.join(f'{b.spec.name} {b.resources}' for b in found)}); the cluster has "
+            f"{ray.cluster_resources()} in {len(ray.nodes())} nodes (`ray status` says what is in use)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return pg
+
+
+def _bundle_nodes(pg: PlacementGroup, count: int) -> list[RayNode]:
+    where = placement_group_table(pg)["bundles_to_node_id"]
+    nodes = _cluster_nodes()
+    out = []
+    for i in range(count):
+        info = nodes[where[i]]
+        out.append(RayNode(where[i], info["NodeManagerAddress"], int(info["NodeManagerPort"])))
+    return out
+
+
+def node_alive(node: RayNode) -> bool:
+    """Ray still counts the node alive and its raylet accepts connections (a raylet that died
+    is noticed here at once, before Ray's own health check marks the node dead)."""
+    info = _cluster_nodes().get(node.id)
+    if info is None or not info["Alive"]:
+        return False
+    try:
+        socket.create_connection((node.ip, node.raylet_port), timeout=RAYLET_PROBE_S).close()
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Hosted:
+    name: str
+    pool: str
+    """actor, preprocessor, trainer, or redis."""
+    node: RayNode
+    actor: Any
+    run: Any
+    """The ObjectRef of its `run` call: (exit code, log tail)."""
+    log_path: Path
+    result: tuple[int, str] | None = None
+
+
+class RayRun(RunLoop):
+    def __init__(self, cfg: RunConfig, pg: PlacementGroup, found: list[Bundle], nodes: list[RayNode], nonce: str):
+        super().__init__(cfg)
+        self.pg, self.found, self.nodes, self.nonce = pg, found, nodes, nonce
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.remote_host = ray.remote(ProcessHost)
+        self.hosted: list[Hosted] = []
+        self.redis: Hosted | None = None
+
+    def _start(self, name: str, pool: str, bundle: int, argv: list[str], env: dict[str, str], gpus: float) -> Hosted:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        actor = self.remote_host.options(
+            # Redis rides on trainer rank 0's bundle without taking its CPU.
+            num_cpus=0 if pool == "redis" else self.found[bundle].resources["CPU"],
+            num_gpus=gpus,
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+        ).remote(name, argv, env, os.getcwd(), str(log_path))
+        return Hosted(name, pool, self.nodes[bundle], actor, actor.run.remote(), log_path)
+
+    def start_redis(self) -> None:
+        from pipeline_rl.launch.redis_server import redis_command, wait_port
+
+        r = self.cfg.streams.redis
+        self.redis = self._start("redis", "redis", 0, redis_command(self.cfg), {}, 0)
+        wait_port(r.host, r.port, what=f"redis-server on {self.redis.node}")
+
+    def start(self) -> None:
+        distinct = list(dict.fromkeys(n.id for n in self.nodes))
+        # The plan's node indices, made true: where Ray placed each bundle (trainer rank 0's node is 0).
+        placed = [replace(b.spec, node=distinct.index(n.id)) for b, n in zip(self.found, self.nodes)]
+        for i, (spec, node) in enumerate(zip(placed, self.nodes)):
+            env = child_env(self.cfg, Node(spec.node, len(distinct), self.nodes[0].ip), spec, placed, env={})
+            if spec.gpus:
+                del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
+            env[RUN_NONCE_ENV] = self.nonce
+            argv = [sys.executable, "-m", POOL_MODULES[spec.pool], "--run-dir", str(self.run_dir)]
+            self.hosted.append(
+                self._start(spec.name, spec.pool, i, argv + ["--index", str(spec.index)], env, float(len(spec.gpus)))
+            )
+            print(f"placed {spec.name} on {node}", flush=True)
+        print(f"started {len(self.hosted)} processes on {len(distinct)} nodes; logs in {self.run_dir / 'logs'}")
+
+    def _everyone(self) -> list[Hosted]:
+        return self.hosted + ([self.redis] if self.redis is not None else [])
+
+    def _collect(self, timeout: float) -> None:
+        """Take the results of the `run` calls that have ended (within `timeout`)."""
+        pending = {h.run: h for h in self._everyone() if h.result is None}
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+        for ref in ready:
+            h = pending[ref]
+            try:
+                h.result = ray.get(ref)
+            except RayActorError as e:
+                # The worker is gone: with its node, or alone. Exit code -1 marks "no exit code".
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                h.result = (-1, f"(its Ray worker is gone: {type(e).__name__}: {first})")
+
+    def _dead_nodes(self) -> list[RayNode]:
+        seen: dict[str, RayNode] = {n.id: n for n in self.nodes}
+        return [n for n in seen.values() if not node_alive(n)]
+
+    def _lost_node_summary(self, node: RayNode) -> str:
+        held = [h.name for h in self._everyone() if h.node.id == node.id]
+        return f"{node} is gone (its raylet does not answer or Ray marked it dead): it ran {', '.join(held)}"
+
+    def poll(self) -> tuple[Failure | None, bool]:
+        self._collect(timeout=0.0)
+        for h in self._everyone():
+            if h.result is None:
+                continue
+            code, tail = h.result
+            if h.pool == "trainer" and code == 0:
+                continue
+            dead = self._dead_nodes()
+            what = "redis-server stopped" if h.pool == "redis" else describe_exit(code) if code >= 0 else tail
+            summary = f"process {h.name} on {h.node} failed: {what}"
+            if dead:
+                # A dead node explains a failure elsewhere (a peer's collective or Redis broke).
+                summary = "; ".join(self._lost_node_summary(n) for n in dead) + f". Then {summary}"
+            log_tail = tail if code >= 0 else last_lines(h.log_path)
+            return Failure(summary, str(h.log_path), log_tail), False
+        trainers = [h for h in self.hosted if h.pool == "trainer"]
+        return None, bool(trainers) and all(h.result is not None for h in trainers)
+
+    def _signal(self, targets: list[Hosted], sig: int) -> None:
+        for h in targets:
+            if h.result is None:
+                h.actor.signal.remote(sig)
+
+    def _wait(self, targets: list[Hosted], timeout: float) -> None:
+        deadline = time.time() + timeout
+        while any(h.result is None for h in targets) and time.time() < deadline:
+            self._collect(timeout=min(0.5, max(0.0, deadline - time.time())))
+
+    def stop_all(self, graceful: bool) -> None:
+        trainers = [h for h in self.hosted if h.pool == "trainer"]
+        if graceful:
+            self._signal(trainers, signal.SIGTERM)
+            self._wait(trainers, self.trainer_stop_grace_s)
+        self._signal(self.hosted, signal.SIGTERM)
+        self._wait(self.hosted, STOP_GRACE_S)
+        self._signal(self.hosted, signal.SIGKILL)
+        self._wait(self.hosted, 2.0)
+        # Redis last: the processes stopping above still write to it.
+        if self.redis is not None:
+            self._signal([self.redis], signal.SIGTERM)
+            self._wait([self.redis], STOP_GRACE_S)
+        for h in self._everyone():
+            # A worker killed takes its child with it (PR_SET_PDEATHSIG), whatever is left.
+            ray.kill(h.actor, no_restart=True)
+
+
+def run_on_ray(cfg: RunConfig, fresh: bool) -> int:
+    """The whole run of several nodes, from this one driver; returns the exit code."""
+    from pipeline_rl.launch.launcher import ensure_tiny_model, wipe_redis
+
+    specs = plan(cfg)
+    found = bundles(cfg, specs)
+    address = ray_address(cfg)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except ConnectionError as e:
+        raise ConfigError(
+            f"no Ray cluster at {address} (world.ray_address, else RAY_ADDRESS, else the one `ray start` "
+            f"made on this machine): {e}"
+        ) from None
+    pg = _reserve(found, name=f"pipeline_rl:{cfg.name}")
+    run: RayRun | None = None
+    try:
+        nodes = _bundle_nodes(pg, len(found))
+        if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:
+            cfg.streams.redis.host = nodes[0].ip
+        resumed, nonce = prepare_run_dir(cfg, fresh)
+        if fresh and cfg.streams.backend == "redis" and not cfg.streams.redis.start_server:
+            wipe_redis(cfg)
+        print(f"{'resuming' if resumed else 'starting'} run '{cfg.name}' in {cfg.run_dir} on Ray ({address})")
+        ensure_tiny_model(cfg)
+        run = RayRun(cfg, pg, found, nodes, nonce)
+        run.install_signal_handlers()
+        if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:
+            run.start_redis()
+        run.start()
+        from pipeline_rl.streams import open_streams
+
+        streams = open_streams(cfg)
+        try:
+            code = run.watch(streams)
+        finally:
+            streams.close()
+    except BaseException:
+        if run is not None:
+            run.stop_all(graceful=False)
+        raise
+    finally:
+        remove_placement_group(pg)
+        ray.shutdown()
+    if cfg.metrics.plot_at_end:
+        from pipeline_rl.launch.plots import write_plots
+
+        for path in write_plots(Path(cfg.run_dir)):
+            print(f"plot: {path}")
+    return code

@@ -1,0 +1,249 @@
+"""Several nodes on Ray: the tiny run on a Ray cluster simulated on this machine (Ray's own
+`cluster_utils.Cluster`: one raylet per "node", each with 1 CPU, so the placement group's
+PACK strategy puts trainer0, preprocessor0 and actor0 on three different nodes), with the
+run's own Redis and gloo. A node removed mid-run (its raylet, its Ray workers and its pool
+processes killed) must stop the run within 45 s, naming the node and what ran on it; running
+again resumes from the last checkpoint and trains no group twice."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import ROOT, free_port
+
+from pipeline_rl.config import load_saved_config
+from pipeline_rl.metrics import read_metrics
+from pipeline_rl.streams import open_streams
+from pipeline_rl.streams.records import MicroBatch
+from pipeline_rl.trainer.checkpoint import latest_checkpoint
+from pipeline_rl.wire import Topic
+
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm, pytest.mark.deepspeed]
+
+NODE_LOSS_STOP_S = 45.0
+"""The promise: a node that dies stops the run within this long."""
+OBJECT_STORE = 100 * 2**20
+"""Per raylet: nothing of the run goes through Ray's object store."""
+
+QUICK = [
+    "actor.attempts=4",
+    "trainer.groups_per_step=4",
+    "actor.max_groups_in_flight=8",
+    "actor.eval_every_s=0",
+    "actor.metrics_every_s=1",
+    "trainer.max_lag=2",
+    "metrics.tensorboard=false",
+    "metrics.plot_at_end=false",
+    "max_time_s=0",
+    "trainer.checkpoint_every=2",
+    "world.nodes=3",
+    "streams.backend=redis",
+    "streams.redis.start_server=true",
+]
+
+
+@pytest.fixture
+def cluster():
+    """A head without CPUs (no process of the run lands on it) and three 1-CPU nodes."""
+    head = {"num_cpus": 0, "include_dashboard": False, "object_store_memory": OBJECT_STORE}
+    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+    for _ in range(3):
+        c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+class Driver:
+    """`launch.py` on the cluster, its output collected line by line as it comes."""
+
+    def __init__(self, cluster, run_dir: Path, redis_port: int, *overrides: str):
+        argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", *QUICK]
+        argv += [f"world.ray_address={cluster.address}", f"streams.redis.port={redis_port}"]
+        argv += [f"world.trainer_port={free_port()}", f"world.weight_sync_port={free_port()}", *overrides]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def placed(self) -> dict[str, str]:
+        """Process name -> the Ray node id the driver says it placed it on."""
+        return dict(re.findall(r"^placed (\w+) on node (\w+) ", self.out, re.M))
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver did not end within {timeout:.0f} s; it printed:\n{self.out[-4000:]}")
+        self.reader.join(timeout=10)
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run_processes(run_dir: Path) -> dict[int, str]:
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        args = " ".join(p.info["cmdline"] or [])
+        if str(run_dir) in args and ("pipeline_rl." in args or "redis-server" in args):
+            found[p.info["pid"]] = args
+    return found
+
+
+def trainer_versions(run_dir: Path) -> list[int]:
+    return [
+        r["values"]["version"]
+        for r in read_metrics(run_dir)
+        if r["process"] == "trainer0" and "version" in r["values"] and "waiting_on" not in r["values"]
+    ]
+
+
+def actor_version(run_dir: Path) -> int:
+    """The latest policy version actor0 has swapped in (weights that came from trainer rank 0)."""
+    return max((r["values"].get("version", 0) for r in read_metrics(run_dir) if r["process"] == "actor0"), default=0)
+
+
+def run_until(driver: Driver, run_dir: Path, versions: int, timeout: float) -> None:
+    """Until the trainer has made `versions` versions and a checkpoint, and the actor runs on new weights."""
+    deadline = time.time() + timeout
+    while len(trainer_versions(run_dir)) < versions or latest_checkpoint(run_dir) is None or not actor_version(run_dir):
+        assert driver.proc.poll() is None, driver.out[-4000:]
+        assert time.time() < deadline, f"no {versions} versions, a checkpoint and a swap in {timeout:.0f} s"
+        time.sleep(1)
+
+
+def kill_node(cluster, driver: Driver, run_dir: Path, process: str):
+    """Power off the node that holds `process`: its raylet (and with it its Ray workers) and
+    every pool process (and redis-server) of the run on it, all with SIGKILL. Returns the
+    node, the names of the processes it held and the time of the kill."""
+    placed = driver.placed()
+    node_id = placed[process]
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    held = sorted(name for name, on in placed.items() if on == node_id)
+    modules = {"trainer": "trainer", "preprocessor": "preprocess", "actor": "actor"}
+    victims = []
+    for name in held:
+        pool, index = re.match(r"([a-z]+)(\d+)", name).groups()  # type: ignore[union-attr]
+        for pid, args in run_processes(run_dir).items():
+            if f"-m pipeline_rl.{modules[pool]} " in args and args.endswith(f"--index {index}"):
+                p = psutil.Process(pid)
+                victims += [p, *p.children(recursive=True)]
+    if process == "trainer0":
+        victims += [psutil.Process(pid) for pid, args in run_processes(run_dir).items() if "redis-server" in args]
+    assert len(victims) >= len(held), (held, run_processes(run_dir))
+    killed_at = time.time()
+    cluster.remove_node(node, allow_graceful=False)
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return node_id, held, killed_at
+
+
+def groups_in_steps(run_dir: Path) -> dict[str, set[int]]:
+    """Group id -> the steps the trainer stream gave it to, read from the append-only file the
+    run's Redis left (with the run's own server config: its password)."""
+    port = free_port()
+    redis_dir = run_dir / "redis"
+    server = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", str(redis_dir / "redis.conf"), "--port", str(port)]
+        + ["--bind", "127.0.0.1", "--appendonly", "yes", "--dir", str(redis_dir), "--save", ""],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        cfg = load_saved_config(run_dir / "config.yaml")
+        cfg.run_dir = str(run_dir)
+        cfg.streams.redis.host, cfg.streams.redis.port = "127.0.0.1", port
+        deadline = time.time() + 30
+        while True:
+            try:
+                streams = open_streams(cfg)
+                reader = streams.reader(Topic.TRAINER, MicroBatch)
+                break
+            except Exception:
+                assert time.time() < deadline, "the run's Redis did not come back from its append-only file"
+                time.sleep(0.3)
+        steps_of: dict[str, set[int]] = {}
+        while batch := reader.read(timeout=1):
+            for entry in batch:
+                for gid in entry.record.group_ids:
+                    steps_of.setdefault(gid, set()).add(entry.record.step)
+        streams.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return steps_of
+
+
+def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp_path, tiny_model):
+    """(a) three nodes train; (b) the actor's node is lost: the run stops within 45 s naming the
+    node and actor0; (d) run again on a replacement node: it resumes from the checkpoint and
+    no group is in two steps."""
+    run_dir = tmp_path / "run"
+    redis_port = free_port()
+    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    try:
+        run_until(driver, run_dir, versions=3, timeout=300)
+        placed = driver.placed()
+        assert set(placed) == {"trainer0", "preprocessor0", "actor0"}
+        assert len(set(placed.values())) == 3, f"expected one process per node: {placed}"
+        # run_until saw the actor, on its own node, generate with weights the trainer on another node sent.
+        node_id, held, killed_at = kill_node(cluster, driver, run_dir, "actor0")
+        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
+        stopped_in = time.time() - killed_at
+    finally:
+        driver.stop()
+    out = driver.out
+    assert code == 1, out[-4000:]
+    assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the node was lost:\n{out[-3000:]}"
+    assert held == ["actor0"]
+    assert f"node {node_id} (" in out and "is gone" in out and "it ran actor0" in out, out[-3000:]
+    assert run_processes(run_dir) == {}
+    print(f"node lost -> run stopped in {stopped_in:.1f} s")
+
+    trained_before = trainer_versions(run_dir)
+    saved = latest_checkpoint(run_dir)
+    assert saved is not None
+    checkpointed = saved[1]
+    final = trained_before[-1] + 2
+    cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    cluster.wait_for_nodes()
+    driver = Driver(cluster, run_dir, redis_port, f"trainer.max_steps={final}")
+    try:
+        code = driver.wait(timeout=300)
+    finally:
+        driver.stop()
+    assert code == 0, driver.out[-4000:]
+    assert "resuming" in driver.out
+    # The steps after the checkpoint were lost with the stop and are trained again, once each.
+    assert trainer_versions(run_dir) == trained_before + list(range(checkpointed + 1, final + 1))
+    twice = {gid: steps for gid, steps in groups_in_steps(run_dir).items() if len(steps) > 1}
+    assert not twice, f"groups in more than one step: {twice}"
+    assert run_processes(run_dir) == {}
