@@ -150,7 +150,9 @@ class Trainer:
                         self.version,
                     )
             t1 = time.perf_counter()
-            values = self._step(batch, gates)
+            values = self._step(batch, gates, stop)
+            if values is None:  # a stop mid-step: the checkpoint below is of the last whole step
+                break
             compute_s = time.perf_counter() - t1
             # CPU time of reading + computing the step: unlike wall time, not inflated by other processes.
             step_cpu_s = time.process_time() - cpu0
@@ -197,9 +199,17 @@ class Trainer:
             )
         return False
 
-    def _step(self, batch: list[MicroBatch], gates: list[GateResult]) -> dict:
+    def _stopping(self, stop: Callable[[], bool]) -> bool:
+        """Whether any rank was asked to stop (one collective: every rank must leave the step
+        at the same micro-batch, or the next gradient reduction would wait for the others)."""
+        return self._all_reduce({"stop": float(stop())}, op=dist.ReduceOp.MAX)["stop"] > 0
+
+    def _step(self, batch: list[MicroBatch], gates: list[GateResult], stop: Callable[[], bool]) -> dict | None:
         """Forward/backward over the step's micro-batches, split into `updates_per_step`
-        mini-batches of one optimizer update each; returns metrics."""
+        mini-batches of one optimizer update each; returns metrics, or None when a stop was
+        requested between two micro-batches of its first update (a 32B step takes minutes: the
+        stop grace period must not wait for it). The step is then left unfinished: its
+        gradients are dropped, and a resumed run trains it again from its first micro-batch."""
         updates = update_slices(len(batch), self.cfg.trainer.updates_per_step)
         # Denominators over all ranks: each mini-batch's loss is its own mean (of tokens or of
         # samples), so that it does not matter how its tokens are spread over ranks.
@@ -221,7 +231,18 @@ class Trainer:
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
         for i, u in enumerate(updates):
             step_tokens, step_samples = gated[f"update{i}/tokens"], gated[f"update{i}/samples"]
-            for mb, gate in zip(batch[u], gates[u]):
+            for k, (mb, gate) in enumerate(zip(batch[u], gates[u])):
+                # Only before the step's first optimizer update: after it, the weights are no
+                # longer those of any whole version, and the step runs to its end.
+                if i == 0 and k > 0 and self._stopping(stop):
+                    log.info(
+                        "stop requested: leaving step %d after %d of %d micro-batches; checkpointing version %d",
+                        mb.step,
+                        k,
+                        len(batch),
+                        self.version,
+                    )
+                    return None
                 lags.update(gate.lags)
                 real = [j for j, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
                 rewards += sum(mb.rewards[j] for j in real)

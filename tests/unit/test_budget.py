@@ -1,0 +1,125 @@
+"""launch/budget.py's arithmetic (checkpoint and load times, the stop grace and start-up
+watchdog they imply, the trainer topic's Redis bound) and the config checks of the keys
+behind them and of Redis security."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline_rl.config import ConfigError, load_config
+from pipeline_rl.launch.budget import (
+    FALLBACK_STOP_GRACE_S,
+    FALLBACK_WATCHDOG_STARTUP_S,
+    MARGIN,
+    MICRO_BATCH_BYTES_PER_TOKEN,
+    STARTUP_BASE_S,
+    STOP_BASE_S,
+    budget_lines,
+    run_limits,
+    time_plan,
+    trainer_topic_bytes,
+)
+from pipeline_rl.launch.memory_plan import GIB, ModelShape
+
+QWEN_32B = {
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "intermediate_size": 27648,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def model_32b(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_32B))
+    return tmp_path
+
+
+def test_times_of_a_32b_checkpoint_and_load(model_32b):
+    cfg = load_config("math_32b", [f"model.path={model_32b}", "world.disk_gib_per_s=2"])
+    shape = ModelShape.read(model_32b)
+    plan = time_plan(cfg, shape)
+    # bf16: DeepSpeed state 2 + 12 bytes and the Hugging Face export 2 bytes per parameter.
+    assert plan.checkpoint_bytes == shape.params * 16
+    assert plan.checkpoint_s == pytest.approx(shape.params * 16 / (2 * GIB))
+    assert plan.load_s == pytest.approx(shape.params * 2 / (2 * GIB))
+    assert plan.stop_grace_s == pytest.approx(STOP_BASE_S + MARGIN * plan.checkpoint_s)
+    assert plan.watchdog_startup_s == pytest.approx(STARTUP_BASE_S + MARGIN * (plan.load_s + plan.checkpoint_s))
+    # 32.8 B parameters: 488 GiB, about four minutes at 2 GiB/s; far beyond the old fixed 120 s.
+    assert 30e9 < shape.params < 34e9 and 230 < plan.checkpoint_s < 250 and plan.stop_grace_s > 500
+    # Half the bandwidth, twice the time.
+    slow = time_plan(load_config("math_32b", [f"model.path={model_32b}", "world.disk_gib_per_s=1"]), shape)
+    assert slow.checkpoint_s == pytest.approx(2 * plan.checkpoint_s)
+
+
+def test_lora_checkpoints_hold_the_adapter_only(model_32b):
+    cfg = load_config("math_32b_lora", [f"model.path={model_32b}"])
+    assert cfg.model.lora is not None
+    shape = ModelShape.read(model_32b)
+    plan = time_plan(cfg, shape)
+    assert plan.checkpoint_bytes == shape.lora_params(cfg.model.lora) * 16
+    assert plan.load_bytes == (shape.params + shape.lora_params(cfg.model.lora)) * 2
+
+
+def test_given_limits_win_and_a_missing_model_falls_back(model_32b, tmp_path):
+    cfg = load_config("math_32b", [f"model.path={model_32b}", "trainer.stop_grace_s=42", "watchdog_startup_s=99"])
+    assert run_limits(cfg) == (42, 99)
+    missing = load_config("math_32b", [f"model.path={tmp_path / 'nothing'}"])
+    assert run_limits(missing) == (FALLBACK_STOP_GRACE_S, FALLBACK_WATCHDOG_STARTUP_S)
+
+
+def test_dry_run_lines_state_times_limits_and_the_redis_bound(model_32b):
+    cfg = load_config("math_32b", [f"model.path={model_32b}", "world.collective_timeout_s=60"])
+    lines = budget_lines(cfg)
+    text = "\n".join(lines)
+    plan = time_plan(cfg, ModelShape.read(model_32b))
+    assert f"checkpoint write 488.2 GiB at 1 GiB/s (world.disk_gib_per_s) = {plan.checkpoint_s:.0f} s" in text
+    assert f"trainers' stop grace {plan.stop_grace_s:.0f} s" in text
+    assert "WARNING world.collective_timeout_s=60 is below the checkpoint write" in text
+    redis = [line for line in lines if line.startswith("redis:")]
+    assert len(redis) == 1 and f"{trainer_topic_bytes(cfg) / GIB:.1f} GiB" in redis[0]
+
+
+def test_the_trainer_topic_bound(model_32b):
+    cfg = load_config(
+        "base",
+        [
+            "trainer.checkpoint_every=10",
+            "trainer.max_lag=2",
+            "trainer.groups_per_step=4",
+            "actor.attempts=2",
+            "actor.llm.max_model_len=100",
+            "world.trainers=2",
+            "preprocess.seq_length=64",
+        ],
+    )
+    # (10 since the checkpoint + 2 ahead + 1 being assembled) steps x (4 x 2 x 100 + 2 x 64) tokens.
+    assert trainer_topic_bytes(cfg) == 13 * 928 * MICRO_BATCH_BYTES_PER_TOKEN
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["streams.redis.tls_ca_file=/ca.pem"], "'streams.redis.tls_ca_file' is set but 'streams.redis.tls' is false"),
+        (["streams.redis.tls=true", "streams.redis.tls_cert_file=/c.pem"], "go together"),
+        (["streams.redis.start_server=true", "streams.redis.tls=true"], "'streams.redis.tls' is for an external Redis"),
+        (["streams.redis.start_server=true", "streams.redis.password_env=P"], "'streams.redis.password_env' is for"),
+        (["world.collective_timeout_s=0"], "'world.collective_timeout_s': 0.0, must be > 0"),
+        (["trainer.stop_grace_s=-1"], "'trainer.stop_grace_s': -1.0, must be >= 0 or null"),
+    ],
+)
+def test_bad_redis_and_limit_keys_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("base", overrides)
+
+
+def test_a_password_in_the_config_is_refused():
+    """The secret itself has no key: a config that still carries one fails at load."""
+    with pytest.raises(ConfigError, match=r"streams\.redis\.password"):
+        load_config("base", ["streams.redis.password=hunter2"])
