@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -106,7 +105,7 @@ def test_the_sender_names_a_receiver_that_was_killed():
 
         sender.send(1, _weights(1), announce, bucket_mb=1)
         assert sorted(results.get(timeout=30) for _ in procs) == [(1, 1, "ok"), (2, 1, "ok")]
-        os.kill(procs[1].pid, signal.SIGKILL)  # actor1, weight-update rank 2
+        procs[1].kill()  # actor1, weight-update rank 2
         procs[1].join(10)
         started = time.monotonic()
         with pytest.raises(WeightGroupFailed) as failed:
@@ -127,7 +126,12 @@ def test_the_sender_names_a_receiver_that_was_killed():
 def _hanging_sender(addr: str, announced) -> None:
     """Announces an update in the store like a sender, then never broadcasts it."""
     sender = WeightSender(addr, 2, "gloo", 60, member_names(1, 1))
-    sender.send(1, _weights(1), lambda update: (announced.put(update), time.sleep(3600)), bucket_mb=1)
+
+    def announce(update) -> None:
+        announced.put(update)
+        time.sleep(3600)
+
+    sender.send(1, _weights(1), announce, bucket_mb=1)
 
 
 def test_a_receiver_names_the_sender_that_was_killed():
@@ -143,7 +147,7 @@ def test_a_receiver_names_the_sender_that_was_killed():
 
         def kill_soon():
             time.sleep(1.0)
-            os.kill(proc.pid, signal.SIGKILL)
+            proc.kill()
 
         import threading
 
@@ -197,7 +201,7 @@ def test_a_trainer_whose_receiver_dies_exits_naming_it(tmp_path, tiny_model):
     procs = start_ranks(run_dir, 1, env={WEIGHT_SYNC_ADDR_ENV: addr})
     try:
         assert ready.get(timeout=120) == 1
-        os.kill(receiver.pid, signal.SIGKILL)
+        receiver.kill()
         killed = time.monotonic()
         wait_all(procs, run_dir, timeout=TIMEOUT_S + DIAGNOSE_S + 60, expect=1)
         took = time.monotonic() - killed

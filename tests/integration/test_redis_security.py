@@ -22,6 +22,7 @@ from pipeline_rl.launch.redis_server import start_redis
 from pipeline_rl.launch.supervisor import Supervisor
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import Metrics
+from pipeline_rl.streams.redis_backend import RedisStreams
 from pipeline_rl.streams.redis_secret import PASSWORD_FILE, ensure_password, password_path
 
 pytestmark = pytest.mark.redis
@@ -44,6 +45,12 @@ def _round_trip(cfg) -> list[str]:
         return [e.record.process for e in streams.reader("metrics", Metrics).read(timeout=2.0)]
     finally:
         streams.close()
+
+
+def _client(cfg) -> redis.Redis:
+    streams = open_streams(cfg)
+    assert isinstance(streams, RedisStreams)
+    return streams.client
 
 
 def test_the_password_file_is_private_from_its_first_byte(tmp_path):
@@ -232,10 +239,10 @@ def test_tls_to_an_external_server(tmp_path, tls_server):
 
     wrong_ca = _cfg(tmp_path, *base, f"streams.redis.tls_ca_file={certs / 'other_ca.crt'}", *client)
     with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
-        open_streams(wrong_ca).client.ping()
+        _client(wrong_ca).ping()
     without_client_cert = _cfg(tmp_path, *base, ca)
     with pytest.raises(redis.ConnectionError):
-        open_streams(without_client_cert).client.ping()
+        _client(without_client_cert).ping()
     # Plain TCP to the TLS port gets nothing back.
     with pytest.raises(redis.ConnectionError):
-        open_streams(_cfg(tmp_path, f"streams.redis.port={port}")).client.ping()
+        _client(_cfg(tmp_path, f"streams.redis.port={port}")).ping()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pipeline_rl.launch.supervisor import STOP_GRACE_S
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
+from pipeline_rl.streams.redis_secret import PASSWORD_FILE
 from pipeline_rl.trainer.checkpoint import latest_checkpoint
 from pipeline_rl.wire import CACHE_ENV, Topic
 
@@ -361,10 +363,33 @@ def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     assert run_processes(run_dir) == {}
 
 
+def _password_nowhere(password: str, run_dir: Path, *outputs: str) -> None:
+    """The run's Redis password is in no process's command line, no file of the run directory
+    but its two 0600 secret files, and no launcher output."""
+    assert len(password) >= 40
+    for pid, args in run_processes(run_dir).items():
+        assert password not in args, f"the Redis password is in the command line of process {pid}"
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert password.encode() not in cmdline.read_bytes(), f"the Redis password is in {cmdline}"
+        except OSError:
+            continue
+    secrets = {run_dir / PASSWORD_FILE, run_dir / "redis" / "redis.conf"}
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path not in secrets:
+            assert password.encode() not in path.read_bytes(), f"the Redis password is in {path}"
+    for path in secrets:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for out in outputs:
+        assert password not in out
+
+
 def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
     """Launcher, pools and the launcher's own redis-server all get SIGKILL after a checkpoint;
     the restarted run loads the streams from Redis's append-only file, resumes from the
-    checkpoint, trains each later step once more and reaches max_steps; no group is in two steps."""
+    checkpoint, trains each later step once more and reaches max_steps; no group is in two steps.
+    The server has the run's random password, which appears in no command line, log, metric,
+    config or output of the run; a client without it is refused."""
     run_dir = tmp_path / "run"
     port = free_port()
     redis = ["streams.backend=redis", "streams.redis.start_server=true", f"streams.redis.port={port}"]
@@ -374,18 +399,25 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
         while not trainer_steps(run_dir):
             assert first.poll() is None and time.time() < deadline, "no first step in time"
             time.sleep(1)
+        password = (run_dir / PASSWORD_FILE).read_text().strip()
+        _password_nowhere(password, run_dir)
+        refused = subprocess.run(["redis-cli", "-p", str(port), "PING"], capture_output=True, text=True)
+        assert "NOAUTH" in refused.stdout + refused.stderr
+        # redis-cli takes the password from its environment, not from its command line.
+        auth = {**os.environ, "REDISCLI_AUTH": password}
         # Two records no reader can decode, added with redis-cli into the actor stream mid-run.
         bad_ids = set()
         for payload in ('{"problem_id": "p1", "rollouts": [', '{"no_such_field": 1}'):
             xadd = ["redis-cli", "-p", str(port), "XADD", "pipeline_rl:tiny:actor:0", "*", "data", payload]
-            bad_ids.add("actor:0:" + subprocess.run(xadd, capture_output=True, text=True, check=True).stdout.strip())
+            added = subprocess.run(xadd, capture_output=True, text=True, check=True, env=auth)
+            bad_ids.add("actor:0:" + added.stdout.strip())
         # The preprocessor reads on only as steps need groups: wait until it has reported both
         # records lost, or a kill (or the resumed run's end) can come before it reaches the second.
         lost_key = "pipeline_rl:tiny:lost:0"
 
         def reported() -> bool:
             xrange = ["redis-cli", "-p", str(port), "XRANGE", lost_key, "-", "+"]
-            lost_log = subprocess.run(xrange, capture_output=True, text=True, check=True).stdout
+            lost_log = subprocess.run(xrange, capture_output=True, text=True, check=True, env=auth).stdout
             return all(i in lost_log for i in bad_ids)
 
         while not (run_dir / "checkpoints" / "latest").exists() or len(trainer_steps(run_dir)) < 3 or not reported():
@@ -409,6 +441,9 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
     code, out = launch(run_dir, *redis, f"trainer.max_steps={final}", "trainer.checkpoint_every=2")
     assert code == 0, out
     assert "resuming" in out
+    # The resumed run kept the run's password (the server's append-only file is the same run's).
+    assert (run_dir / PASSWORD_FILE).read_text().strip() == password
+    _password_nowhere(password, run_dir, out)
     # The steps after the checkpoint were lost with the trainer and are trained again, once each.
     versions = [r["values"]["version"] for r in trainer_steps(run_dir)]
     assert versions == trained_before + list(range(checkpointed + 1, final + 1))
@@ -419,6 +454,7 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
     try:
         cfg = load_saved_config(run_dir / "config.yaml")
         cfg.streams.redis.port = server.port
+        cfg.streams.redis.start_server = False  # the test's own server, without the run's password
         streams = open_streams(cfg)
         reader = streams.reader(Topic.TRAINER, MicroBatch)
         steps_of: dict[str, set[int]] = {}
