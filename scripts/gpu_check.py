@@ -186,6 +186,10 @@ def main() -> int:
             mfu=round(flops / peak, 3) if peak else None,
             peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
             peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            # What the device holds beyond PyTorch's allocator: CUDA context, cuBLAS and NCCL.
+            outside_allocator_gib=round(
+                (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()) / 2**30, 2
+            ),
         )
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

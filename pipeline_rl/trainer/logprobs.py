@@ -17,10 +17,13 @@ layout passes an explicit [T, T] mask (sdpa and eager take it; flash-attention v
 not): meant for short rows, where it saves recomputing the prompt for every rollout.
 `attention_kernel` picks the kernel from trainer.attention.
 
-Memory: the logits stay in the model's dtype; their float32 log-softmax and entropy ([T, V]
-each, 12 GB apiece for 20k tokens of a 152k vocabulary) are computed `chunk_tokens` rows at a
-time under activation checkpointing, so backward keeps only the logits and recomputes one
-chunk's float32 rows at a time. Each row is computed exactly as without chunking.
+Memory: the model runs up to its output layer only (`final_hidden`: a pre-hook on the output
+layer takes the final hidden states and leaves the layer no rows), so full-vocabulary logits
+never exist for the whole micro-batch. The output layer, the float32 log-softmax and the entropy
+run `chunk_tokens` rows at a time under activation checkpointing: forward and backward hold one
+chunk's [chunk, V] rows at a time (backward recomputes them), and the hidden states [T, H]
+instead of [T, V] logits. Each row is computed exactly as without chunking. Models whose causal
+LM head does more than the output layer (`LOGIT_TRANSFORMS`) take the full logits instead.
 """
 
 from __future__ import annotations
@@ -82,33 +85,98 @@ def shared_prefix_layout(
     return allowed, source
 
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""config.json keys of models whose logits are not just the output layer's (Gemma 2/3, Cohere,
+Granite...): for them the logprobs come from the model's own logits."""
+
+
 def _rows_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
     token_logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return token_logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int = 0
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits[i] / temperature)[targets[i]] and the entropy of that distribution, for
-    rows [N, V] of logits, in float32; `chunk_tokens` rows at a time (module docstring) when
-    there are more rows than that (0: all at once)."""
-    if chunk_tokens <= 0 or logits.shape[0] <= chunk_tokens:
-        return _rows_logprobs(logits, targets, temperature)
+    """log softmax(head(hidden[i]) / temperature)[targets[i]] and the entropy of that
+    distribution, for rows [N, H] of hidden states, in float32; `chunk_tokens` rows at a time
+    (module docstring) when there are more rows than that (0: all at once). `head` is the output
+    layer, or nn.Identity() when `hidden` already holds logits."""
+    if chunk_tokens <= 0 or hidden.shape[0] <= chunk_tokens:
+        return _rows_logprobs(hidden, head, targets, temperature)
     parts = [
         checkpoint(
             _rows_logprobs,
-            logits[i : i + chunk_tokens],
+            hidden[i : i + chunk_tokens],
+            head,
             targets[i : i + chunk_tokens],
             temperature,
             use_reentrant=False,
         )
-        for i in range(0, logits.shape[0], chunk_tokens)
+        for i in range(0, hidden.shape[0], chunk_tokens)
     ]
     return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a DeepSpeed engine (its `module`) or a peft wrapper."""
+    return getattr(model, "module", model)
+
+
+def final_hidden(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.nn.Module, torch.Tensor]:
+    """(hidden [T, H], output layer, anchor) for a [1, T] batch: the model runs with `inputs`
+    and its output layer gets no rows, so no [T, V] logits are made. `anchor` (a sum over the
+    layer's empty output, always 0) must join the result's graph: ZeRO-3 releases the output
+    layer's gathered weight in backward only when its outputs take part. For a model in
+    LOGIT_TRANSFORMS, (logits [T, V], nn.Identity(), 0)."""
+    lm = _causal_lm(model)
+    config = getattr(lm, "config", None)
+    head = lm.get_output_embeddings()
+    if head is None or any(getattr(config, key, None) not in (None, 1.0) for key in LOGIT_TRANSFORMS):
+        logits = model(**inputs, use_cache=False).logits[0]
+        return logits, torch.nn.Identity(), logits.new_zeros(())
+    taken: list[torch.Tensor] = []
+    chunk_head = _frozen_copy(head) if _zero3_frozen(head) else head
+
+    def take(_module, args):
+        taken.append(args[0])
+        return (args[0][..., :0, :],)
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        empty = model(**inputs, use_cache=False).logits
+    finally:
+        handle.remove()
+    return taken[0][0], chunk_head, empty.sum()
+
+
+def _zero3_frozen(head: torch.nn.Module) -> bool:
+    """A frozen output layer (LoRA) partitioned by ZeRO-3: checkpointed chunks cannot call it,
+    since ZeRO-3 does not gather a frozen layer's weight again when backward recomputes a chunk."""
+    params = list(head.parameters())
+    return bool(params) and not any(p.requires_grad for p in params) and any(hasattr(p, "ds_id") for p in params)
+
+
+def _frozen_copy(head: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of a frozen ZeRO-3 output layer, gathered once per micro-batch ([V, H] in the
+    model's dtype: far less than a micro-batch's [T, V] logits)."""
+    import deepspeed
+
+    weight, bias = head.weight, getattr(head, "bias", None)
+    with deepspeed.zero.GatheredParameters([p for p in (weight, bias) if p is not None]):
+        copy = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device)
+        copy.to(weight.dtype).requires_grad_(False)
+        copy.weight.copy_(weight.detach())
+        if bias is not None:
+            copy.bias.copy_(bias.detach())
+    return copy
 
 
 def packed_logprobs(
@@ -134,11 +202,11 @@ def packed_logprobs(
         return _shared_prefix_logprobs(
             model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths, chunk_tokens
         )
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
-    # Logits at t-1 predict token t; the last position predicts nothing.
-    token_logp, token_entropy = token_logprobs(logits[:-1], input_ids[0, 1:], temperature, chunk_tokens)
+    hidden, head, anchor = final_hidden(model, input_ids=input_ids, position_ids=position_ids)
+    # Hidden states at t-1 predict token t; the last position predicts nothing.
+    token_logp, token_entropy = token_logprobs(hidden[:-1], head, input_ids[0, 1:], temperature, chunk_tokens)
     keep = ~sequence_starts(position_ids)[1:]
-    zero = token_logp.new_zeros(1)
+    zero = anchor.reshape(1).float()
     logprobs = torch.cat([zero, token_logp * keep])
     entropy = torch.cat([zero, token_entropy * keep])
     return logprobs, entropy
@@ -151,9 +219,11 @@ def _shared_prefix_logprobs(model, input_ids, position_ids, temperature, seq_len
     # Additive form: the eager kernel adds the mask to the scores, sdpa accepts it too.
     mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    logits = model(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=mask[None, None], use_cache=False
-    ).logits[0]
+    hidden, head, anchor = final_hidden(
+        model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask[None, None]
+    )
     has = source >= 0
-    token_logp, token_entropy = token_logprobs(logits[source.clamp(min=0)], input_ids[0], temperature, chunk_tokens)
-    return token_logp * has, token_entropy * has
+    token_logp, token_entropy = token_logprobs(
+        hidden[source.clamp(min=0)], head, input_ids[0], temperature, chunk_tokens
+    )
+    return token_logp * has + anchor.float(), token_entropy * has

@@ -201,3 +201,51 @@ def test_attention_kernel_follows_the_config(monkeypatch):
         load_config("tiny", ["trainer.attention=flash_attention_2", "preprocess.share_prompts=true"])
     with pytest.raises(ConfigError, match=r"trainer\.attention"):
         load_config("tiny", ["trainer.attention=flash"])
+
+
+class _VocabRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most vocabulary-wide rows any single tensor held: ops' outputs whose last
+    dimension is the vocabulary, forward and backward."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.most = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab:
+                self.most = max(self.most, t.numel() // self.vocab)
+        return out
+
+
+def test_no_full_vocabulary_logits_for_the_whole_micro_batch():
+    """The logprob step's largest [rows, V] tensor (forward and backward) has `chunk_tokens`
+    rows whatever the micro-batch length: the output layer runs one chunk at a time, so the
+    step's peak memory grows with the chunk, not with the tokens. Without chunking it has
+    every row, which shows the probe sees the logits."""
+    from transformers import Qwen2ForCausalLM
+
+    from pipeline_rl.demo.tiny_model import qwen2_config
+
+    vocab, chunk = 1000, 32
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen2_config(vocab, hidden=32, layers=1, intermediate=64, max_len=1024))
+    for tokens, chunk_tokens, rows in ((256, chunk, chunk), (768, chunk, chunk), (256, 0, 255)):
+        ids = torch.randint(0, vocab, (1, tokens))
+        probe = _VocabRows(vocab)
+        with probe:
+            lp, ent = packed_logprobs(model, ids, torch.arange(tokens)[None], 1.0, chunk_tokens=chunk_tokens)
+            (lp.sum() + ent.sum()).backward()
+        assert probe.most == rows, (tokens, chunk_tokens)
+
+
+def test_models_with_transformed_logits_use_their_own_logits():
+    """A config naming a logit transform (LOGIT_TRANSFORMS) takes the model's logits instead of
+    the output layer's; Qwen2 applies none, so both routes must give the same values."""
+    model = random_qwen2("sdpa")
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    plain, _ = packed_logprobs(model, ids, torch.arange(12)[None], 0.8, chunk_tokens=5)
+    model.config.final_logit_softcapping = 30.0
+    via_logits, _ = packed_logprobs(model, ids, torch.arange(12)[None], 0.8, chunk_tokens=5)
+    torch.testing.assert_close(via_logits, plain, atol=1e-6, rtol=1e-6)
