@@ -6,10 +6,18 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
 - actor GPU (vLLM, tensor parallel t): vLLM takes gpu_memory_utilization of the GPU for its
   shard of the weights (1/t), activations and the KV cache; the weight receiver's staging
   buffer lies outside it (a whole model, or one message when staged on host).
-- trainer GPU (DeepSpeed, r ranks): 16 bytes per parameter (bf16 weights and gradients, fp32
-  master weights and two Adam moments), divided by r under ZeRO-3 (only the 12 optimizer bytes
-  are divided under ZeRO-2; with trainer.optimizer.offload they are in host memory); checkpointed activations (one hidden vector per layer per token);
-  one layer's activations being recomputed; the fp32 logits chunk, its log-softmax and gradient.
+- trainer GPU (DeepSpeed, r ranks), the terms `trainer_bytes` counts, each checked against
+  what the trainer allocates (scripts/gpu_check.py on an H100, tests/unit/test_memory_plan.py on
+  CPU): 16 bytes per parameter (bf16 weights and gradients, fp32 master weights and two Adam
+  moments), divided by r under ZeRO-3 (only the 12 optimizer bytes under ZeRO-2; with
+  trainer.optimizer.offload they are in host memory); under ZeRO-3 the gathered layers and
+  DeepSpeed's prefetch bucket; what autograd saves per token and layer
+  (`activation_bytes_per_token`), for every layer or, with gradient checkpointing, one layer
+  plus each layer's input; sdpa's [T, T] mask of a packed row, in the model's dtype, once per
+  layer (the one term that grows with the square of preprocess.seq_length); the output layer's
+  chunk of logits with its float32 log-softmax and their gradients (18 bytes per row and
+  vocabulary entry); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
+  PyTorch's allocator.
 - with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
   and the 16 bytes per parameter above for the adapter's parameters only; the actor holds the
   adapter's slot (at vLLM's reserved rank) beside the base; an update is the adapter.
@@ -18,6 +26,7 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,30 +146,82 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
     )
     if llm.stage_weights_on_host and lora is None:
         per_node = min(cfg.world.actors * tp, cfg.world.gpus_per_node or 1)
+        # PyTorch's pinned-memory allocator rounds every block up to a power of two.
+        pinned = 2 ** math.ceil(math.log2(weights))
         lines.append(
-            f"memory: actor host staging {weights / GIB:.1f} GiB pinned per TP worker, "
-            f"{per_node * weights / GIB:.0f} GiB on a node of {per_node} workers"
+            f"memory: actor host staging {weights / GIB:.1f} GiB in a {pinned / GIB:.0f} GiB pinned block per TP "
+            f"worker, {per_node * pinned / GIB:.0f} GiB on a node of {per_node} workers"
         )
 
     ranks = cfg.world.trainers
     t = cfg.trainer
+    trained = shape.params if lora is None else shape.lora_params(lora)
+    parts = trainer_bytes(cfg, shape)
+    total = sum(parts.values())
+    lines.append(
+        f"memory: trainer GPU (ZeRO-{t.zero_stage}, {ranks} ranks): "
+        + " + ".join(f"{name} {value / GIB:.1f} GiB" for name, value in parts.items())
+        + f" = {total / GIB:.1f} GiB of {cfg.world.gpu_memory_gib:g} GiB: {'fits' if total <= gpu else 'DOES NOT FIT'}"
+    )
+    if t.optimizer.offload:
+        lines.append(f"memory: trainer host optimizer state {trained * 12 / ranks / GIB:.1f} GiB per rank")
+    return lines
+
+
+CUDA_OUTSIDE_ALLOCATOR = int(1.7 * GIB)
+"""CUDA context, cuBLAS workspaces and NCCL buffers of one trainer process: memory the device
+holds beyond PyTorch's allocator (gpu_check.py on an H100, torch 2.11, CUDA 13: 1.3 GiB at
+ZeRO-3, 1.68 GiB at ZeRO-2)."""
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+"""DeepSpeed's default stage3_prefetch_bucket_size (parameters fetched ahead of use)."""
+LOGITS_CHUNK_BYTES_PER_ENTRY = 18
+"""Bytes per row and vocabulary entry while a chunk of logits is live: the output layer's logits
+in bf16, their float32 log-softmax, exp and product, and in backward their gradients (peak of
+forward + backward less what stays saved, gpu_check.py's model on an H100: 17.8)."""
+
+
+def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) -> int:
+    """Bytes autograd saves per token in one decoder layer (Qwen2/Llama shape, sdpa): the inputs
+    of every matmul and norm (8 hidden, 2 kv and 4 intermediate vectors in the model's dtype),
+    RMSNorm's float32 copy of its input in a bf16 model, attention's float32 log-sum-exp per
+    head and two float32 norm statistics; on CUDA, sdpa's kernels also keep contiguous copies of
+    2 hidden vectors. Exact for transformers' Qwen2 on CPU (tests/unit/test_memory_plan.py); the
+    CUDA term as measured on an H100."""
+    h = shape.hidden
+    upcast = 4 * h if size < 4 else 0
+    kernel = 2 * size * h if cuda else 0
+    return size * (8 * h + 2 * shape.kv_dim + 4 * shape.intermediate) + upcast + kernel + 4 * shape.heads + 8
+
+
+def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[str, int]:
+    """One trainer GPU's peak, by term (module docstring)."""
+    t = cfg.trainer
+    ranks = cfg.world.trainers
+    size = _BYTES[cfg.model.dtype]
+    lora = cfg.model.lora
     optimizer = 0 if t.optimizer.offload else 12 / ranks  # offloaded: in host memory
     trained = shape.params if lora is None else shape.lora_params(lora)
     state = trained * (4 / ranks + optimizer if t.zero_stage == 3 else 4 + optimizer)
     if lora is not None:  # the frozen base: weights only, no gradient or optimizer state
         state += shape.params * size / (ranks if t.zero_stage == 3 else 1)
-    tokens_step = cfg.preprocess.seq_length
-    checkpoints = tokens_step * shape.hidden * shape.layers * size if t.gradient_checkpointing else 0
-    per_layer = tokens_step * (6 * shape.hidden + 3 * shape.intermediate) * size
-    recompute = per_layer * (1 if t.gradient_checkpointing else shape.layers)
-    logits = 3 * min(cfg.model.logprob_chunk_tokens, tokens_step) * shape.vocab * 4
-    total = state + checkpoints + recompute + logits
-    lines.append(
-        f"memory: trainer GPU (ZeRO-{t.zero_stage}, {ranks} ranks): model and optimizer state "
-        f"{state / GIB:.1f} GiB + activations {(checkpoints + recompute) / GIB:.1f} GiB + logits chunk "
-        f"{logits / GIB:.1f} GiB = {total / GIB:.1f} GiB of {cfg.world.gpu_memory_gib:g} GiB: "
-        f"{'fits' if total <= gpu else 'DOES NOT FIT'}"
-    )
-    if t.optimizer.offload:
-        lines.append(f"memory: trainer host optimizer state {trained * 12 / ranks / GIB:.1f} GiB per rank")
-    return lines
+    gathered = 0
+    if t.zero_stage == 3:  # the layer in use, the next one prefetched, and the output layer
+        layer = (shape.params - shape.vocab * shape.hidden * (1 if shape.tied else 2)) / shape.layers
+        gathered = (2 * layer + ZERO3_PREFETCH_ELEMENTS + shape.vocab * shape.hidden) * size
+    tokens = cfg.preprocess.seq_length
+    per_token = activation_bytes_per_token(shape, size, cuda)
+    if t.gradient_checkpointing:
+        activations = tokens * (shape.layers * shape.hidden * size + per_token)
+        masks = size * tokens**2
+    else:
+        activations = tokens * shape.layers * per_token
+        masks = shape.layers * size * tokens**2
+    chunk = min(cfg.model.logprob_chunk_tokens or tokens, tokens)
+    return {
+        "model and optimizer state": int(state),
+        "gathered parameters": int(gathered),
+        "activations": int(activations),
+        "attention masks": int(masks),
+        "logits chunk": int(LOGITS_CHUNK_BYTES_PER_ENTRY * chunk * shape.vocab),
+        "CUDA context": CUDA_OUTSIDE_ALLOCATOR if cuda else 0,
+    }

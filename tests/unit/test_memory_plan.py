@@ -136,3 +136,51 @@ def test_math_32b_lora_fits_the_trainer_on_two_gpus_of_one_node(tmp_path):
     cfg = load_config("math_32b_lora", [f"model.path={tmp_path}"])
     used = cfg.world.trainers + cfg.world.actors * cfg.actor.llm.tensor_parallel_size + cfg.world.preprocessor_gpus
     assert cfg.world.nodes == 1 and used <= cfg.world.gpus_per_node
+
+
+def _saved_bytes_per_layer(tokens: int, dtype, packed: bool) -> float:
+    """Bytes autograd saves for one decoder layer of a tiny Qwen2 over `tokens` tokens (the
+    difference between 4 and 2 layers), storages counted once, parameters left out."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from pipeline_rl.demo.tiny_model import qwen2_config
+
+    def saved(layers: int) -> int:
+        torch.manual_seed(0)
+        config = qwen2_config(512, hidden=64, layers=layers, intermediate=128, max_len=tokens)
+        config._attn_implementation = "sdpa"
+        model = Qwen2ForCausalLM(config).to(dtype)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        positions = torch.arange(tokens // 2).repeat(2)[None] if packed else torch.arange(tokens)[None]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(input_ids=torch.randint(0, 512, (1, tokens)), position_ids=positions, use_cache=False)
+        return sum(n for ptr, n in storages.items() if ptr not in params)
+
+    return (saved(4) - saved(2)) / 2
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_activation_bytes_are_what_autograd_saves(dtype_name):
+    """The plan's per-token activation bytes (without the CUDA kernels' copies) are exactly what
+    transformers' Qwen2 layer saves for backward on CPU; a packed row adds sdpa's [T, T] mask in
+    the model's dtype per layer (and at most one hidden vector per token of index bookkeeping)."""
+    import torch
+
+    from pipeline_rl.launch.memory_plan import activation_bytes_per_token
+
+    dtype = getattr(torch, dtype_name)
+    size = torch.finfo(dtype).bits // 8
+    shape = ModelShape(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, vocab=512, tied=True, qkv_bias=True)
+    per_token = activation_bytes_per_token(shape, size, cuda=False)
+    for tokens in (64, 128):
+        assert _saved_bytes_per_layer(tokens, dtype, packed=False) == per_token * tokens
+        mask = size * tokens**2
+        extra = _saved_bytes_per_layer(tokens, dtype, packed=True) - per_token * tokens - mask
+        assert 0 <= extra <= size * shape.hidden * tokens, extra
