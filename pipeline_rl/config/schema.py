@@ -465,9 +465,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
     if cfg.trainer.optimizer.offload and cfg.trainer.zero_stage == 0:
         raise ConfigError("'trainer.optimizer.offload' needs 'trainer.zero_stage' >= 1 (ZeRO-Offload)")
-    if cfg.trainer.attention == Attention.flash_attention_2 and cfg.preprocess.share_prompts:
+    if (
+        cfg.trainer.attention in (Attention.flash_attention_2, Attention.flex_attention)
+        and cfg.preprocess.share_prompts
+    ):
         raise ConfigError(
-            "'trainer.attention' flash_attention_2 cannot run 'preprocess.share_prompts' rows (they need an "
+            f"'trainer.attention' {cfg.trainer.attention} cannot run 'preprocess.share_prompts' rows (they need an "
             "explicit [T, T] mask): use sdpa or auto"
         )
     if cfg.actor.temperature <= 0:
