@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -70,9 +71,12 @@ import torch
 import torch.distributed as dist
 
 from pipeline_rl.streams.records import WeightUpdate
-from pipeline_rl.weight_layout import Layout, check_announcement, dtype_name, flat_span, plan_buckets
+from pipeline_rl.weight_layout import Layout, aligned, check_announcement, dtype_name, flat_span, plan_buckets
 
 log = logging.getLogger(__name__)
+
+Keep = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int]]]
+"""Per tensor name, the views (shape, stride, storage offset) of it that a receiver keeps."""
 
 
 def group_ranks(actor_index: int, actors: int, tensor_parallel_size: int) -> tuple[list[int], int]:
@@ -436,7 +440,12 @@ class WeightReceiver(_Endpoint):
     stage_on_host: keep the whole update in host memory (pinned when the group is NCCL) rather
     than on the device; each message then lands in a bounce buffer on the device, at most the
     largest message (a bucket, or one tensor larger than a bucket), and is copied out. The GPU
-    then holds no model-sized buffer; the engine copies to it when it loads, under its lock."""
+    then holds no model-sized buffer; the engine copies to it when it loads, under its lock.
+
+    keep (staged on host only): per tensor name, the views (shape, stride, storage offset) of
+    the incoming tensor that this receiver's engine reads: a tensor-parallel worker's shard, from
+    its copy plan. Only those views are kept, each as a contiguous block (`receive_kept`), so a
+    worker's host memory holds its shard of an update, not the whole model."""
 
     def __init__(
         self,
@@ -446,10 +455,19 @@ class WeightReceiver(_Endpoint):
         backend: str,
         timeout_s: float,
         stage_on_host: bool = False,
+        keep: Keep | None = None,
     ):
         if not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
+        if keep is not None and not stage_on_host:
+            raise ValueError("a receiver keeps views of the update only when it stages it on host")
         super().__init__(addr, rank, world_size, backend, timeout_s)
+        self.keep = keep
+        self._kept: dict[str, list[torch.Tensor]] = {}
+        """Per name, the kept blocks (views of the receive buffer) in `keep`'s order."""
+        self._kept_by_index: list[list[tuple[torch.Tensor, tuple]]] = []
+        """Per tensor of the layout, its (block, view spec) pairs."""
+        self._names: list[str] = []
         self._start_heartbeat()
         self.stage_on_host = stage_on_host
         if stage_on_host:
@@ -486,6 +504,10 @@ class WeightReceiver(_Endpoint):
                     self._store, name.decode(), self.rank, self.world_size, self.backend, self.timeout
                 )
                 self._group_name = name.decode()
+            if self.keep is not None and update.names != self._names:
+                self._release()  # the kept blocks are laid out by name
+                self._names = list(update.names)
+                kept = None
             layout = kept if kept is not None and kept.plan == plan else self._new_layout(update, plan)
             self._receive_messages(layout)
         except StaleUpdate:
@@ -501,6 +523,14 @@ class WeightReceiver(_Endpoint):
             raise failed from e
         return list(zip(update.names, self._views))
 
+    def receive_kept(self, update: WeightUpdate) -> dict[str, list[torch.Tensor]]:
+        """`receive` for a receiver with `keep`: per name, its kept views as contiguous blocks,
+        in `keep`'s order (valid until the next receive)."""
+        if self.keep is None:
+            raise ValueError("receive_kept needs a receiver made with keep")
+        self.receive(update)
+        return self._kept
+
     def _new_layout(self, update: WeightUpdate, plan: str) -> Layout:
         self._reuse = self._buffer  # a layout of the same size (another plan) keeps the buffer
         try:
@@ -509,6 +539,9 @@ class WeightReceiver(_Endpoint):
             self._reuse = None
 
     def _allocate(self, layout: Layout) -> None:
+        if self.keep is not None:
+            self._allocate_kept(layout)
+            return
         buffer, self._reuse = self._reuse, None
         if buffer is None or buffer.numel() != layout.total_bytes:
             buffer = None  # let go of the old buffer before allocating the new one
@@ -520,11 +553,32 @@ class WeightReceiver(_Endpoint):
         for m in layout.messages:
             self._parts[m.bucket].append(self._buffer[m.start : m.stop])
 
+    def _allocate_kept(self, layout: Layout) -> None:
+        """One pinned host buffer holding every kept view back to back."""
+        assert self.keep is not None
+        specs = [(i, spec) for i, name in enumerate(self._names) for spec in self.keep.get(name, ())]
+        sizes = [math.prod(shape) * layout.dtypes[i].itemsize for i, (shape, _, _) in specs]
+        self._buffer = None
+        pin = self.device.type == "cuda"
+        self._buffer = torch.empty(sum(aligned(n) for n in sizes), dtype=torch.uint8, pin_memory=pin)
+        self._kept = {}
+        self._kept_by_index = [[] for _ in self._names]
+        at = 0
+        for (i, spec), n in zip(specs, sizes):
+            block = self._buffer[at : at + n].view(layout.dtypes[i]).view(spec[0])
+            self._kept.setdefault(self._names[i], []).append(block)
+            self._kept_by_index[i].append((block, spec))
+            at += aligned(n)
+        self._views = []
+        self._parts = []
+
     def _release(self) -> None:
         super()._release()
         self._buffer = None
         self._views = []
         self._parts = []
+        self._kept = {}
+        self._kept_by_index = []
 
     def _receive_messages(self, layout: Layout) -> None:
         """Into the receive buffer: the messages of two buckets started at a time, bucket b + 2's
@@ -543,6 +597,16 @@ class WeightReceiver(_Endpoint):
         if self._bounce is None or self._bounce.numel() < layout.largest:
             self._bounce = None
             self._bounce = torch.empty(layout.largest, dtype=torch.uint8, device=self.device)
+        if self.keep is not None:
+            for msg in layout.messages:
+                bounce = self._bounce[: msg.stop - msg.start]
+                self._start(bounce).wait(self.timeout)
+                for i, (at, n) in zip(msg.members, msg.at):
+                    if self._kept_by_index[i]:
+                        tensor = bounce[at : at + n].view(layout.dtypes[i])
+                        for block, (shape, stride, offset) in self._kept_by_index[i]:
+                            block.copy_(tensor.as_strided(shape, stride, tensor.storage_offset() + offset))
+            return
         for bucket in parts:
             for part in bucket:
                 bounce = self._bounce[: part.numel()]

@@ -322,6 +322,29 @@ class EngineWeights:
             return Prepared(named=named_tensors)
         return Prepared(pairs=self.plan.bind(named_tensors))
 
+    def source_views(self) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int]]] | None:
+        """Per checkpoint name, the views of an incoming tensor the copy plan reads (a
+        tensor-parallel worker's shard), in the plan's order; None without a plan (the reload
+        path needs whole tensors). What `WeightReceiver(keep=...)` keeps."""
+        if self.plan is None:
+            return None
+        return {
+            name: [(shape, stride, offset) for _, shape, stride, offset in pairs]
+            for name, pairs in self.plan.copies.items()
+        }
+
+    def prepare_kept(self, announced: Named, kept: dict[str, list[torch.Tensor]]) -> Prepared:
+        """Check an update by its announced names and shapes (`announced`: tensors on the meta
+        device are enough) and pair the plan's parameter views with the blocks a receiver kept
+        for them (`source_views`' order); raises ValueError."""
+        self.check(announced)
+        assert self.plan is not None, "prepare_kept needs a copy plan (source_views was None)"
+        return Prepared(
+            pairs=[
+                (dst, block) for name, pairs in self.plan.copies.items() for (dst, *_), block in zip(pairs, kept[name])
+            ]
+        )
+
     def load(self, update: Prepared) -> None:
         """Load a prepared update in place (each tensor-parallel worker its own shard); the
         caller makes sure no forward pass runs meanwhile."""

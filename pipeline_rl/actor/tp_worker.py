@@ -22,6 +22,7 @@ from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter, single_
 from pipeline_rl.actor.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
 from pipeline_rl.actor.tp_swap import CHECK, GROUP_FAILED, STALE, staged_key
 from pipeline_rl.streams.records import WeightUpdate, decode
+from pipeline_rl.weight_layout import dtype_of
 from pipeline_rl.weight_sync import StaleUpdate, WeightGroupFailed, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,23 @@ class TensorParallelWorker:
             return f"{CHECK}worker {self.rank}: {e}"
         return None
 
+    def _pipeline_rl_prepare_kept(
+        self, ticket: str, announced: WeightUpdate, kept: dict[str, list[torch.Tensor]]
+    ) -> str | None:
+        """As `_pipeline_rl_prepare`, for an update of which this worker kept only its shard:
+        checked by the announcement's names, shapes and dtypes."""
+        weights = self._pipeline_rl.weights
+        assert isinstance(weights, EngineWeights)
+        meta = [
+            (name, torch.empty(shape, dtype=dtype_of(dtype), device="meta"))
+            for name, shape, dtype in zip(announced.names, announced.shapes, announced.dtypes)
+        ]
+        try:
+            self._pipeline_rl.staged = (ticket, weights.prepare_kept(meta, kept))
+        except ValueError as e:
+            return f"{CHECK}worker {self.rank}: {e}"
+        return None
+
     def pipeline_rl_receive(
         self,
         ticket: str,
@@ -98,7 +116,11 @@ class TensorParallelWorker:
         my_rank = rank + self.rank
         try:
             if state.receiver is None:
-                state.receiver = WeightReceiver(addr, my_rank, world_size, backend, timeout_s, stage_on_host)
+                # Staged on host, a worker keeps only its shard: the views its copy plan reads.
+                keep = (
+                    state.weights.source_views() if stage_on_host and isinstance(state.weights, EngineWeights) else None
+                )
+                state.receiver = WeightReceiver(addr, my_rank, world_size, backend, timeout_s, stage_on_host, keep)
             announced = decode(update, WeightUpdate)
         except Exception as e:
             return f"worker {self.rank}: {e}"
@@ -109,12 +131,16 @@ class TensorParallelWorker:
             try:
                 if receiver.device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(receiver.device)
-                named = receiver.receive(announced)
-                if receiver.device.type == "cuda":
-                    # The engine loads from these buffers on its own streams: the broadcast's
-                    # kernels must be done before the actor is told so.
-                    torch.cuda.synchronize(receiver.device)
-                status = self._pipeline_rl_prepare(ticket, named) or "ok"
+                if receiver.keep is not None:
+                    kept = receiver.receive_kept(announced)
+                    status = self._pipeline_rl_prepare_kept(ticket, announced, kept) or "ok"
+                else:
+                    named = receiver.receive(announced)
+                    if receiver.device.type == "cuda":
+                        # The engine loads from these buffers on its own streams: the broadcast's
+                        # kernels must be done before the actor is told so.
+                        torch.cuda.synchronize(receiver.device)
+                    status = self._pipeline_rl_prepare(ticket, named) or "ok"
             except StaleUpdate as e:
                 status = f"{STALE}{e}"
             except WeightGroupFailed as e:

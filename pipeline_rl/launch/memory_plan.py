@@ -5,7 +5,8 @@ An estimate for decoder-only models of the Llama / Qwen2 shape (attention with g
 heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
 - actor GPU (vLLM, tensor parallel t): vLLM takes gpu_memory_utilization of the GPU for its
   shard of the weights (1/t), activations and the KV cache; the weight receiver's staging
-  buffer lies outside it (a whole model, or one message when staged on host).
+  buffer lies outside it (a whole model, or one message when staged on host, where each TP
+  worker keeps only its shard of an update).
 - trainer GPU (DeepSpeed, r ranks), the terms `trainer_bytes` counts, each checked against
   what the trainer allocates (scripts/gpu_check.py on an H100, tests/unit/test_memory_plan.py on
   CPU): 16 bytes per parameter (bf16 weights and gradients, fp32 master weights and two Adam
@@ -146,11 +147,13 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
     )
     if llm.stage_weights_on_host and lora is None:
         per_node = min(cfg.world.actors * tp, cfg.world.gpus_per_node or 1)
-        # PyTorch's pinned-memory allocator rounds every block up to a power of two.
-        pinned = 2 ** math.ceil(math.log2(weights))
+        # Each TP worker keeps only the shard its copy plan reads (WeightReceiver keep); PyTorch's
+        # pinned-memory allocator rounds every block up to a power of two.
+        shard = weights / tp
+        pinned = 2 ** math.ceil(math.log2(shard))
         lines.append(
-            f"memory: actor host staging {weights / GIB:.1f} GiB in a {pinned / GIB:.0f} GiB pinned block per TP "
-            f"worker, {per_node * pinned / GIB:.0f} GiB on a node of {per_node} workers"
+            f"memory: actor host staging {shard / GIB:.1f} GiB (1/{tp} of the model) in a {pinned / GIB:.0f} GiB "
+            f"pinned block per TP worker, {per_node * pinned / GIB:.0f} GiB on a node of {per_node} workers"
         )
 
     ranks = cfg.world.trainers

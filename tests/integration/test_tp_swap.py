@@ -203,6 +203,45 @@ def test_check_failing_in_one_worker_loads_nothing(client, trained):
     assert max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs)) < 1e-5
 
 
+def test_host_staged_workers_keep_only_their_shard(client, tiny_model, trained):
+    """actor.llm.stage_weights_on_host at TP = 2: each worker's receiver keeps only the views its
+    copy plan reads (its shard: the vocabulary-parallel embedding and the sharded linears, plus
+    the small replicated norms), not the whole update; the swap from those blocks serves the
+    new weights (logprobs equal transformers' with them)."""
+
+    def drop_receiver(worker):
+        state = worker._pipeline_rl
+        if state.receiver is not None:
+            state.receiver.close()
+        state.receiver = None
+
+    on_worker(client, drop_receiver)  # a worker's receiver serves one sender: host-staged ones from here
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, world_size=1 + TP, backend="gloo", timeout_s=60)
+    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=60, stage_on_host=True)
+    weights = perturbed(trained, seed=7)
+    announced: queue.Queue = queue.Queue()
+    thread = threading.Thread(target=sender.send, args=(client.version + 1, weights.items(), announced.put, 1))
+    thread.start()
+    assert client.apply_update(receiver, announced.get(timeout=60))
+    thread.join()
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    kept = on_worker(client, lambda w: w._pipeline_rl.receiver._buffer.numel())
+    assert len(kept) == TP and all(k < 0.6 * total for k in kept), (kept, total)
+
+    prompt = client.tokenizer.encode("the quick brown")
+    [c] = asyncio.run(client.generate(prompt, 1, 24, 0.7, ignore_eos=True))
+    assert c.versions == [client.version] * len(c.token_ids)
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        logits = hf_model(tiny_model, weights)(ids).logits[0, len(prompt) - 1 : -1] / 0.7
+    expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+    assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+    receiver.close()
+    sender.close()
+    on_worker(client, drop_receiver)
+
+
 def test_load_failing_in_one_worker_stops_the_engine(client, trained):
     """Runs last in this file: it leaves the module's engine unusable, as it must. The load is
     queued ahead of the next step, so that step is the one that fails: its result is discarded."""

@@ -216,6 +216,69 @@ def test_mixed_tensors_arrive_intact_in_reused_buffers(stage_on_host):
     receiver.close()
 
 
+class _Shard(torch.nn.Module):
+    """Worker 1 of a tensor-parallel pair: q and k land in its half of the rows of one fused
+    parameter (column-parallel), o in its half of the columns (row-parallel), n whole."""
+
+    def __init__(self, rows: int, width: int):
+        super().__init__()
+        self.qk = torch.nn.Parameter(torch.zeros(rows, width), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(width, rows // 2), requires_grad=False)
+        self.n = torch.nn.Parameter(torch.zeros(width), requires_grad=False)
+
+    def load_weights(self, weights) -> None:
+        half = self.qk.shape[0] // 2
+        for name, t in weights:
+            if name in ("q", "k"):
+                at = 0 if name == "q" else half
+                self.qk[at : at + half].copy_(t[t.shape[0] // 2 :])
+            elif name == "o":
+                self.o.copy_(t[:, t.shape[1] // 2 :])
+            else:
+                self.n.copy_(t)
+
+
+def test_a_receiver_keeps_only_its_shard_of_an_update():
+    """Staged on host with `keep` (a TP worker's copy plan's source views), the receiver's host
+    buffer holds the shard alone, about half the update here, and the plan's copies from the
+    kept blocks load exactly the shard a full receive would (torch.equal), update after update."""
+    import threading
+
+    from pipeline_rl.actor.engine_weights import LoadPlan
+
+    rows, width = 256, 512
+    shapes = {"q": (rows, width), "k": (rows, width), "o": (width, rows), "n": (width,)}
+    engine = _Shard(rows, width)
+    checkpoint = [(name, torch.zeros(shape)) for name, shape in shapes.items()]
+    plan = LoadPlan.capture(engine, checkpoint, list(shapes))
+    keep = {
+        name: [(shape, stride, offset) for _, shape, stride, offset in pairs] for name, pairs in plan.copies.items()
+    }
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, world_size=2, backend="gloo", timeout_s=TIMEOUT_S)
+    receiver = WeightReceiver(addr, 1, 2, "gloo", TIMEOUT_S, stage_on_host=True, keep=keep)
+    for version in (1, 2):
+        g = torch.Generator().manual_seed(version)
+        weights = [(name, torch.randn(shape, generator=g)) for name, shape in shapes.items()]
+        announced, got = [], []
+        thread = threading.Thread(target=lambda: got.append(receiver.receive_kept(announced[0])))
+        sender.send(version, weights, lambda u: (announced.append(u), thread.start()), bucket_mb=1)
+        thread.join(10)
+        kept = got[0]
+        plan.copy([(dst, block) for name, pairs in plan.copies.items() for (dst, *_), block in zip(pairs, kept[name])])
+        expected = _Shard(rows, width)
+        expected.load_weights(weights)
+        for mine, want in zip(engine.parameters(), expected.parameters()):
+            assert torch.equal(mine, want)
+        shard_bytes = sum(p.numel() * 4 for p in engine.parameters())
+        total_bytes = sum(t.numel() * 4 for _, t in weights)
+        assert receiver._buffer is not None and receiver._buffer.numel() == shard_bytes < 0.51 * total_bytes
+    with pytest.raises(ValueError, match="stages it on host"):
+        WeightReceiver(addr, 1, 2, "gloo", TIMEOUT_S, stage_on_host=False, keep=keep)
+    sender.close()
+    receiver.close()
+
+
 def test_sender_takes_each_tensor_only_when_its_message_is_built():
     """With specs, the announcement needs no tensor and the tensors are pulled from a generator
     one message at a time, and a bucket's messages are done before the next bucket's first
