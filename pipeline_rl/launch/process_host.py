@@ -24,8 +24,10 @@ POLL_S = 0.2
 
 
 class ProcessHost:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str):
-        self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], cwd: str, log_path: str, unset: tuple[str, ...] = ()
+    ):
+        self.name, self.argv, self.env, self.cwd, self.unset = name, argv, env, cwd, unset
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
@@ -33,7 +35,7 @@ class ProcessHost:
         """Start the child, wait for it; (its exit code, the last lines of its log as this node
         sees them: the driver's node may not see them when run_dir is not shared)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env}
+        env = {k: v for k, v in os.environ.items() if k not in self.unset} | self.env
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,

@@ -46,6 +46,9 @@ PLACEMENT_REPORT_S = 30.0
 """While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
 RAYLET_PROBE_S = 2.0
 """How long a node's raylet may take to accept a connection before the node counts as gone."""
+RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
+"""Variables Ray sets in its workers (OMP_NUM_THREADS to the actor's CPU count, 1 here) that
+the processes must not inherit: they get the driver's, as on one node (child_env)."""
 
 
 @dataclass
@@ -90,10 +93,11 @@ def _bundle_nodes(pg: PlacementGroup, count: int) -> list[RayNode]:
     return out
 
 
-def node_alive(node: RayNode) -> bool:
-    """Ray still counts the node alive and its raylet accepts connections (a raylet that died
-    is noticed here at once, before Ray's own health check marks the node dead)."""
-    info = _cluster_nodes().get(node.id)
+def node_alive(node: RayNode, cluster: dict[str, dict[str, Any]]) -> bool:
+    """Ray (`cluster`: its nodes by id) still counts the node alive and its raylet accepts
+    connections (a raylet that died is noticed here at once, before Ray's own health check
+    marks the node dead)."""
+    info = cluster.get(node.id)
     if info is None or not info["Alive"]:
         return False
     try:
@@ -113,7 +117,9 @@ class Hosted:
     run: Any
     """The ObjectRef of its `run` call: (exit code, log tail)."""
     log_path: Path
-    result: tuple[int, str] | None = None
+    result: tuple[int | None, str] | None = None
+    """Once `run` has returned: (exit code, or None when the Ray worker itself is gone; log tail
+    or what became of the worker)."""
 
 
 class RayRun(RunLoop):
@@ -125,7 +131,9 @@ class RayRun(RunLoop):
         self.hosted: list[Hosted] = []
         self.redis: Hosted | None = None
 
-    def _start(self, name: str, pool: str, bundle: int, argv: list[str], env: dict[str, str], gpus: float) -> Hosted:
+    def _start(
+        self, name: str, pool: str, bundle: int, argv: list[str], env: dict[str, str], gpus: float = 0.0
+    ) -> Hosted:
         log_path = self.run_dir / "logs" / f"{name}.log"
         actor = self.remote_host.options(
             # Redis rides on trainer rank 0's bundle without taking its CPU.
@@ -134,14 +142,14 @@ class RayRun(RunLoop):
             max_restarts=0,
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-        ).remote(name, argv, env, os.getcwd(), str(log_path))
+        ).remote(name, argv, env, os.getcwd(), str(log_path), RAY_WORKER_ONLY)
         return Hosted(name, pool, self.nodes[bundle], actor, actor.run.remote(), log_path)
 
     def start_redis(self) -> None:
         from pipeline_rl.launch.redis_server import redis_command, wait_port
 
         r = self.cfg.streams.redis
-        self.redis = self._start("redis", "redis", 0, redis_command(self.cfg), {}, 0)
+        self.redis = self._start("redis", "redis", 0, redis_command(self.cfg), {})
         wait_port(r.host, r.port, what=f"redis-server on {self.redis.node}")
 
     def start(self) -> None:
@@ -149,7 +157,8 @@ class RayRun(RunLoop):
         # The plan's node indices, made true: where Ray placed each bundle (trainer rank 0's node is 0).
         placed = [replace(b.spec, node=distinct.index(n.id)) for b, n in zip(self.found, self.nodes)]
         for i, (spec, node) in enumerate(zip(placed, self.nodes)):
-            env = child_env(self.cfg, Node(spec.node, len(distinct), self.nodes[0].ip), spec, placed, env={})
+            driver_env = {k: os.environ[k] for k in RAY_WORKER_ONLY if k in os.environ}
+            env = child_env(self.cfg, Node(spec.node, len(distinct), self.nodes[0].ip), spec, placed, env=driver_env)
             if spec.gpus:
                 del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
             env[RUN_NONCE_ENV] = self.nonce
@@ -174,13 +183,14 @@ class RayRun(RunLoop):
             try:
                 h.result = ray.get(ref)
             except RayActorError as e:
-                # The worker is gone: with its node, or alone. Exit code -1 marks "no exit code".
+                # The worker is gone, with its node or alone: no exit code.
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                h.result = (-1, f"(its Ray worker is gone: {type(e).__name__}: {first})")
+                h.result = (None, f"its Ray worker is gone ({type(e).__name__}: {first})")
 
     def _dead_nodes(self) -> list[RayNode]:
         seen: dict[str, RayNode] = {n.id: n for n in self.nodes}
-        return [n for n in seen.values() if not node_alive(n)]
+        cluster = _cluster_nodes()
+        return [n for n in seen.values() if not node_alive(n, cluster)]
 
     def _lost_node_summary(self, node: RayNode) -> str:
         held = [h.name for h in self._everyone() if h.node.id == node.id]
@@ -195,12 +205,17 @@ class RayRun(RunLoop):
             if h.pool == "trainer" and code == 0:
                 continue
             dead = self._dead_nodes()
-            what = "redis-server stopped" if h.pool == "redis" else describe_exit(code) if code >= 0 else tail
+            if code is None:
+                what = tail
+            else:
+                what = f"redis-server stopped ({describe_exit(code)})" if h.pool == "redis" else describe_exit(code)
             summary = f"process {h.name} on {h.node} failed: {what}"
             if dead:
-                # A dead node explains a failure elsewhere (a peer's collective or Redis broke).
-                summary = "; ".join(self._lost_node_summary(n) for n in dead) + f". Then {summary}"
-            log_tail = tail if code >= 0 else last_lines(h.log_path)
+                # A dead node explains the failure, on it or elsewhere (a peer's collective or Redis broke).
+                lost = "; ".join(self._lost_node_summary(n) for n in dead)
+                summary = lost if h.node in dead else f"{lost}. Then {summary}"
+            # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
+            log_tail = tail if code is not None else last_lines(h.log_path)
             return Failure(summary, str(h.log_path), log_tail), False
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         return None, bool(trainers) and all(h.result is not None for h in trainers)

@@ -204,8 +204,9 @@ def groups_in_steps(run_dir: Path) -> dict[str, set[int]]:
 
 def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp_path, tiny_model):
     """(a) three nodes train; (b) the actor's node is lost: the run stops within 45 s naming the
-    node and actor0; (d) run again on a replacement node: it resumes from the checkpoint and
-    no group is in two steps."""
+    node and actor0; (d) run again on a replacement node: it resumes from the checkpoint, trains
+    no group in two steps, and a SIGTERM of the driver stops it with a checkpoint of the version
+    reached."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
     driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
@@ -226,24 +227,55 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     assert held == ["actor0"]
     assert f"node {node_id} (" in out and "is gone" in out and "it ran actor0" in out, out[-3000:]
     assert run_processes(run_dir) == {}
-    print(f"node lost -> run stopped in {stopped_in:.1f} s")
+    print(f"\nnode of actor0 lost -> run stopped in {stopped_in:.1f} s; the driver said:")
+    print("\n".join(line for line in out.splitlines() if "is gone" in line))
 
     trained_before = trainer_versions(run_dir)
     saved = latest_checkpoint(run_dir)
     assert saved is not None
     checkpointed = saved[1]
-    final = trained_before[-1] + 2
     cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
     cluster.wait_for_nodes()
-    driver = Driver(cluster, run_dir, redis_port, f"trainer.max_steps={final}")
+    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
     try:
-        code = driver.wait(timeout=300)
+        deadline = time.time() + 240
+        while len(trainer_versions(run_dir)) < len(trained_before) + 3:
+            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+            time.sleep(1)
+        # SIGTERM of the driver: trainers stop first and checkpoint the version they reached.
+        driver.proc.send_signal(signal.SIGTERM)
+        code = driver.wait(timeout=120)
     finally:
         driver.stop()
-    assert code == 0, driver.out[-4000:]
+    assert code == 130, driver.out[-4000:]
     assert "resuming" in driver.out
-    # The steps after the checkpoint were lost with the stop and are trained again, once each.
-    assert trainer_versions(run_dir) == trained_before + list(range(checkpointed + 1, final + 1))
+    # The steps after the checkpoint were lost with the node and are trained again, once each.
+    versions = trainer_versions(run_dir)
+    assert versions == trained_before + list(range(checkpointed + 1, versions[-1] + 1)), versions
+    saved = latest_checkpoint(run_dir)
+    assert saved is not None and saved[1] == versions[-1], (saved, versions)
     twice = {gid: steps for gid, steps in groups_in_steps(run_dir).items() if len(steps) > 1}
     assert not twice, f"groups in more than one step: {twice}"
     assert run_processes(run_dir) == {}
+
+
+def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_path, tiny_model):
+    """(c) the node that holds trainer rank 0 and the run's Redis is lost: the run stops within
+    45 s naming that node, trainer0 and redis."""
+    run_dir = tmp_path / "run"
+    driver = Driver(cluster, run_dir, free_port(), "trainer.max_steps=1000")
+    try:
+        run_until(driver, run_dir, versions=1, timeout=300)
+        node_id, held, killed_at = kill_node(cluster, driver, run_dir, "trainer0")
+        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
+        stopped_in = time.time() - killed_at
+    finally:
+        driver.stop()
+    out = driver.out
+    assert code == 1, out[-4000:]
+    assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the node was lost:\n{out[-3000:]}"
+    assert held == ["trainer0"]
+    assert f"node {node_id} (" in out and "it ran trainer0, redis" in out, out[-3000:]
+    assert run_processes(run_dir) == {}
+    print(f"\nnode of trainer0 and redis lost -> run stopped in {stopped_in:.1f} s; the driver said:")
+    print("\n".join(line for line in out.splitlines() if "is gone" in line))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+from helpers import ROOT
 
 from pipeline_rl.config import load_config
 from pipeline_rl.launch.bundles import bundles, describe_bundles
@@ -33,3 +37,13 @@ def test_cpu_bundles_and_their_description():
     assert lines[0].startswith("Ray placement group (PACK, 4 bundles, CPU 4; world.nodes=3)")
     assert "trainer0" in lines[1] and "plan node 0" in lines[1] and lines[1].endswith("+ redis-server")
     assert "actor1" in lines[4] and "plan node 1" in lines[4] and "{CPU: 1}" in lines[4]
+
+
+def test_one_node_needs_no_ray():
+    """The launcher, a one-node dry run and a pool process's entry import nothing of Ray."""
+    code = (
+        "import sys; from pipeline_rl.launch.launcher import main; import pipeline_rl.launch.process; "
+        "assert main(['conf=tiny', '--dry-run']) == 0; "
+        "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120, capture_output=True)
