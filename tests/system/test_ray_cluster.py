@@ -3,7 +3,8 @@
 PACK strategy puts trainer0, preprocessor0 and actor0 on three different nodes), with the
 run's own Redis and gloo. A node removed mid-run (its raylet, its Ray workers and its pool
 processes killed) must stop the run within 45 s, naming the node and what ran on it; running
-again resumes from the last checkpoint and trains no group twice."""
+again resumes from the last checkpoint and trains no group twice. A process whose node does
+not see the driver's run directory is refused."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pipeline_rl.wire import Topic
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm, pytest.mark.deepspeed]
+pytestmark = pytest.mark.slow
 
 NODE_LOSS_STOP_S = 45.0
 """The promise: a node that dies stops the run within this long."""
@@ -202,6 +203,9 @@ def groups_in_steps(run_dir: Path) -> dict[str, set[int]]:
     return steps_of
 
 
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
 def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp_path, tiny_model):
     """(a) three nodes train; (b) the actor's node is lost: the run stops within 45 s naming the
     node and actor0; (d) run again on a replacement node: it resumes from the checkpoint, trains
@@ -259,6 +263,9 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     assert run_processes(run_dir) == {}
 
 
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
 def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_path, tiny_model):
     """(c) the node that holds trainer rank 0 and the run's Redis is lost: the run stops within
     45 s naming that node, trainer0 and redis."""
@@ -279,3 +286,33 @@ def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_
     assert run_processes(run_dir) == {}
     print(f"\nnode of trainer0 and redis lost -> run stopped in {stopped_in:.1f} s; the driver said:")
     print("\n".join(line for line in out.splitlines() if "is gone" in line))
+
+
+def test_a_process_that_does_not_see_the_run_directory_is_refused(tmp_path):
+    """(e) A pool process started on a Ray node, as the driver starts it, but whose run_dir is
+    not the driver's (another run's nonce there, as on a node-local disk that an older run left):
+    it exits 1 before reading the config, and the node sends back the reason."""
+    import ray
+
+    from pipeline_rl.config import load_config
+    from pipeline_rl.launch.process_host import ProcessHost
+    from pipeline_rl.launch.run_dir import prepare_run_dir
+    from pipeline_rl.wire import RUN_NONCE_ENV
+
+    head = {"num_cpus": 1, "include_dashboard": False, "object_store_memory": OBJECT_STORE}
+    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+    try:
+        _, stale = prepare_run_dir(load_config("tiny", [f"run_dir={tmp_path}"]), fresh=False)
+        ray.init(address=c.address, log_to_driver=False)
+        argv = [sys.executable, "-m", "pipeline_rl.preprocess", "--run-dir", str(tmp_path), "--index", "0"]
+        host = ray.remote(ProcessHost).remote(
+            "preprocessor0", argv, {RUN_NONCE_ENV: "0" * 32}, str(ROOT), str(tmp_path / "logs" / "p.log")
+        )
+        code, tail = ray.get(host.run.remote(), timeout=120)
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    assert stale != "0" * 32
+    assert code == 1, tail
+    assert "preprocessor0 failed: RunDirNotShared" in tail and "holds another run's nonce" in tail
+    assert "must be on a file system every node shares" in tail
