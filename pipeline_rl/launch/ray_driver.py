@@ -9,10 +9,11 @@ trainer rank 0's bundle, and every process as an actor (process_host.py) that ru
 `python -m pipeline_rl.<pool> --run-dir D --index I` as on one node.
 
 Supervision is Ray's: each actor's `run` returns its child's exit code, and a node that dies
-takes its workers with it, so their `run` calls fail (at once when the worker's socket closes;
-after Ray's node health check, some 30 s, when the node vanishes silently). Either stops the
-run; the report names the process, its node (Ray node id and address) and, for a lost node,
-every process it held. The watch loop, the watchdog and how a stop proceeds are the one-node
+takes its workers with it, so their `run` calls fail at once when the worker's sockets close.
+A node that vanishes without closing them (a power cut) is found by the driver's own probe of
+every node's raylet (NODE_PROBE_EVERY_S) long before Ray's health check gives up on it. Either
+stops the run; the report names the process, its node (Ray node id and address) and, for a
+lost node, every process it held. The watch loop, the watchdog and how a stop proceeds are the one-node
 launcher's (run_loop.py).
 """
 
@@ -46,6 +47,12 @@ PLACEMENT_REPORT_S = 30.0
 """While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
 RAYLET_PROBE_S = 2.0
 """How long a node's raylet may take to accept a connection before the node counts as gone."""
+NODE_PROBE_EVERY_S = 5.0
+"""How often the driver checks that every node of the run still answers. Ray's own health check
+gives up on a node that vanished without closing its connections (a power cut) only after some
+5 x (10 s timeout + 3 s period), and until then the calls to its actors just wait."""
+NODE_PROBE_MISSES = 2
+"""Consecutive probes a node must miss to count as gone."""
 RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
 """Variables Ray sets in its workers (OMP_NUM_THREADS to the actor's CPU count, 1 here) that
 the processes must not inherit: they get the driver's, as on one node (child_env)."""
@@ -130,6 +137,8 @@ class RayRun(RunLoop):
         self.remote_host = ray.remote(ProcessHost)
         self.hosted: list[Hosted] = []
         self.redis: Hosted | None = None
+        self.misses: dict[str, int] = {}
+        self.probed_at = 0.0
 
     def _start(
         self, name: str, pool: str, bundle: int, argv: list[str], env: dict[str, str], gpus: float = 0.0
@@ -192,6 +201,18 @@ class RayRun(RunLoop):
         cluster = _cluster_nodes()
         return [n for n in seen.values() if not node_alive(n, cluster)]
 
+    def _probe_nodes(self) -> RayNode | None:
+        """A node that missed NODE_PROBE_MISSES probes in a row, if any (probes every NODE_PROBE_EVERY_S)."""
+        if time.monotonic() - self.probed_at < NODE_PROBE_EVERY_S:
+            return None
+        self.probed_at = time.monotonic()
+        cluster = _cluster_nodes()
+        for node in {n.id: n for n in self.nodes}.values():
+            self.misses[node.id] = 0 if node_alive(node, cluster) else self.misses.get(node.id, 0) + 1
+            if self.misses[node.id] >= NODE_PROBE_MISSES:
+                return node
+        return None
+
     def _lost_node_summary(self, node: RayNode) -> str:
         held = [h.name for h in self._everyone() if h.node.id == node.id]
         return f"{node} is gone (its raylet does not answer or Ray marked it dead): it ran {', '.join(held)}"
@@ -217,6 +238,10 @@ class RayRun(RunLoop):
             # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
             log_tail = tail if code is not None else last_lines(h.log_path)
             return Failure(summary, str(h.log_path), log_tail), False
+        gone = self._probe_nodes()
+        if gone is not None:
+            first = next(h for h in self._everyone() if h.node.id == gone.id)
+            return Failure(self._lost_node_summary(gone), str(first.log_path), last_lines(first.log_path)), False
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         return None, bool(trainers) and all(h.result is not None for h in trainers)
 

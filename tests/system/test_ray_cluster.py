@@ -70,6 +70,7 @@ class Driver:
     """`launch.py` on the cluster, its output collected line by line as it comes."""
 
     def __init__(self, cluster, run_dir: Path, redis_port: int, *overrides: str):
+        self.redis_port = redis_port
         argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", *QUICK]
         argv += [f"world.ray_address={cluster.address}", f"streams.redis.port={redis_port}"]
         argv += [f"world.trainer_port={free_port()}", f"world.weight_sync_port={free_port()}", *overrides]
@@ -108,11 +109,14 @@ class Driver:
                 self.proc.kill()
 
 
-def run_processes(run_dir: Path) -> dict[int, str]:
+def run_processes(run_dir: Path, redis_port: int) -> dict[int, str]:
+    """Live processes of the run: its pool processes and its redis-server (which shows
+    "redis-server HOST:PORT" as its command line): pid -> command."""
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         args = " ".join(p.info["cmdline"] or [])
-        if str(run_dir) in args and ("pipeline_rl." in args or "redis-server" in args):
+        ours = str(run_dir) in args and "pipeline_rl." in args
+        if ours or (args.startswith("redis-server") and args.endswith(f":{redis_port}")):
             found[p.info["pid"]] = args
     return found
 
@@ -151,13 +155,15 @@ def kill_node(cluster, driver: Driver, run_dir: Path, process: str):
     victims = []
     for name in held:
         pool, index = re.match(r"([a-z]+)(\d+)", name).groups()  # type: ignore[union-attr]
-        for pid, args in run_processes(run_dir).items():
+        for pid, args in run_processes(run_dir, driver.redis_port).items():
             if f"-m pipeline_rl.{modules[pool]} " in args and args.endswith(f"--index {index}"):
                 p = psutil.Process(pid)
                 victims += [p, *p.children(recursive=True)]
     if process == "trainer0":
-        victims += [psutil.Process(pid) for pid, args in run_processes(run_dir).items() if "redis-server" in args]
-    assert len(victims) >= len(held), (held, run_processes(run_dir))
+        redis = [pid for pid, args in run_processes(run_dir, driver.redis_port).items() if "redis-server" in args]
+        assert len(redis) == 1, run_processes(run_dir, driver.redis_port)
+        victims.append(psutil.Process(redis[0]))
+    assert len(victims) >= len(held), (held, run_processes(run_dir, driver.redis_port))
     killed_at = time.time()
     cluster.remove_node(node, allow_graceful=False)
     for p in victims:
@@ -230,7 +236,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the node was lost:\n{out[-3000:]}"
     assert held == ["actor0"]
     assert f"node {node_id} (" in out and "is gone" in out and "it ran actor0" in out, out[-3000:]
-    assert run_processes(run_dir) == {}
+    assert run_processes(run_dir, driver.redis_port) == {}
     print(f"\nnode of actor0 lost -> run stopped in {stopped_in:.1f} s; the driver said:")
     print("\n".join(line for line in out.splitlines() if "is gone" in line))
 
@@ -260,7 +266,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     assert saved is not None and saved[1] == versions[-1], (saved, versions)
     twice = {gid: steps for gid, steps in groups_in_steps(run_dir).items() if len(steps) > 1}
     assert not twice, f"groups in more than one step: {twice}"
-    assert run_processes(run_dir) == {}
+    assert run_processes(run_dir, driver.redis_port) == {}
 
 
 @pytest.mark.redis
@@ -283,7 +289,7 @@ def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_
     assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the node was lost:\n{out[-3000:]}"
     assert held == ["trainer0"]
     assert f"node {node_id} (" in out and "it ran trainer0, redis" in out, out[-3000:]
-    assert run_processes(run_dir) == {}
+    assert run_processes(run_dir, driver.redis_port) == {}
     print(f"\nnode of trainer0 and redis lost -> run stopped in {stopped_in:.1f} s; the driver said:")
     print("\n".join(line for line in out.splitlines() if "is gone" in line))
 

@@ -1,0 +1,48 @@
+"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py): a node is gone
+when Ray says so or when its raylet stops accepting connections, twice in a row."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pipeline_rl.config import load_config
+from pipeline_rl.launch import ray_driver
+from pipeline_rl.launch.bundles import bundles
+from pipeline_rl.launch.placement import plan
+from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, RayNode, RayRun, node_alive
+
+
+@pytest.fixture
+def raylet():
+    """A listening socket standing in for a raylet's port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s
+
+
+def test_a_node_is_alive_while_ray_says_so_and_its_raylet_answers(raylet):
+    node = RayNode("n1", "127.0.0.1", raylet.getsockname()[1])
+    assert node_alive(node, {"n1": {"Alive": True}})
+    assert not node_alive(node, {"n1": {"Alive": False}})
+    assert not node_alive(node, {})
+    raylet.close()
+    assert not node_alive(node, {"n1": {"Alive": True}})
+
+
+def test_a_node_that_stops_answering_is_reported_after_consecutive_misses(raylet, monkeypatch, tmp_path):
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "world.nodes=3", "streams.backend=redis"])
+    found = bundles(cfg, plan(cfg))
+    up = RayNode("up", "127.0.0.1", raylet.getsockname()[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = RayNode("down", "127.0.0.1", s.getsockname()[1])  # bound, not listening: refused
+    run = RayRun(cfg, None, found, [up, up, down], nonce="x")  # type: ignore[arg-type]
+    monkeypatch.setattr(ray_driver, "_cluster_nodes", lambda: {"up": {"Alive": True}, "down": {"Alive": True}})
+    monkeypatch.setattr(ray_driver, "NODE_PROBE_EVERY_S", 0.0)
+    for _ in range(NODE_PROBE_MISSES - 1):
+        assert run._probe_nodes() is None
+    assert run._probe_nodes() == down
+    assert run.misses == {"up": 0, "down": NODE_PROBE_MISSES}
