@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
+from pipeline_rl.actor.agent.stats import AgentStats
 from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.actor.domains import load_domain
 from pipeline_rl.collectives import prepare_collectives
@@ -170,6 +171,7 @@ class Actor:
         self.metrics = MetricsLogger(cfg, self.name, self.streams)
 
         self.window = Window()
+        self.agent_stats = AgentStats()
         self.reward_errors_total = self.rollout_errors_total = self.consecutive_failures = 0
         self.last_reward_error = self.last_rollout_error = ""
         self.blocked_total_s = 0.0
@@ -300,6 +302,7 @@ class Actor:
             oldest = oldest_version(rollout.versions)
             if oldest is not None:
                 w.lags.append(version - oldest)
+            self.agent_stats.add(rollout.metadata)
             error = rollout.metadata.get("reward_error")
             if error:
                 w.reward_errors += 1
@@ -372,6 +375,7 @@ class Actor:
             "groups_lost/rollout_total": self.rollout_errors_total,
             **{f"groups_lost/{cause}_total": n for cause, n in sorted(self.lost_by_cause.items())},
             "last_rollout_error": self.last_rollout_error,
+            **self.agent_stats.take(),  # turns, tool calls and errors of agent episodes
         }
         self.metrics.log({k: v for k, v in values.items() if v is not None}, step=self.llm.version)
         self.window = Window()

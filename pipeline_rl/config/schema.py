@@ -195,12 +195,43 @@ class MathRewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Agent environments: `actor.domain: agent` runs `environment` against an OpenAI-style
+    client of the actor's engine (pipeline_rl/actor/agent/, README "Agent environments")."""
+
+    environment: str = ""
+    """The environment as `module:function`: `async def run(client, problem) -> float`, one
+    episode of one problem, returning its reward."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, each a documented function `module:function`
+    (pipeline_rl/actor/agent/tools.py); `client.tools` are their OpenAI schemas."""
+    tool_timeout_s: float = 10.0
+    """Time limit of one tool call; past it the tool's worker is killed and the episode ends with
+    an error."""
+    tool_workers: int = 2
+    """Worker processes per actor that run tool calls."""
+    max_turns: int = 8
+    """Most model turns of one episode; one more ends it with an error."""
+    chat_template: str | None = None
+    """Path to a Jinja chat template; null: the tokenizer's own."""
+    error_reward: float = 0.0
+    """Reward of an episode that ended with an error (a failed tool, too many turns, a full context)."""
+    http: bool = False
+    """Also serve each episode's client over HTTP (`client.base_url`, OpenAI's
+    POST .../v1/chat/completions), for environments in another process."""
+    http_host: str = "127.0.0.1"
+    """Address the HTTP endpoint listens on (0.0.0.0 for environments on other machines)."""
+    http_port: int = 0
+    """Its port; 0: any free one (a fixed port serves only one actor per node)."""
+
+
+@dataclass
 class ActorConfig:
     mode: ActorMode = ActorMode["async"]
     """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
     (generate one batch with the current policy, wait for the update, repeat)."""
     domain: str = "arithmetic"
-    """Rollout plug-in: a built-in name (arithmetic, math) or `module:function`."""
+    """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent) or `module:function`."""
     attempts: int = 8
     """Completions sampled per problem (the group size)."""
     temperature: float = 1.0
@@ -232,6 +263,8 @@ class ActorConfig:
     """vLLM engine settings."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Where problems come from."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent environments (actor.domain: agent)."""
 
 
 @dataclass
@@ -429,6 +462,8 @@ def validate(cfg: RunConfig) -> None:
         "actor.max_new_tokens",
         "actor.max_groups_in_flight",
         "actor.reward_workers",
+        "actor.agent.tool_workers",
+        "actor.agent.max_turns",
         "preprocess.seq_length",
         "preprocess.batch_groups",
         "trainer.groups_per_step",
@@ -473,6 +508,10 @@ def validate(cfg: RunConfig) -> None:
             f"'trainer.attention' {cfg.trainer.attention} cannot run 'preprocess.share_prompts' rows (they need an "
             "explicit [T, T] mask): use sdpa or auto"
         )
+    if cfg.actor.domain == "agent" and not cfg.actor.agent.environment:
+        raise ConfigError("'actor.domain' agent needs 'actor.agent.environment' (module:function)")
+    if cfg.actor.agent.tool_timeout_s <= 0:
+        raise ConfigError(f"bad value for 'actor.agent.tool_timeout_s': {cfg.actor.agent.tool_timeout_s}, must be > 0")
     if cfg.actor.temperature <= 0:
         raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
     for i, scorer in enumerate(cfg.preprocess.scorers):

@@ -24,9 +24,10 @@ own reward can go on that turn's last token in `token_rewards` (0.0 elsewhere). 
 preprocessor adds token_rewards as an undiscounted, unbaselined reward-to-go on top of the
 group-relative advantage of `reward` (pipeline_rl/preprocess/advantages.py): keep `reward` for the
 episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
-tests/multiturn_domain.py is a small example.
+tests/multiturn_domain.py is a small example. The `agent` domain builds such rollouts from an
+environment written against an OpenAI-style chat client (pipeline_rl/actor/agent/).
 
-`load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep") or "module:function".
+`load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep", "agent") or "module:function".
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ BUILTIN = {
     "arithmetic": "pipeline_rl.actor.domains.arithmetic:rollout",
     "math": "pipeline_rl.actor.domains.math:rollout",
     "multistep": "pipeline_rl.actor.domains.multistep:rollout",
+    "agent": "pipeline_rl.actor.domains.agent:rollout",
 }
 
 RolloutFn = Callable[..., Coroutine[Any, Any, Any]]

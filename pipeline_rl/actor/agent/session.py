@@ -1,0 +1,198 @@
+"""ChatSession: one episode's OpenAI-style client (see pipeline_rl/actor/agent/__init__.py).
+
+`create` takes the whole conversation each time, as the OpenAI API does. The first call renders
+it with the chat template into the prompt; every later call must repeat the conversation so far
+(the messages sent and the assistant replies received, in order; assistant replies are compared
+by content, so an environment may pass them back as dicts or as the returned objects) and add
+messages of other roles after the last reply. Those new messages alone are rendered and
+appended to the transcript (template.py). Sampling is the run's: temperature and top_p are
+actor.temperature and actor.top_p whatever a request asks (the trainer computes logprobs at
+them), max_tokens is capped at actor.max_new_tokens, n must be 1 (a group's attempts are
+separate episodes), other OpenAI options are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+from pipeline_rl.actor.agent.openai_types import ChatCompletion, Choice, Function, Message, ToolCall, Usage, as_dict
+from pipeline_rl.actor.agent.template import ChatTemplate
+from pipeline_rl.actor.agent.tool_calls import parse_reply
+from pipeline_rl.actor.agent.tools import ToolError, Tools
+from pipeline_rl.actor.agent.transcript import Transcript
+from pipeline_rl.config.schema import ActorConfig
+from pipeline_rl.streams.records import Rollout
+
+_sessions = itertools.count()
+
+
+class AgentError(RuntimeError):
+    """Ends the episode: the rollout keeps its tokens and gets actor.agent.error_reward."""
+
+
+class _Completions:
+    def __init__(self, session: ChatSession):
+        self.create = session.create
+
+
+class _Chat:
+    def __init__(self, session: ChatSession):
+        self.completions = _Completions(session)
+
+
+def _same_turn(sent: dict, known: dict) -> bool:
+    keys = ("role", "content") if known.get("role") == "assistant" else ("role", "content", "tool_call_id")
+    return all(sent.get(k) == known.get(k) for k in keys)
+
+
+class ChatSession:
+    def __init__(self, llm: Any, actor: ActorConfig, template: str | None, tools: Tools | None):
+        self.llm, self.actor, self.template_text, self.tool_box = llm, actor, template, tools
+        self.id = f"s{next(_sessions)}"
+        self.loop = asyncio.get_running_loop()
+        """The loop the engine requests run on (the HTTP endpoint's threads submit to it)."""
+        self.chat = _Chat(self)
+        self.base_url: str | None = None
+        """With actor.agent.http: this session's OpenAI base URL (.../v1), for another process."""
+        self.transcript: Transcript | None = None
+        self.messages: list[dict] = []
+        self.template: ChatTemplate | None = None
+        self.request_tools: list[dict] | None = None
+        self.tool_calls = self.tool_errors = self.malformed_tool_calls = 0
+        self.tool_s = 0.0
+        self._busy = False
+        self.error: str | None = None
+        """Why the episode ended early (sticky: an environment that catches the AgentError
+        still gets the error reward)."""
+
+    @property
+    def tools(self) -> list[dict]:
+        """OpenAI schemas of actor.agent.tools, to pass as `tools=`."""
+        return list(self.tool_box.schemas) if self.tool_box else []
+
+    def _end(self, error: AgentError) -> AgentError:
+        self.error = self.error or str(error)
+        return error
+
+    async def create(
+        self,
+        messages: list[Any],
+        tools: list[dict] | None = None,
+        max_tokens: int | None = None,
+        max_completion_tokens: int | None = None,
+        n: int = 1,
+        stop: str | list[str] | None = None,
+        **_ignored: Any,
+    ) -> ChatCompletion:
+        """One model turn (as openai's `client.chat.completions.create`)."""
+        if self.error is not None:
+            raise AgentError(f"the episode has ended: {self.error}")
+        if self._busy:
+            raise ValueError("one request at a time: this conversation has a turn in progress")
+        if n != 1:
+            raise ValueError(f"n={n}: each episode is one conversation (actor.attempts episodes make a group)")
+        self._busy = True
+        try:
+            return await self._turn([as_dict(m) for m in messages], tools, max_completion_tokens or max_tokens, stop)
+        finally:
+            self._busy = False
+
+    async def _turn(
+        self, sent: list[dict], tools: list[dict] | None, max_tokens: int | None, stop: str | list[str] | None
+    ) -> ChatCompletion:
+        prompt = self._prompt(sent, tools)
+        transcript = self.transcript
+        assert transcript is not None
+        if transcript.turns >= self.actor.agent.max_turns:
+            raise self._end(AgentError(f"more than actor.agent.max_turns={self.actor.agent.max_turns} model turns"))
+        room = self.llm.max_model_len - len(prompt)
+        limit = min(max_tokens or self.actor.max_new_tokens, self.actor.max_new_tokens, room)
+        if limit < 1:
+            raise self._end(AgentError(f"the conversation fills the context ({len(prompt)} tokens)"))
+        (completion,) = await self.llm.generate(
+            prompt,
+            n=1,
+            max_tokens=limit,
+            temperature=self.actor.temperature,
+            top_p=self.actor.top_p,
+            stop=[stop] if isinstance(stop, str) else stop,
+        )
+        transcript.add_model_turn(completion)
+        reply = parse_reply(completion.text, f"call_{self.id}_{transcript.turns}_")
+        self.malformed_tool_calls += reply.malformed
+        self.messages = sent + [
+            {
+                "role": "assistant",
+                "content": reply.content,
+                **({"tool_calls": reply.tool_calls} if reply.tool_calls else {}),
+            }
+        ]
+        calls = [ToolCall(c["id"], Function(**c["function"])) for c in reply.tool_calls] or None
+        finish = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
+        return ChatCompletion(
+            id=f"chatcmpl-{self.id}-{transcript.turns}",
+            model="policy",
+            created=int(time.time()),
+            choices=[Choice(Message(reply.content, calls), finish)],
+            usage=Usage(len(prompt), len(completion.token_ids), len(prompt) + len(completion.token_ids)),
+        )
+
+    def _prompt(self, sent: list[dict], tools: list[dict] | None) -> list[int]:
+        """The token ids the next turn continues: the first prompt, or the transcript and the
+        new messages' tokens (appended to the transcript)."""
+        if not sent or sent[-1].get("role") == "assistant":
+            raise ValueError("messages must end with a message for the model to answer (not an assistant message)")
+        if self.transcript is None:
+            self.template = ChatTemplate(self.llm.tokenizer, self.template_text, tools)
+            self.request_tools = tools
+            self.transcript = Transcript(self.template.prompt_ids(sent))
+            return self.transcript.tokens
+        assert self.template is not None
+        if tools != self.request_tools:
+            raise ValueError("tools changed within a conversation (they are rendered once, into its first prompt)")
+        known = len(self.messages)
+        if len(sent) <= known or not all(_same_turn(s, k) for s, k in zip(sent, self.messages)):
+            raise ValueError(
+                "messages do not continue this conversation: send every earlier message and assistant reply "
+                "unchanged, then the new ones"
+            )
+        new = sent[known:]
+        if any(m.get("role") == "assistant" for m in new):
+            raise ValueError("a new assistant message: only the model writes the assistant's turns")
+        last = self.transcript.completion_ids[-1] if self.transcript.completion_ids else None
+        self.transcript.add_environment(self.template.between_turns(last, new))
+        return self.transcript.tokens
+
+    async def call_tool(self, tool_call: Any) -> dict:
+        """Run one of the model's tool calls (a returned ToolCall, or its dict) with the configured
+        tool; the tool message to send back. A failure ends the episode (AgentError)."""
+        call = as_dict(tool_call)
+        function = call.get("function", {})
+        if self.tool_box is None:
+            raise self._end(AgentError("the model called a tool, but actor.agent.tools is empty"))
+        self.tool_calls += 1
+        try:
+            text, seconds = await self.tool_box.call(function.get("name", ""), function.get("arguments", "{}"))
+        except ToolError as e:
+            self.tool_errors += 1
+            raise self._end(AgentError(str(e))) from None
+        self.tool_s += seconds
+        return {"role": "tool", "tool_call_id": call.get("id", ""), "name": function.get("name"), "content": text}
+
+    def rollout(self, reward: float | None, error_reward: float) -> Rollout:
+        """The finished episode's Rollout; `reward` is the environment's (None: it raised an AgentError)."""
+        if self.transcript is None:
+            raise RuntimeError("the environment returned before its first chat.completions.create call")
+        metadata: dict[str, Any] = {
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_s": self.tool_s,
+            "malformed_tool_calls": self.malformed_tool_calls,
+        }
+        if self.error is not None:
+            return self.transcript.rollout(error_reward, "error", agent_error=self.error, **metadata)
+        assert reward is not None
+        return self.transcript.rollout(reward, **metadata)

@@ -1,0 +1,98 @@
+"""Tools the model may call (actor.agent.tools): Python functions named `module:function`, run
+in RewardPool workers (pipeline_rl/actor/rewards.py) under actor.agent.tool_timeout_s, so a tool
+that hangs, even inside C code, is killed and replaced without stopping the actor.
+
+A tool is a plain function of JSON-valued keyword arguments, documented Google-style (a summary
+line and an `Args:` entry per argument, with type hints): transformers' `get_json_schema` makes
+its OpenAI schema from that, which the chat template shows the model. It returns a string, or a
+JSON value that becomes its JSON text. A tool that raises, runs past the limit, or returns
+anything else (None, an object JSON cannot hold) fails the call with a `ToolError`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import time
+from typing import Any
+
+from pipeline_rl.actor.rewards import RewardPool
+from pipeline_rl.config import ConfigError
+from pipeline_rl.plugins import import_attr, load_plugin
+
+INVOKE = f"{__name__}:invoke"
+
+
+class ToolError(RuntimeError):
+    """A tool call that produced no result (the episode ends with it)."""
+
+
+def invoke(function: str, arguments: dict) -> str:
+    """Run in a worker: call `function` ("module:function") with `arguments` as keywords; the
+    result as text (checked here, where the value is, not after it crossed the pipe)."""
+    value = import_attr(function)(**arguments)
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise TypeError(f"{function} returned None, expected a string or a JSON value")
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{function} returned {type(value).__name__}, neither a string nor a JSON value: {e}") from None
+
+
+def tool_schema(function: Any, key: str) -> dict:
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as e:  # transformers raises several types for undocumented arguments and hints
+        raise ConfigError(f"bad value for '{key}': no tool schema from its signature and docstring: {e}") from None
+
+
+class Tools:
+    """The configured tools: their schemas (`schemas`, for the model) and their worker pool."""
+
+    def __init__(self, specs: list[str], timeout_s: float, workers: int):
+        self.timeout_s, self.workers = timeout_s, workers
+        self.paths: dict[str, str] = {}
+        self.schemas: list[dict] = []
+        for i, spec in enumerate(specs):
+            key = f"actor.agent.tools.{i}"
+            schema = tool_schema(load_plugin(spec, key, "a function", check=callable), key)
+            name = schema["function"]["name"]
+            if name in self.paths:
+                raise ConfigError(f"bad value for '{key}': a second tool named {name!r} ({self.paths[name]})")
+            self.paths[name] = spec
+            self.schemas.append(schema)
+        self._pool: RewardPool | None = None
+
+    def _workers(self) -> RewardPool:
+        if self._pool is None:  # started on the first call: a run without tool calls starts none
+            modules = tuple(sorted({p.partition(":")[0] for p in self.paths.values()}))
+            self._pool = RewardPool(self.workers, self.timeout_s, preload=(__name__, *modules))
+            atexit.register(self._pool.close)
+        return self._pool
+
+    async def call(self, name: str, arguments: str) -> tuple[str, float]:
+        """(result text, seconds) of one call; raises ToolError naming the tool."""
+        if name not in self.paths:
+            raise ToolError(f"the model called {name!r}, which is not a tool (actor.agent.tools: {sorted(self.paths)})")
+        try:
+            kwargs = json.loads(arguments)
+        except ValueError as e:
+            raise ToolError(f"tool {name!r}: arguments are not JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise ToolError(f"tool {name!r}: arguments are {type(kwargs).__name__}, expected an object")
+        start = time.monotonic()
+        result = await self._workers().acall(INVOKE, self.paths[name], kwargs)
+        seconds = time.monotonic() - start
+        if result.error is not None:
+            raise ToolError(f"tool {name!r} ({self.paths[name]}) failed: {result.error}")
+        if not isinstance(result.value, str):  # invoke returns text; anything else is a broken worker
+            raise ToolError(f"tool {name!r} gave {type(result.value).__name__}, expected text")
+        return result.value, seconds
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()

@@ -1,0 +1,79 @@
+"""The agent domain (`actor.domain: agent`): each of a problem's actor.attempts episodes runs the
+environment actor.agent.environment, `async def run(client, problem) -> float`, with its own
+`ChatSession` (pipeline_rl/actor/agent/) and becomes one rollout of the group, its reward the
+number the environment returned. An episode that ended with an AgentError (a failed tool, too
+many turns, a full context) is kept with actor.agent.error_reward and its error; anything else
+an environment raises fails the whole group."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from pipeline_rl.actor.agent.http import ChatServer
+from pipeline_rl.actor.agent.session import AgentError, ChatSession
+from pipeline_rl.actor.agent.tools import Tools
+from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.config.schema import AgentConfig
+from pipeline_rl.plugins import load_plugin
+from pipeline_rl.streams.records import Rollout, RolloutGroup
+
+
+class AgentRuntime:
+    """What the episodes of one agent config share in this process: the environment function,
+    the tools' worker pool, the chat template's text and the HTTP endpoint."""
+
+    def __init__(self, agent: AgentConfig):
+        self.environment: Callable[..., Coroutine[Any, Any, Any]] = load_plugin(
+            agent.environment,
+            "actor.agent.environment",
+            "an async function (async def run(client, problem) -> float)",
+            check=inspect.iscoroutinefunction,
+        )
+        self.tools = Tools(agent.tools, agent.tool_timeout_s, agent.tool_workers) if agent.tools else None
+        self.template: str | None = None
+        if agent.chat_template is not None:
+            path = Path(agent.chat_template)
+            if not path.is_file():
+                raise ConfigError(f"bad value for 'actor.agent.chat_template': {path} is not a file")
+            self.template = path.read_text()
+        self.server = ChatServer(agent.http_host, agent.http_port) if agent.http else None
+
+
+_runtimes: dict[str, AgentRuntime] = {}
+
+
+def runtime(cfg: RunConfig) -> AgentRuntime:
+    key = repr(cfg.actor.agent)  # one per config: the actor's training and evaluation share it
+    if key not in _runtimes:
+        _runtimes[key] = AgentRuntime(cfg.actor.agent)
+    return _runtimes[key]
+
+
+async def episode(rt: AgentRuntime, llm: Any, cfg: RunConfig, problem: dict) -> Rollout:
+    session = ChatSession(llm, cfg.actor, rt.template, rt.tools)
+    key = rt.server.open(session) if rt.server else None
+    try:
+        reward = await rt.environment(session, problem)
+    except AgentError:  # recorded in the session
+        reward = None
+    finally:
+        if rt.server and key:
+            rt.server.close(key)
+    if session.error is None and not isinstance(reward, int | float):
+        raise TypeError(
+            f"actor.agent.environment {cfg.actor.agent.environment!r} returned {type(reward).__name__}, expected a number"
+        )
+    return session.rollout(reward, cfg.actor.agent.error_reward)
+
+
+async def rollout(problem: dict, llm: Any, cfg: RunConfig) -> RolloutGroup:
+    try:
+        async with asyncio.TaskGroup() as group:  # one failed episode cancels its siblings
+            tasks = [group.create_task(episode(runtime(cfg), llm, cfg, problem)) for _ in range(cfg.actor.attempts)]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None  # the actor logs and counts the error itself
+    return RolloutGroup(problem_id=problem["id"], group_id="", rollouts=[t.result() for t in tasks])
