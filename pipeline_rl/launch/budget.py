@@ -9,9 +9,11 @@ GPU memory plan, and the limits the launcher stops and watches by.
   and the gathers) plus MARGIN x the checkpoint write.
 - Start-up watchdog (`watchdog_startup_s` unless given): STARTUP_BASE_S (engines compiling and
   profiling, the first step's rollouts) plus MARGIN x (model load + checkpoint read).
-- Redis: the trainer topic holds the micro-batches not yet behind a checkpoint: those of the
-  steps trained since the last one and of the steps the preprocessor may be ahead by
-  (admission lag + 1); `MICRO_BATCH_BYTES_PER_TOKEN` is measured on orjson-encoded micro-batches.
+- Redis: the trainer topic holds the steps not yet trained: the one being trained and those the
+  preprocessor may be ahead by (admission control bounds it by the admission lag), admission
+  lag + 1 steps; each trained step goes to the trainer's replay log on disk (trainer/replay.py),
+  which holds at most the checkpoint_every steps since the last checkpoint.
+  `MICRO_BATCH_BYTES_PER_TOKEN` is measured on orjson-encoded micro-batches.
 """
 
 from __future__ import annotations
@@ -82,17 +84,25 @@ def run_limits(cfg: RunConfig) -> tuple[float, float]:
 
 
 def trainer_topic_steps(cfg: RunConfig) -> int:
-    """Most steps of micro-batches the trainer topic holds: since the last checkpoint, and ahead."""
-    since = cfg.trainer.checkpoint_every or cfg.trainer.max_steps
-    return since + admission_lag(cfg) + 1
+    """Most steps of micro-batches the trainer topic holds: the one in training and those ahead."""
+    return admission_lag(cfg) + 1
+
+
+def step_bytes(cfg: RunConfig) -> int:
+    """Bound on one step's encoded micro-batches, all ranks: every rollout at max_model_len,
+    every rank's last micro-batch padded to seq_length."""
+    tokens = cfg.trainer.groups_per_step * cfg.actor.attempts * cfg.actor.llm.max_model_len
+    tokens += cfg.world.trainers * cfg.preprocess.seq_length
+    return tokens * MICRO_BATCH_BYTES_PER_TOKEN
 
 
 def trainer_topic_bytes(cfg: RunConfig) -> int:
-    """Bound on the trainer topic's payloads: every rollout at max_model_len, every rank's last
-    micro-batch padded to seq_length."""
-    tokens = cfg.trainer.groups_per_step * cfg.actor.attempts * cfg.actor.llm.max_model_len
-    tokens += cfg.world.trainers * cfg.preprocess.seq_length
-    return trainer_topic_steps(cfg) * tokens * MICRO_BATCH_BYTES_PER_TOKEN
+    return trainer_topic_steps(cfg) * step_bytes(cfg)
+
+
+def replay_bytes(cfg: RunConfig) -> int:
+    """Bound on the trainers' replay logs together (on disk, under run_dir)."""
+    return (cfg.trainer.checkpoint_every or cfg.trainer.max_steps) * step_bytes(cfg)
 
 
 def budget_lines(cfg: RunConfig) -> list[str]:
@@ -124,7 +134,8 @@ def budget_lines(cfg: RunConfig) -> list[str]:
     if cfg.streams.backend == "redis":
         lines.append(
             f"redis: the trainer topic holds at most {trainer_topic_steps(cfg)} steps of micro-batches "
-            f"(trainer.checkpoint_every + admission lag + 1), at most {trainer_topic_bytes(cfg) / GIB:.1f} GiB "
-            f"({MICRO_BATCH_BYTES_PER_TOKEN} bytes a token, every rollout at actor.llm.max_model_len)"
+            f"(admission lag + 1), at most {trainer_topic_bytes(cfg) / GIB:.1f} GiB ({MICRO_BATCH_BYTES_PER_TOKEN} "
+            f"bytes a token, every rollout at actor.llm.max_model_len); the trainers' replay logs on disk at most "
+            f"{replay_bytes(cfg) / GIB:.1f} GiB (trainer.checkpoint_every steps)"
         )
     return lines

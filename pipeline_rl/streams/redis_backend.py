@@ -3,8 +3,8 @@
 Keys are "{namespace}:{topic}:{partition}" with namespace `wire.redis_namespace(cfg.name)`. Each
 entry has one field, `data`, holding the orjson payload; an offset is the entry ID. XADD
 caps the broadcast topics with MAXLEN ~ cfg.streams.redis.maxlen (0: no cap); the data
-topics (`wire.CONSUMED_TOPICS`) are never capped, only trimmed by `trim_below` (XTRIM MINID)
-below a position their one reader has saved, so no entry goes before it is consumed.
+topics (`wire.CONSUMED_TOPICS`) are never capped, only trimmed by `trim_below` (exact XTRIM
+MINID) below a position their one reader has saved, so no entry goes before it is consumed.
 
 Writes are batched (see `api.Writer`): each batch goes out as one pipeline of XADDs, one round
 trip.
@@ -185,7 +185,9 @@ class RedisStreams(Streams):
     def trim_below(self, topic: str, position: dict) -> None:
         for partition, offset in position.items():
             if offset != "0-0":
-                self.client.xtrim(f"{self.namespace}:{topic}:{partition}", minid=offset)
+                # Exact (redis-py's default is "~", which keeps whole radix-tree nodes of up to
+                # 100 entries): the memory bound the plan states counts entries, not nodes.
+                self.client.xtrim(f"{self.namespace}:{topic}:{partition}", minid=offset, approximate=False)
 
     def _where(self) -> tuple:
         return (self.client, self.namespace)

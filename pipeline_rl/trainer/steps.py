@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
-from pipeline_rl.streams.api import Reader
+from pipeline_rl.streams.api import Entry
 from pipeline_rl.streams.records import MicroBatch
 
 log = logging.getLogger(__name__)
@@ -19,11 +20,17 @@ def update_slices(micro_batches: int, updates: int) -> list[slice]:
     return [slice(i * micro_batches // n, (i + 1) * micro_batches // n) for i in range(n)]
 
 
+class MicroBatchSource(Protocol):
+    """A trainer partition's reader (streams.api.Reader, or trainer.replay.ReplayingReader)."""
+
+    def read(self, timeout: float = 1.0, max_count: int = 256) -> list[Entry]: ...
+
+
 class StepCollector:
     """Assembles the micro-batches of one step from this rank's partition, reading only as
     many entries as the step still needs so that the stream position falls on step boundaries."""
 
-    def __init__(self, reader: Reader, rank: int):
+    def __init__(self, reader: MicroBatchSource, rank: int):
         self.reader = reader
         self.rank = rank
         self.skipped = 0

@@ -46,6 +46,7 @@ from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
 from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
+from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.steps import StepCollector, update_slices
 from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, member_names
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
@@ -88,6 +89,8 @@ class Trainer:
         self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
         offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""
         log.info("optimizer %s%s", type(optimizer).__name__, offload)
+        if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
+            log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
         self.device = self.engine.device
         self.streams = open_streams(cfg)
         self.metrics = MetricsLogger(cfg, f"trainer{rank}", self.streams) if rank == 0 else None
@@ -105,7 +108,10 @@ class Trainer:
             self.dropped_total = int(state.get("dropped_total", 0))
             log.info("resumed from %s: version %d", ckpt_dir, self.version)
         self.reader = self.streams.reader(Topic.TRAINER, MicroBatch, partitions=(rank,), position=position)
-        self.collector = StepCollector(self.reader, rank)
+        # Redis drops each step once it is trained and logged here (trainer/replay.py).
+        self.replay = ReplayLog(replay_path(self.run_dir, rank)) if cfg.streams.backend == "redis" else None
+        source = ReplayingReader(self.reader, self.replay.pending()) if self.replay is not None else self.reader
+        self.collector = StepCollector(source, rank)
         self.trained_position = self.reader.position()
         self.saved_version = self.version if found is not None else None
         self.sender: WeightSender | None = None
@@ -159,6 +165,9 @@ class Trainer:
             self.version += 1
             self.dropped_total += int(values["dropped_samples"])
             self.trained_position = self.reader.position()
+            if self.replay is not None:
+                self.replay.append(batch)  # durable in the log first: only then may the stream drop it
+                self.streams.trim_below(Topic.TRAINER, self.trained_position)
             values.update(
                 wait_s=wait_s,
                 compute_s=compute_s,
@@ -403,8 +412,8 @@ class Trainer:
             self.cfg.model.lora,
         )
         self.saved_version = self.version
-        # Entries before the checkpoint's position are trained for good: the backend may drop them.
-        self.streams.trim_below(Topic.TRAINER, self.trained_position)
+        if self.replay is not None:
+            self.replay.keep_from(self.version)
         log.info("checkpoint %s (version %d)", path, self.version)
         return time.perf_counter() - start
 

@@ -388,6 +388,10 @@ def test_failed_updates_keep_the_last_complete_version(setup):
     os.kill(sender.pid, signal.SIGKILL)
     wait_for(lambda: failures(client) == count + 1, 30, "the killed transfer to be counted")
     assert time.monotonic() - started < TIMEOUT_S
+    # What the actor stops with (actor.py): the failure names the sender that is gone.
+    assert client.group_failure is not None and "trainer0 (weight-update rank 0, the sender) is gone" in (
+        client.group_failure
+    )
     assert client.version == 4 and greedy(client) == serving
 
     # The trainer restarts (a new store at the same address): the receiver connects again.

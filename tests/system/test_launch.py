@@ -27,6 +27,7 @@ from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
 from pipeline_rl.streams.redis_secret import PASSWORD_FILE
 from pipeline_rl.trainer.checkpoint import latest_checkpoint
+from pipeline_rl.trainer.replay import replay_path
 from pipeline_rl.wire import CACHE_ENV, Topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
@@ -466,8 +467,11 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
         streams.close()
     finally:
         server.stop()
-    # What the stream still holds (trained steps are trimmed below each checkpoint's position).
-    assert steps_of, "the trainer stream is empty after the run"
+    # Trained steps left the stream as they were trained (the replay logs kept those after the
+    # last checkpoint until the final one): it holds only what was never trained, and the last
+    # entry read (XTRIM MINID keeps the entry at the trimmed position), of step final - 1.
+    assert all(step >= final - 1 for steps in steps_of.values() for step in steps), steps_of
+    assert replay_path(run_dir, 0).read_bytes() == b""
     twice = {gid: steps for gid, steps in steps_of.items() if len(steps) > 1}
     assert not twice, f"groups in more than one step: {twice}"
     # The undecodable records were counted as lost (possibly twice: at-least-once after the kill).

@@ -17,6 +17,7 @@ from pipeline_rl.launch.budget import (
     STARTUP_BASE_S,
     STOP_BASE_S,
     budget_lines,
+    replay_bytes,
     run_limits,
     time_plan,
     trainer_topic_bytes,
@@ -99,8 +100,10 @@ def test_the_trainer_topic_bound(model_32b):
             "preprocess.seq_length=64",
         ],
     )
-    # (10 since the checkpoint + 2 ahead + 1 being assembled) steps x (4 x 2 x 100 + 2 x 64) tokens.
-    assert trainer_topic_bytes(cfg) == 13 * 928 * MICRO_BATCH_BYTES_PER_TOKEN
+    # (1 in training + 2 ahead) steps x (4 x 2 x 100 + 2 x 64) tokens in Redis; the 10 steps
+    # since the last checkpoint in the replay logs, on disk.
+    assert trainer_topic_bytes(cfg) == 3 * 928 * MICRO_BATCH_BYTES_PER_TOKEN
+    assert replay_bytes(cfg) == 10 * 928 * MICRO_BATCH_BYTES_PER_TOKEN
 
 
 @pytest.mark.parametrize(
