@@ -544,8 +544,9 @@ def validate(cfg: RunConfig) -> None:
     for key in ["trainer.stop_grace_s", "watchdog_startup_s"]:
         if _get(cfg, key) is not None and _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0 or null")
-    if cfg.world.nodes > 1 and cfg.streams.backend != "redis":
-        raise ConfigError("'streams.backend' must be redis when 'world.nodes' > 1 (JSONL files are one node only)")
+    if (cfg.world.nodes > 1 or cfg.world.ray_address is not None) and cfg.streams.backend != "redis":
+        key = "world.nodes' > 1" if cfg.world.nodes > 1 else "world.ray_address' is set"
+        raise ConfigError(f"'streams.backend' must be redis when '{key} (JSONL files are one node only)")
 
 
 def _validate_redis(cfg: RunConfig) -> None:

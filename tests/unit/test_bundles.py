@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-from pipeline_rl.config import load_config
+from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.placement import plan
 
@@ -47,3 +47,12 @@ def test_one_node_needs_no_ray():
         "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120, capture_output=True)
+
+
+def test_a_run_on_ray_needs_redis_streams():
+    """On Ray the processes may land on several nodes, where JSONL files cannot carry the streams."""
+    with pytest.raises(ConfigError, match=r"'streams.backend' must be redis when 'world.ray_address' is set"):
+        load_config("tiny", ["world.ray_address=10.0.0.1:6379"])
+    with pytest.raises(ConfigError, match=r"'streams.backend' must be redis when 'world.nodes' > 1"):
+        load_config("tiny", ["world.nodes=2"])
+    assert load_config("tiny", ["world.ray_address=10.0.0.1:6379", "streams.backend=redis"]).world.ray_address
