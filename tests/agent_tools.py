@@ -16,29 +16,32 @@ def add(a: int, b: int) -> str:
     return str(a + b)
 
 
-def fails(a: int) -> str:
+def fails(a: int, b: int) -> str:
     """Always raises.
 
     Args:
         a: ignored
+        b: ignored
     """
     raise ValueError(f"fails was called with {a}")
 
 
-def hangs(a: int) -> str:
+def hangs(a: int, b: int) -> str:
     """Never returns.
 
     Args:
         a: ignored
+        b: ignored
     """
     while True:
         time.sleep(1)
 
 
-def garbage(a: int) -> object:
+def garbage(a: int, b: int) -> object:
     """Returns an object that is neither text nor JSON.
 
     Args:
         a: ignored
+        b: ignored
     """
     return {1, 2, a}

@@ -165,8 +165,10 @@ def test_refusals_and_limits(tokenizer):
         messages = [{"role": "user", "content": "q"}]
         with pytest.raises(ValueError, match="n=2"):
             await session.chat.completions.create(messages=messages, n=2)
+        with pytest.raises(ValueError, match="stream=true"):
+            await session.chat.completions.create(messages=messages, stream=True)
         for _ in range(2):
-            reply = await session.chat.completions.create(messages=messages, tools=None)
+            reply = await session.chat.completions.create(messages=messages, tools=[])  # [] is no tools
             messages += [reply.choices[0].message, {"role": "user", "content": "more"}]
         with pytest.raises(ValueError, match="tools changed"):
             await session.chat.completions.create(messages=messages, tools=TOOLS)

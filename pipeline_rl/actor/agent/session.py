@@ -8,7 +8,7 @@ messages of other roles after the last reply. Those new messages alone are rende
 appended to the transcript (template.py). Sampling is the run's: temperature and top_p are
 actor.temperature and actor.top_p whatever a request asks (the trainer computes logprobs at
 them), max_tokens is capped at actor.max_new_tokens, n must be 1 (a group's attempts are
-separate episodes), other OpenAI options are ignored.
+separate episodes), stream must be false, other OpenAI options are ignored.
 """
 
 from __future__ import annotations
@@ -85,9 +85,12 @@ class ChatSession:
         max_completion_tokens: int | None = None,
         n: int = 1,
         stop: str | list[str] | None = None,
+        stream: bool = False,
         **_ignored: Any,
     ) -> ChatCompletion:
         """One model turn (as openai's `client.chat.completions.create`)."""
+        if stream:
+            raise ValueError("stream=true is not served: the reply comes whole")
         if self.error is not None:
             raise AgentError(f"the episode has ended: {self.error}")
         if self._busy:
@@ -96,7 +99,9 @@ class ChatSession:
             raise ValueError(f"n={n}: each episode is one conversation (actor.attempts episodes make a group)")
         self._busy = True
         try:
-            return await self._turn([as_dict(m) for m in messages], tools, max_completion_tokens or max_tokens, stop)
+            return await self._turn(
+                [as_dict(m) for m in messages], tools or None, max_completion_tokens or max_tokens, stop
+            )
         finally:
             self._busy = False
 
@@ -174,12 +179,14 @@ class ChatSession:
         if self.tool_box is None:
             raise self._end(AgentError("the model called a tool, but actor.agent.tools is empty"))
         self.tool_calls += 1
+        start = time.monotonic()
         try:
-            text, seconds = await self.tool_box.call(function.get("name", ""), function.get("arguments", "{}"))
+            text = await self.tool_box.call(function.get("name", ""), function.get("arguments", "{}"))
         except ToolError as e:
             self.tool_errors += 1
             raise self._end(AgentError(str(e))) from None
-        self.tool_s += seconds
+        finally:  # a failed call's time counts too (a hanging tool's is the limit)
+            self.tool_s += time.monotonic() - start
         return {"role": "tool", "tool_call_id": call.get("id", ""), "name": function.get("name"), "content": text}
 
     def rollout(self, reward: float | None, error_reward: float) -> Rollout:

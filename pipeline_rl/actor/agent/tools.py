@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import time
 from typing import Any
 
 from pipeline_rl.actor.rewards import RewardPool
@@ -74,8 +73,8 @@ class Tools:
             atexit.register(self._pool.close)
         return self._pool
 
-    async def call(self, name: str, arguments: str) -> tuple[str, float]:
-        """(result text, seconds) of one call; raises ToolError naming the tool."""
+    async def call(self, name: str, arguments: str) -> str:
+        """The result text of one call; raises ToolError naming the tool."""
         if name not in self.paths:
             raise ToolError(f"the model called {name!r}, which is not a tool (actor.agent.tools: {sorted(self.paths)})")
         try:
@@ -84,14 +83,12 @@ class Tools:
             raise ToolError(f"tool {name!r}: arguments are not JSON: {e}") from None
         if not isinstance(kwargs, dict):
             raise ToolError(f"tool {name!r}: arguments are {type(kwargs).__name__}, expected an object")
-        start = time.monotonic()
         result = await self._workers().acall(INVOKE, self.paths[name], kwargs)
-        seconds = time.monotonic() - start
         if result.error is not None:
             raise ToolError(f"tool {name!r} ({self.paths[name]}) failed: {result.error}")
         if not isinstance(result.value, str):  # invoke returns text; anything else is a broken worker
             raise ToolError(f"tool {name!r} gave {type(result.value).__name__}, expected text")
-        return result.value, seconds
+        return result.value
 
     def close(self) -> None:
         if self._pool is not None:
