@@ -179,6 +179,8 @@ def test_refusals_and_limits(tokenizer):
             await session.chat.completions.create(messages=messages)
         r = session.rollout(1.0, error_reward=-1.0)
         assert r.reward == -1.0 and r.finish_reason == "error" and "max_turns" in r.metadata["agent_error"]
+        # The refused turn's messages never joined the transcript: it ends with the model's tokens.
+        assert r.mask is not None and r.mask[-1] == 1 and r.metadata["turns"] == 2
 
         full = ChatSession(ScriptedEngine(tokenizer, [], max_model_len=8), actor(), TEMPLATE, None)
         with pytest.raises(AgentError, match="fills the context"):

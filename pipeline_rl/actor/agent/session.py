@@ -108,9 +108,10 @@ class ChatSession:
     async def _turn(
         self, sent: list[dict], tools: list[dict] | None, max_tokens: int | None, stop: str | list[str] | None
     ) -> ChatCompletion:
-        prompt = self._prompt(sent, tools)
+        between = self._between(sent, tools)
         transcript = self.transcript
         assert transcript is not None
+        prompt = transcript.tokens + between
         if transcript.turns >= self.actor.agent.max_turns:
             raise self._end(AgentError(f"more than actor.agent.max_turns={self.actor.agent.max_turns} model turns"))
         room = self.llm.max_model_len - len(prompt)
@@ -125,6 +126,8 @@ class ChatSession:
             top_p=self.actor.top_p,
             stop=[stop] if isinstance(stop, str) else stop,
         )
+        if between:
+            transcript.add_environment(between)
         transcript.add_model_turn(completion)
         reply = parse_reply(completion.text, f"call_{self.id}_{transcript.turns}_")
         self.malformed_tool_calls += reply.malformed
@@ -145,16 +148,16 @@ class ChatSession:
             usage=Usage(len(prompt), len(completion.token_ids), len(prompt) + len(completion.token_ids)),
         )
 
-    def _prompt(self, sent: list[dict], tools: list[dict] | None) -> list[int]:
-        """The token ids the next turn continues: the first prompt, or the transcript and the
-        new messages' tokens (appended to the transcript)."""
+    def _between(self, sent: list[dict], tools: list[dict] | None) -> list[int]:
+        """The new messages' tokens after the transcript (none on the first call, whose messages
+        become the transcript's prompt). They join the transcript only with the turn they prompt."""
         if not sent or sent[-1].get("role") == "assistant":
             raise ValueError("messages must end with a message for the model to answer (not an assistant message)")
         if self.transcript is None:
             self.template = ChatTemplate(self.llm.tokenizer, self.template_text, tools)
             self.request_tools = tools
             self.transcript = Transcript(self.template.prompt_ids(sent))
-            return self.transcript.tokens
+            return []
         assert self.template is not None
         if tools != self.request_tools:
             raise ValueError("tools changed within a conversation (they are rendered once, into its first prompt)")
@@ -168,8 +171,7 @@ class ChatSession:
         if any(m.get("role") == "assistant" for m in new):
             raise ValueError("a new assistant message: only the model writes the assistant's turns")
         last = self.transcript.completion_ids[-1] if self.transcript.completion_ids else None
-        self.transcript.add_environment(self.template.between_turns(last, new))
-        return self.transcript.tokens
+        return self.template.between_turns(last, new)
 
     async def call_tool(self, tool_call: Any) -> dict:
         """Run one of the model's tool calls (a returned ToolCall, or its dict) with the configured
