@@ -6,8 +6,9 @@ environments in another process, e.g. `openai.AsyncOpenAI(base_url=client.base_u
 conversation the request continues, so each base URL serves one episode. A request the session
 refuses is answered 400 with OpenAI's error shape, an ended or unknown session 404.
 
-The server runs in its own threads (stdlib ThreadingHTTPServer: no dependency) and hands each
-request to its session's event loop, where the engine requests are made.
+The server runs in its own daemon threads for the life of the actor process (stdlib
+ThreadingHTTPServer: no dependency) and hands each request to its session's event loop, where the
+engine requests are made.
 """
 
 from __future__ import annotations
@@ -82,10 +83,6 @@ class ChatServer:
             return 400, _error(f"{type(e).__name__}: {e}", "invalid_request_error")
         except BaseException as e:  # the episode was cancelled (the actor is stopping)
             return 503, _error(f"{type(e).__name__}: {e}", "unavailable")
-
-    def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _error(message: str, kind: str) -> dict:
