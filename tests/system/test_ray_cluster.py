@@ -111,7 +111,7 @@ def run_processes(run_dir: Path, redis_port: int) -> dict[int, str]:
     "redis-server HOST:PORT" as its command line): pid -> command."""
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
-        args = " ".join(p.info["cmdline"] or [])
+        args = " ".join(p.info["cmdline"] or []).strip()  # redis-server pads its title with empty args
         ours = str(run_dir) in args and "pipeline_rl." in args
         if ours or (args.startswith("redis-server") and args.endswith(f":{redis_port}")):
             found[p.info["pid"]] = args
