@@ -47,8 +47,8 @@ ended) skips it. A receiver whose store connection broke (the trainer restarted)
 again.
 
 A failed transfer names who is gone: every member beats a counter in the store ("alive/RANK",
-every HEARTBEAT_S, from a thread with a store connection of its own, so it beats while the
-member waits in a collective), and the member whose transfer fails reads the counters twice,
+every HEARTBEAT_S, from a thread with a store connection of its own, made once the member
+has reached the store, so it beats while the member waits in a collective), and the member whose transfer fails reads the counters twice,
 DIAGNOSE_S apart, and raises WeightGroupFailed naming the members whose counter stood still
 (dead, or hung with the interpreter stuck; names by rank under the store key "members", which
 the sender sets). A store that cannot be reached means the sender, which hosts it, is gone.
@@ -188,24 +188,28 @@ class _Endpoint:
         self._group_name = None
 
     def _start_heartbeat(self) -> None:
-        """Beat "alive/RANK" in the sender's store until close(), reconnecting when it goes away
-        (a trainer that restarted hosts a new one)."""
+        """Beat "alive/RANK" in the sender's store, through `_beat_store`, until close()."""
         self._beating = threading.Event()
+        self._beat_store: dist.TCPStore | None = None
 
         def beat() -> None:
-            store, count = None, 0
+            count = 0
             while not self._beating.wait(HEARTBEAT_S):
+                store = self._beat_store
+                if store is None:
+                    continue
                 try:
-                    if store is None:
-                        store = dist.TCPStore(
-                            self.host, self.port, self.world_size, is_master=False, timeout=timedelta(seconds=5)
-                        )
                     count += 1
                     store.set(f"alive/{self.rank}", str(count))
-                except Exception:
-                    store = None
+                except Exception:  # the store went away: _beat_connected gives the next one
+                    self._beat_store = None
 
         threading.Thread(target=beat, name=f"weight-sync-heartbeat-{self.rank}", daemon=True).start()
+
+    def _beat_connected(self) -> None:
+        """Give the heartbeat a store connection of its own, once the store is known to be up:
+        connecting to a store that is not there yet retries for seconds and logs each try."""
+        self._beat_store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
 
     def _failed(self, store: dist.Store | None, version: int, started: float, error: Exception) -> WeightGroupFailed:
         """This member's transfer of `version` failed: name the members that are gone."""
@@ -254,6 +258,7 @@ class WeightSender(_Endpoint):
         )
         self._store.set("members", json.dumps(members or [f"rank {r}" for r in range(world_size)]))
         self._start_heartbeat()
+        self._beat_connected()
         self._pack: torch.Tensor | None = None
         """The pack area, allocated when the kept layout first packs a message (never when every
         packed run goes from a flat source)."""
@@ -621,6 +626,7 @@ class WeightReceiver(_Endpoint):
     def _connect(self) -> dist.TCPStore:
         if self._store is None:
             self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+            self._beat_connected()
         return self._store
 
     def _store_get(self, keys: list[str]) -> list[bytes]:
