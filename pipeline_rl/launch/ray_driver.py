@@ -13,8 +13,8 @@ takes its workers with it, so their `run` calls fail at once when the worker's s
 A node that vanishes without closing them (a power cut) is found by the driver's own probe of
 every node's raylet (NODE_PROBE_EVERY_S) long before Ray's health check gives up on it. Either
 stops the run; the report names the process, its node (Ray node id and address) and, for a
-lost node, every process it held. The watch loop, the watchdog and how a stop proceeds are the one-node
-launcher's (run_loop.py).
+lost node, every process it held. The watch loop, the watchdog and how a stop proceeds are the
+one-node launcher's (run_loop.py).
 """
 
 from __future__ import annotations

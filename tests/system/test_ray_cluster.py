@@ -187,21 +187,24 @@ def aof_commands(path: Path):
         yield args
 
 
-def groups_in_steps(run_dir: Path) -> dict[str, set[int]]:
-    """Group id -> every step the preprocessor ever sent it in, from the append-only files of the
-    run's Redis: every XADD to the trainer topic is there, though the topic itself is trimmed
-    as the trainers go (the runs are far too small for Redis to rewrite the file)."""
+def groups_in_steps(run_dir: Path) -> tuple[set[int], dict[str, set[int]]]:
+    """(every step the preprocessor ever sent, group id -> every step it sent the group in), from
+    the append-only files of the run's Redis: every XADD to the trainer topic is there, though
+    the topic itself is trimmed as the trainers go (the runs are far too small for Redis to
+    rewrite the file)."""
     files = sorted((run_dir / "redis" / "appendonlydir").glob("*.incr.aof"), key=lambda p: int(p.name.split(".")[2]))
     assert files, f"no append-only file under {run_dir / 'redis'}"
-    steps_of: dict[str, set[int]] = {}
+    steps, steps_of = set(), {}
     for path in files:
         for args in aof_commands(path):
             if args[0].upper() == b"XADD" and args[1].startswith(b"pipeline_rl:tiny:trainer:"):
                 batch = decode(args[-1], MicroBatch)
+                # A step whose groups were all filtered out (zero advantage) is padding alone.
+                steps.add(batch.step)
                 for gid in batch.group_ids:
                     if gid != PAD_GROUP_ID:
                         steps_of.setdefault(gid, set()).add(batch.step)
-    return steps_of
+    return steps, steps_of
 
 
 @pytest.mark.redis
@@ -259,9 +262,9 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     assert versions == trained_before + list(range(checkpointed + 1, versions[-1] + 1)), versions
     saved = latest_checkpoint(run_dir)
     assert saved is not None and saved[1] == versions[-1], (saved, versions)
-    steps_of = groups_in_steps(run_dir)
+    steps, steps_of = groups_in_steps(run_dir)
     # Every step trained in either run is in the file (step s makes version s + 1)...
-    assert set(range(versions[-1])) <= {step for steps in steps_of.values() for step in steps}
+    assert set(range(versions[-1])) <= steps, sorted(set(range(versions[-1])) - steps)
     # ...and no group was given to two steps, before the node was lost, after it, or across.
     twice = {gid: steps for gid, steps in steps_of.items() if len(steps) > 1}
     assert not twice, f"groups in more than one step: {twice}"
