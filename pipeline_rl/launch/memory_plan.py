@@ -225,6 +225,8 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
         "gathered parameters": int(gathered),
         "activations": int(activations),
         "attention masks": int(masks),
-        "logits chunk": int(LOGITS_CHUNK_BYTES_PER_ENTRY * chunk * shape.vocab),
+        # The output layer's weight gradient is summed over the chunks in float32 (full fine-tuning).
+        "logits chunk": int(LOGITS_CHUNK_BYTES_PER_ENTRY * chunk * shape.vocab)
+        + (4 * shape.vocab * shape.hidden if lora is None else 0),
         "CUDA context": CUDA_OUTSIDE_ALLOCATOR if cuda else 0,
     }

@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pipeline_rl.config import RunConfig
@@ -91,11 +92,58 @@ Granite...): for them the logprobs come from the model's own logits."""
 
 
 def _rows_logprobs(
-    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     token_logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return token_logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """The output layer and the float32 log-softmax, `chunk` rows at a time: forward keeps no
+    [rows, V] tensor, backward recomputes each chunk's logits and accumulates the layer's weight
+    gradient in float32 (as one matmul over every row would)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int):
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        parts = [
+            _rows_logprobs(F.linear(hidden[i : i + chunk], weight, bias), targets[i : i + chunk], temperature)
+            for i in range(0, hidden.shape[0], chunk)
+        ]
+        return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        w = weight.detach().requires_grad_(need_w)
+        b = None if bias is None else bias.detach().requires_grad_(need_b)
+        for i in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(i, i + ctx.chunk)
+            h = hidden[rows].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                logp, entropy = _rows_logprobs(F.linear(h, w, b), targets[rows], ctx.temperature)
+                wanted = [t for t, need in ((h, need_h), (w, need_w), (b, need_b)) if need and t is not None]
+                grads = iter(torch.autograd.grad((logp, entropy), wanted, (grad_logp[rows], grad_entropy[rows])))
+            if need_h:
+                grad_h[rows] = next(grads)
+            if need_w:
+                grad_w += next(grads)
+            if need_b and grad_b is not None:
+                grad_b += next(grads)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def token_logprobs(
@@ -107,22 +155,32 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden[i]) / temperature)[targets[i]] and the entropy of that
     distribution, for rows [N, H] of hidden states, in float32; `chunk_tokens` rows at a time
-    (module docstring) when there are more rows than that (0: all at once). `head` is the output
-    layer, or nn.Identity() when `hidden` already holds logits."""
-    if chunk_tokens <= 0 or hidden.shape[0] <= chunk_tokens:
-        return _rows_logprobs(hidden, head, targets, temperature)
-    parts = [
-        checkpoint(
-            _rows_logprobs,
-            hidden[i : i + chunk_tokens],
-            head,
-            targets[i : i + chunk_tokens],
-            temperature,
-            use_reentrant=False,
-        )
-        for i in range(0, hidden.shape[0], chunk_tokens)
-    ]
-    return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+    (module docstring; 0: all at once). `head` is the output layer (an nn.Linear), or
+    nn.Identity() when `hidden` already holds logits.
+
+    The layer is called once, whatever the number of chunks: under ZeRO-3 each call gathers its
+    weight with a collective, and ranks whose micro-batches differ in length must make the same
+    number of them."""
+    chunk = chunk_tokens if chunk_tokens > 0 else max(hidden.shape[0], 1)
+    if isinstance(head, torch.nn.Identity):
+        if hidden.shape[0] <= chunk:
+            return _rows_logprobs(hidden, targets, temperature)
+        parts = [
+            checkpoint(_rows_logprobs, hidden[i : i + chunk], targets[i : i + chunk], temperature, use_reentrant=False)
+            for i in range(0, hidden.shape[0], chunk)
+        ]
+        return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+    def chunked(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _ChunkedHead.apply(rows, head.weight, head.bias, targets, temperature, chunk)  # pyright: ignore[reportReturnType]
+
+    # Through the module's __call__ (its hooks: ZeRO-3 gathers the weight for this call and
+    # again for its backward), with its forward replaced for this one call.
+    head.forward = chunked
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -135,15 +193,17 @@ def final_hidden(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.
     and its output layer gets no rows, so no [T, V] logits are made. `anchor` (a sum over the
     layer's empty output, always 0) must join the result's graph: ZeRO-3 releases the output
     layer's gathered weight in backward only when its outputs take part. For a model in
-    LOGIT_TRANSFORMS, (logits [T, V], nn.Identity(), 0)."""
+    LOGIT_TRANSFORMS or whose output layer is not a plain nn.Linear (a LoRA-wrapped one, say),
+    (logits [T, V], nn.Identity(), 0)."""
     lm = _causal_lm(model)
     config = getattr(lm, "config", None)
     head = lm.get_output_embeddings()
-    if head is None or any(getattr(config, key, None) not in (None, 1.0) for key in LOGIT_TRANSFORMS):
+    if type(head) is not torch.nn.Linear or any(
+        getattr(config, key, None) not in (None, 1.0) for key in LOGIT_TRANSFORMS
+    ):
         logits = model(**inputs, use_cache=False).logits[0]
         return logits, torch.nn.Identity(), logits.new_zeros(())
     taken: list[torch.Tensor] = []
-    chunk_head = _frozen_copy(head) if _zero3_frozen(head) else head
 
     def take(_module, args):
         taken.append(args[0])
@@ -154,29 +214,7 @@ def final_hidden(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.
         empty = model(**inputs, use_cache=False).logits
     finally:
         handle.remove()
-    return taken[0][0], chunk_head, empty.sum()
-
-
-def _zero3_frozen(head: torch.nn.Module) -> bool:
-    """A frozen output layer (LoRA) partitioned by ZeRO-3: checkpointed chunks cannot call it,
-    since ZeRO-3 does not gather a frozen layer's weight again when backward recomputes a chunk."""
-    params = list(head.parameters())
-    return bool(params) and not any(p.requires_grad for p in params) and any(hasattr(p, "ds_id") for p in params)
-
-
-def _frozen_copy(head: torch.nn.Module) -> torch.nn.Module:
-    """A plain copy of a frozen ZeRO-3 output layer, gathered once per micro-batch ([V, H] in the
-    model's dtype: far less than a micro-batch's [T, V] logits)."""
-    import deepspeed
-
-    weight, bias = head.weight, getattr(head, "bias", None)
-    with deepspeed.zero.GatheredParameters([p for p in (weight, bias) if p is not None]):
-        copy = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device)
-        copy.to(weight.dtype).requires_grad_(False)
-        copy.weight.copy_(weight.detach())
-        if bias is not None:
-            copy.bias.copy_(bias.detach())
-    return copy
+    return taken[0][0], head, empty.sum()
 
 
 def packed_logprobs(

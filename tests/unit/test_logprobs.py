@@ -231,13 +231,19 @@ def test_no_full_vocabulary_logits_for_the_whole_micro_batch():
     vocab, chunk = 1000, 32
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(qwen2_config(vocab, hidden=32, layers=1, intermediate=64, max_len=1024))
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda _module, args: calls.append(args[0].shape[-2]))
     for tokens, chunk_tokens, rows in ((256, chunk, chunk), (768, chunk, chunk), (256, 0, 255)):
         ids = torch.randint(0, vocab, (1, tokens))
         probe = _VocabRows(vocab)
+        calls.clear()
         with probe:
             lp, ent = packed_logprobs(model, ids, torch.arange(tokens)[None], 1.0, chunk_tokens=chunk_tokens)
             (lp.sum() + ent.sum()).backward()
         assert probe.most == rows, (tokens, chunk_tokens)
+        # The output layer is called twice whatever the chunk count (the model's call, left
+        # with no rows, and one for all rows): under ZeRO-3 each call is a collective all ranks make.
+        assert calls == [tokens, tokens - 1], calls
 
 
 def test_models_with_transformed_logits_use_their_own_logits():
