@@ -29,6 +29,7 @@ LM head does more than the output layer (`LOGIT_TRANSFORMS`) take the full logit
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,16 +131,16 @@ class _ChunkedHead(torch.autograd.Function):
                 logp, entropy = _rows_logprobs(F.linear(h, w, b), targets[rows], ctx.temperature)
                 wanted = [t for t, need in ((h, need_h), (w, need_w), (b, need_b)) if need and t is not None]
                 grads = iter(torch.autograd.grad((logp, entropy), wanted, (grad_logp[rows], grad_entropy[rows])))
-            if need_h:
+            if grad_h is not None:
                 grad_h[rows] = next(grads)
-            if need_w:
+            if grad_w is not None:
                 grad_w += next(grads)
-            if need_b and grad_b is not None:
+            if grad_b is not None:
                 grad_b += next(grads)
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
+            None if grad_b is None else grad_b.to(weight.dtype),
             None,
             None,
             None,
@@ -195,7 +196,7 @@ def final_hidden(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.
     layer's gathered weight in backward only when its outputs take part. For a model in
     LOGIT_TRANSFORMS or whose output layer is not a plain nn.Linear (a LoRA-wrapped one, say),
     (logits [T, V], nn.Identity(), 0)."""
-    lm = _causal_lm(model)
+    lm: Any = _causal_lm(model)
     config = getattr(lm, "config", None)
     head = lm.get_output_embeddings()
     if type(head) is not torch.nn.Linear or any(
