@@ -23,6 +23,7 @@ behind.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import queue
 import signal
@@ -37,7 +38,7 @@ from swap_checks import swap_during_generation
 
 from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
-from pipeline_rl.weight_sync import WeightSender
+from pipeline_rl.weight_sync import DIAGNOSE_S, WeightSender
 
 # Three tensor-parallel engines (30-70 s each to start on 2 cores): the full gate only.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -239,6 +240,50 @@ def test_host_staged_workers_keep_only_their_shard(client, tiny_model, trained):
     assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
     receiver.close()
     sender.close()
+    on_worker(client, drop_receiver)
+
+
+def _announce_and_hang(addr: str, announced) -> None:
+    """A sender process that announces an update and never broadcasts it (the test kills it)."""
+    from pipeline_rl.weight_sync import member_names
+
+    def announce(update) -> None:
+        announced.put(update)
+        time.sleep(3600)
+
+    sender = WeightSender(addr, 1 + TP, "gloo", 60, member_names(1, TP))
+    sender.send(1, [("w", torch.zeros(4))], announce, bucket_mb=1)
+
+
+def test_a_sender_killed_mid_transfer_fails_the_actor_naming_it(client):
+    """Both TP workers wait in the broadcast of an update whose sender (trainer rank 0) is then
+    killed: receive() raises WeightGroupFailed naming trainer0 within the timeout (plus the
+    diagnosis), and the client records it as the failure the actor stops with."""
+
+    def drop_receiver(worker):
+        state = worker._pipeline_rl
+        if state.receiver is not None:
+            state.receiver.close()
+        state.receiver = None
+
+    on_worker(client, drop_receiver)  # a worker's receiver serves one sender
+    timeout_s = 4.0
+    addr = f"127.0.0.1:{free_port()}"
+    announced = multiprocessing.get_context("spawn").Queue()
+    sender = multiprocessing.get_context("spawn").Process(target=_announce_and_hang, args=(addr, announced))
+    sender.start()
+    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=timeout_s)
+    try:
+        update = announced.get(timeout=60)
+        threading.Timer(1.0, sender.kill).start()
+        started = time.monotonic()
+        assert not client.apply_update(receiver, update)
+        took = time.monotonic() - started
+    finally:
+        sender.kill()
+        receiver.close()
+    assert client.group_failure is not None and "trainer0 (weight-update rank 0" in client.group_failure
+    assert took < timeout_s + 2 * DIAGNOSE_S + 5, took
     on_worker(client, drop_receiver)
 
 
