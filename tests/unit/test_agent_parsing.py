@@ -1,6 +1,6 @@
-"""The model's tool calls parsed from its text (<tool_call> JSON blocks) and the transcript's
-token bookkeeping (model tokens mask 1 with their logprobs and versions, environment tokens
-mask 0, logprob 0, version -1)."""
+"""The model's tool calls parsed from its text (<tool_call> JSON blocks), the transcript's token
+bookkeeping (model tokens mask 1 with their logprobs and versions, environment tokens mask 0,
+logprob 0, version -1) and the actor's agent metrics."""
 
 from __future__ import annotations
 
@@ -81,3 +81,30 @@ def test_transcript_refuses_a_completion_with_misaligned_lists():
     bad.versions = [0]
     with pytest.raises(ValueError, match="2 tokens has 2 logprobs, 1 versions"):
         Transcript([1]).add_model_turn(bad)
+
+
+def test_agent_stats_per_window_and_in_total():
+    from pipeline_rl.actor.agent.stats import AgentStats
+
+    stats = AgentStats()
+    stats.add({"reward_error": "x"})  # not an agent rollout
+    assert stats.take() == {}
+    ok = {"turns": 3, "tool_calls": 2, "tool_errors": 0, "tool_s": 0.5, "malformed_tool_calls": 1}
+    failed = {"turns": 1, "tool_calls": 1, "tool_errors": 1, "tool_s": 2.0, "malformed_tool_calls": 0}
+    stats.add(ok)
+    stats.add({**failed, "agent_error": "tool 'hangs' failed"})
+    first = stats.take()
+    assert first["agent/turns_per_rollout"] == 2.0 and first["agent/tool_calls_per_rollout"] == 1.5
+    assert first["agent/tool_s_per_call"] == pytest.approx(2.5 / 3)
+    assert (first["agent/tool_errors"], first["agent/errors_total"], first["agent/malformed_tool_calls_total"]) == (
+        1,
+        1,
+        1,
+    )
+    assert first["agent/last_error"] == "tool 'hangs' failed"
+    stats.add(ok)
+    second = stats.take()
+    assert second["agent/tool_calls"] == 2 and second["agent/tool_calls_total"] == 5
+    assert second["agent/tool_errors"] == 0 and second["agent/tool_errors_total"] == 1
+    quiet = stats.take()  # a window without agent rollouts keeps the totals, has no per-rollout means
+    assert quiet["agent/tool_calls_total"] == 5 and "agent/turns_per_rollout" not in quiet

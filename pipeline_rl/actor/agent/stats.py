@@ -1,5 +1,6 @@
 """The actor's agent metrics, from the metadata of finished agent rollouts: turns, tool calls,
-tool errors, tool time and episodes ended by an error, per metrics window and in total."""
+tool errors, tool time, malformed tool calls and episodes ended by an error, per metrics window
+and in total."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ class AgentStats:
     def __init__(self) -> None:
         self.rollouts = self.turns = self.tool_calls = self.tool_errors = 0
         self.tool_s = 0.0
-        self.tool_calls_total = self.tool_errors_total = self.errors_total = 0
+        self.tool_calls_total = self.tool_errors_total = self.errors_total = self.malformed_total = 0
         self.last_error = ""
         self.seen = False
 
@@ -25,6 +26,7 @@ class AgentStats:
         self.tool_s += metadata["tool_s"]
         self.tool_calls_total += metadata["tool_calls"]
         self.tool_errors_total += metadata["tool_errors"]
+        self.malformed_total += metadata.get("malformed_tool_calls", 0)
         if metadata.get("agent_error"):
             self.errors_total += 1
             self.last_error = str(metadata["agent_error"])
@@ -39,6 +41,8 @@ class AgentStats:
             "agent/tool_calls_total": self.tool_calls_total,
             "agent/tool_errors_total": self.tool_errors_total,
             "agent/errors_total": self.errors_total,
+            # <tool_call> blocks that were not a call (tool_calls.py): the model still learning the format
+            "agent/malformed_tool_calls_total": self.malformed_total,
             "agent/last_error": self.last_error,
         }
         if self.rollouts:
