@@ -73,6 +73,19 @@ def ray_address(cfg: RunConfig) -> str:
     return cfg.world.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
 
 
+def _check_reachable(address: str) -> None:
+    """Fail at once on a cluster address nothing listens on (ray.init would retry for minutes)."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=RAYLET_PROBE_S * 5).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"no Ray cluster at {address} (world.ray_address, else RAY_ADDRESS): {type(e).__name__}: {e}"
+        ) from None
+
+
 def _cluster_nodes() -> dict[str, dict[str, Any]]:
     return {n["NodeID"]: n for n in ray.nodes()}
 
@@ -280,6 +293,7 @@ def run_on_ray(cfg: RunConfig, fresh: bool) -> int:
     specs = plan(cfg)
     found = bundles(cfg, specs)
     address = ray_address(cfg)
+    _check_reachable(address)
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as e:

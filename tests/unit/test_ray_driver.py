@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+from helpers import free_port
 
 from pipeline_rl.config import load_config
 from pipeline_rl.launch import ray_driver
@@ -46,3 +47,13 @@ def test_a_node_that_stops_answering_is_reported_after_consecutive_misses(raylet
         assert run._probe_nodes() is None
     assert run._probe_nodes() == down
     assert run.misses == {"up": 0, "down": NODE_PROBE_MISSES}
+
+
+def test_a_cluster_address_nothing_listens_on_fails_at_once(tmp_path, capsys):
+    from pipeline_rl.launch.launcher import main
+
+    address = f"127.0.0.1:{free_port()}"
+    argv = ["conf=tiny", f"run_dir={tmp_path / 'run'}", "world.nodes=2", "streams.backend=redis"]
+    assert main([*argv, f"world.ray_address={address}"]) == 2
+    assert f"no Ray cluster at {address} (world.ray_address, else RAY_ADDRESS)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
