@@ -163,6 +163,8 @@ def test_refusals_and_limits(tokenizer):
         engine = ScriptedEngine(tokenizer, [("1", "stop")] * 3)
         session = ChatSession(engine, actor(max_turns=2), TEMPLATE, None)
         messages = [{"role": "user", "content": "q"}]
+        with pytest.raises(RuntimeError, match=r"actor\.agent\.http: true"):
+            _ = session.base_url
         with pytest.raises(ValueError, match="n=2"):
             await session.chat.completions.create(messages=messages, n=2)
         with pytest.raises(ValueError, match="stream=true"):

@@ -57,7 +57,7 @@ class ChatServer:
         key = secrets.token_urlsafe(16)
         self.sessions[key] = session
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        session.base_url = f"http://{host}:{self.port}/sessions/{key}/v1"
+        session.served_at = f"http://{host}:{self.port}/sessions/{key}/v1"
         return key
 
     def close(self, key: str) -> None:

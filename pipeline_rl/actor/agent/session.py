@@ -55,8 +55,8 @@ class ChatSession:
         self.loop = asyncio.get_running_loop()
         """The loop the engine requests run on (the HTTP endpoint's threads submit to it)."""
         self.chat = _Chat(self)
-        self.base_url: str | None = None
-        """With actor.agent.http: this session's OpenAI base URL (.../v1), for another process."""
+        self.served_at: str | None = None
+        """Where the HTTP endpoint serves this session (set by it), or None."""
         self.transcript: Transcript | None = None
         self.messages: list[dict] = []
         self.template: ChatTemplate | None = None
@@ -67,6 +67,13 @@ class ChatSession:
         self.error: str | None = None
         """Why the episode ended early (sticky: an environment that catches the AgentError
         still gets the error reward)."""
+
+    @property
+    def base_url(self) -> str:
+        """This session's OpenAI base URL (.../v1), for an environment in another process."""
+        if self.served_at is None:  # never None into an OpenAI client: it would call api.openai.com
+            raise RuntimeError("client.base_url needs actor.agent.http: true")
+        return self.served_at
 
     @property
     def tools(self) -> list[dict]:
