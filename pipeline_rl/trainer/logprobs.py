@@ -111,7 +111,7 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.temperature, ctx.chunk = temperature, chunk
         parts = [
             _rows_logprobs(F.linear(hidden[i : i + chunk], weight, bias), targets[i : i + chunk], temperature)
-            for i in range(0, hidden.shape[0], chunk)
+            for i in range(0, max(hidden.shape[0], 1), chunk)  # a one-token padding row has none
         ]
         return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
 

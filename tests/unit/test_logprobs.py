@@ -255,3 +255,12 @@ def test_models_with_transformed_logits_use_their_own_logits():
     model.config.final_logit_softcapping = 30.0
     via_logits, _ = packed_logprobs(model, ids, torch.arange(12)[None], 0.8, chunk_tokens=5)
     torch.testing.assert_close(via_logits, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_a_one_token_row_has_a_zero_logprob_and_a_gradient_path():
+    """A padding micro-batch is one token: nothing is predicted, and backward still runs (the
+    output layer is called with no rows on every rank alike)."""
+    model = random_qwen2("sdpa")
+    lp, ent = packed_logprobs(model, torch.tensor([[5]]), torch.tensor([[0]]), 1.0, chunk_tokens=4)
+    assert lp.tolist() == [0.0] and ent.tolist() == [0.0]
+    (lp.sum() + ent.sum()).backward()
