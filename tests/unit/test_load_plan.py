@@ -91,3 +91,20 @@ def test_plan_refuses_a_loader_that_fails():
     model.qkv = torch.nn.Parameter(torch.zeros(0), requires_grad=False)  # a CPU linear whose weight was freed
     with pytest.raises(PlanRefused, match="load_weights failed"):
         LoadPlan.capture(model, tensors(8, 0), model.names())
+
+
+def test_a_gpu_plan_synchronizes_once_after_its_copies(monkeypatch):
+    """The TP = 1 swap's ordering: on CUDA the engine's next forward pass may run on another
+    stream, so LoadPlan.copy ends with one device synchronize, issued after every copy, inside
+    the lock hold (scripts/gpu_swap_check.py shows stale reads on an H100 without it). A CPU
+    plan does not synchronize."""
+    dst = torch.zeros(2, 3)
+    plan = LoadPlan({"w": [(dst, (2, 3), (3, 1), 0)]})
+    calls: list[tuple[object, torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append((device, dst.clone())))
+    plan.copy(plan.bind([("w", torch.ones(2, 3))]))
+    assert calls == []
+    plan.device = torch.device("cuda", 0)
+    plan.copy(plan.bind([("w", torch.full((2, 3), 2.0))]))
+    assert len(calls) == 1 and calls[0][0] == torch.device("cuda", 0)
+    assert torch.equal(calls[0][1], torch.full((2, 3), 2.0))  # every copy was issued before it
