@@ -38,6 +38,7 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 def _receiver_main(addr: str, rank: int, world: int, updates, results) -> None:
     """A receiver process: receives each announced update and reports it (or its error)."""
     receiver = WeightReceiver(addr, rank, world, "gloo", TIMEOUT_S)
+    results.put((rank, 0, "ready"))  # imports done: the first update is timed from here
     while True:
         update = updates.get()
         try:
@@ -103,6 +104,9 @@ def test_the_sender_names_a_receiver_that_was_killed():
             for q in queues[1:]:
                 q.put(update)
 
+        # A spawned receiver imports torch first: on a busy machine that alone can take longer
+        # than the timeout the first update would be held to.
+        assert sorted(results.get(timeout=120) for _ in procs) == [(1, 0, "ready"), (2, 0, "ready")]
         sender.send(1, _weights(1), announce, bucket_mb=1)
         assert sorted(results.get(timeout=30) for _ in procs) == [(1, 1, "ok"), (2, 1, "ok")]
         procs[1].kill()  # actor1, weight-update rank 2
