@@ -112,10 +112,15 @@ class Launcher(RunLoop):
 
 
 def check_plugins(cfg: RunConfig) -> None:
-    """Import the scorers and the loss the config names and check them, so that a bad one
-    fails here, at launch, rather than in a pool minutes later (raises ConfigError)."""
+    """Import the scorers, the loss and an agent environment with its tools that the config names
+    and check them, so that a bad one fails here, at launch, rather than in a pool minutes later
+    (raises ConfigError)."""
     check_scorers(cfg)
     load_loss(cfg.trainer.loss)
+    if cfg.actor.domain == "agent":
+        from pipeline_rl.actor.domains.agent import load_agent
+
+        load_agent(cfg.actor.agent)
 
 
 def on_ray(cfg: RunConfig) -> bool:

@@ -83,6 +83,18 @@ def test_bad_overrides_name_the_key(overrides, expected):
         (["trainer.loss.function=nowhere:loss"], "bad value for 'trainer.loss.function': cannot import 'nowhere:loss'"),
         (["trainer.loss.kl_coef=0.1"], "needs a scorer in 'preprocess.scorers' that produces ref_logprobs"),
         (["preprocess.scorers=[{cls: 'nowhere:Scorer'}]"], "bad value for 'preprocess.scorers.0.cls': cannot import"),
+        (
+            ["actor.domain=agent", "actor.agent.environment=nowhere:run"],
+            "bad value for 'actor.agent.environment': cannot import",
+        ),
+        (
+            [
+                "actor.domain=agent",
+                "actor.agent.environment=agent_envs:two_questions",
+                "actor.agent.tools=[nowhere:add]",
+            ],
+            "bad value for 'actor.agent.tools.0': cannot import",
+        ),
     ],
 )
 def test_bad_plugins_are_refused_at_launch_naming_the_key(overrides, expected, capsys):

@@ -22,18 +22,24 @@ from pipeline_rl.plugins import load_plugin
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 
+def load_agent(agent: AgentConfig) -> tuple[Callable[..., Coroutine[Any, Any, Any]], Tools | None]:
+    """The environment function and the tools (no worker started yet) the config names; raises
+    ConfigError naming the key. The launcher calls it too, so a bad one fails at launch."""
+    environment = load_plugin(
+        agent.environment,
+        "actor.agent.environment",
+        "an async function (async def run(client, problem) -> float)",
+        check=inspect.iscoroutinefunction,
+    )
+    return environment, Tools(agent.tools, agent.tool_timeout_s, agent.tool_workers) if agent.tools else None
+
+
 class AgentRuntime:
     """What the episodes of one agent config share in this process: the environment function,
     the tools' worker pool, the chat template's text and the HTTP endpoint."""
 
     def __init__(self, agent: AgentConfig):
-        self.environment: Callable[..., Coroutine[Any, Any, Any]] = load_plugin(
-            agent.environment,
-            "actor.agent.environment",
-            "an async function (async def run(client, problem) -> float)",
-            check=inspect.iscoroutinefunction,
-        )
-        self.tools = Tools(agent.tools, agent.tool_timeout_s, agent.tool_workers) if agent.tools else None
+        self.environment, self.tools = load_agent(agent)
         self.template: str | None = None
         if agent.chat_template is not None:
             path = Path(agent.chat_template)
