@@ -156,7 +156,7 @@ class Writer:
             self._bytes += len(payload)
             due = len(self._buf) >= BATCH_RECORDS or self._bytes >= BATCH_BYTES or now - self._first >= LINGER_S
         if due:
-            self.flush()
+            self._push(settle=False)
         elif first:  # the flush loop watches each batch from its first record on
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -167,15 +167,24 @@ class Writer:
 
     def flush(self) -> None:
         """Make every record written so far visible to readers."""
+        self._push(settle=True)
+
+    def _push(self, settle: bool) -> None:
         with self._send_lock:
             with self._buf_lock:
                 batch, self._buf, self._bytes = self._buf, [], 0
             if batch:
                 self._send(batch)
+            if settle:
+                self._settle()
 
     def _send(self, batch: list[tuple[int, bytes]]) -> None:
-        """Append (partition, payload) pairs, in order; return once readers can see them all."""
+        """Append (partition, payload) pairs, in order, after every batch sent before; a backend
+        may return before the batch is confirmed, as long as `_settle` then waits for it."""
         raise NotImplementedError
+
+    def _settle(self) -> None:
+        """Return once readers can see every batch sent so far (flush() ends with it)."""
 
     def _flush_loop(self) -> None:
         """Send what an idle writer left in its buffer."""

@@ -6,8 +6,9 @@ caps the broadcast topics with MAXLEN ~ cfg.streams.redis.maxlen (0: no cap); th
 topics (`wire.CONSUMED_TOPICS`) are never capped, only trimmed by `trim_below` (exact XTRIM
 MINID) below a position their one reader has saved, so no entry goes before it is consumed.
 
-Writes are batched (see `api.Writer`): each batch goes out as one pipeline of XADDs, one round
-trip.
+Writes are batched (see `api.Writer`): each batch goes out as one pipeline of XADDs, and its
+replies are read while the next batch is being made. A reader asks for its next entries before
+it decodes the ones it got. Each writer and reader has a connection of its own for that.
 
 A lost connection is logged and retried with exponential backoff (RETRY_MIN_S doubling up to
 RETRY_MAX_S) for as long as it takes: a writer's flush() blocks until its batch is in;
@@ -24,6 +25,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Connection
 from redis.retry import Retry
 
 from pipeline_rl.config import RedisConfig
@@ -61,41 +63,87 @@ class Backoff:
 
 
 class RedisWriter(Writer):
+    """Sends each batch as one pipeline of XADDs on its own connection and reads the replies
+    when the next batch goes out (or at flush): Redis appends one batch while the next is
+    encoded. A batch whose replies were not read when the connection went is sent again."""
+
     def __init__(self, client: redis.Redis, namespace: str, topic: str, partitions: int, maxlen: int):
         super().__init__(topic, partitions)
         self._client = client
+        self._conn: Connection | None = None
         self._keys = [f"{namespace}:{topic}:{p}" for p in range(partitions)]
         self._trim = ("MAXLEN", "~", maxlen) if maxlen > 0 else ()
         self._backoff = Backoff(f"writer of topic {topic!r}")
+        self._unconfirmed: list[tuple[int, bytes]] = []
+        """The batch sent last, whose replies are not read yet."""
         self._give_up_at: float | None = None
         """Set by close(): a process that is stopping retries a lost Redis only this long."""
 
     def _send(self, batch: list[tuple[int, bytes]]) -> None:
-        while True:
-            pipe = self._client.pipeline(transaction=False)
-            for partition, payload in batch:
-                # The command itself rather than pipe.xadd, which checks and rebuilds its arguments.
-                pipe.execute_command("XADD", self._keys[partition], *self._trim, "*", FIELD, payload)
+        self._settle()
+        self._unconfirmed = batch
+        try:
+            self._transmit(batch)
+        except _LOST as e:
+            self._lost(e)
+            self._settle()
+
+    def _transmit(self, batch: list[tuple[int, bytes]]) -> None:
+        if self._conn is None:
+            self._conn = self._client.connection_pool.get_connection()
+        commands = [("XADD", self._keys[partition], *self._trim, "*", FIELD, payload) for partition, payload in batch]
+        self._conn.send_packed_command(self._conn.pack_commands(commands))
+
+    def _settle(self) -> None:
+        while self._unconfirmed:
             try:
-                pipe.execute()
+                if self._conn is None:  # lost while sending: send again
+                    self._transmit(self._unconfirmed)
+                conn, batch = self._conn, self._unconfirmed
+                assert conn is not None
+                errors = []
+                for _ in batch:
+                    try:
+                        conn.read_response()
+                    except redis.ResponseError as e:
+                        errors.append(e)
+                self._unconfirmed = []
                 self._backoff.succeeded()
-                return
+                if errors:
+                    raise errors[0]
             except _LOST as e:
-                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
-                    log.error(
-                        "writer of topic %r: closing with Redis unreachable; %d records were not delivered",
-                        self.topic,
-                        len(batch),
-                    )
-                    return
-                time.sleep(self._backoff.failed(e, cap=CLOSE_TIMEOUT_S / 4 if self._give_up_at else RETRY_MAX_S))
+                self._lost(e)
+
+    def _lost(self, error: Exception) -> None:
+        """Drop the connection and wait before the batch is sent again (or give up when closing)."""
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._client.connection_pool.release(self._conn)
+            self._conn = None
+        if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+            log.error(
+                "writer of topic %r: closing with Redis unreachable; %d records were not delivered",
+                self.topic,
+                len(self._unconfirmed),
+            )
+            self._unconfirmed = []
+            return
+        time.sleep(self._backoff.failed(error, cap=CLOSE_TIMEOUT_S / 4 if self._give_up_at else RETRY_MAX_S))
 
     def close(self) -> None:
         self._give_up_at = time.monotonic() + CLOSE_TIMEOUT_S
         super().close()
+        with self._send_lock:
+            if self._conn is not None:
+                self._client.connection_pool.release(self._conn)
+                self._conn = None
 
 
 class RedisReader(Reader):
+    """Reads with XREAD on its own connection. After a read that returned entries it sends the
+    next XREAD at once (without BLOCK) and reads its reply on the next call: Redis gathers the
+    next entries while this batch is decoded."""
+
     def __init__(
         self,
         client: redis.Redis,
@@ -108,29 +156,54 @@ class RedisReader(Reader):
     ):
         super().__init__(topic, record_type, partitions, position, "0-0", dead_writer)
         self._client = client
+        self._conn: Connection | None = None
+        self._ahead = False
+        """An XREAD was sent ahead and its reply is not read yet."""
         self._keys = {f"{namespace}:{topic}:{p}".encode(): p for p in self.partitions}
         self._backoff = Backoff(f"reader of topic {topic!r}")
         self._entry_bytes = 1
         """Mean payload size of the last read (unknown before the first, which takes max_count):
         XREAD's COUNT is set so that a read holds about READ_BYTES."""
 
-    def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
-        block_ms = int(min(timeout, BLOCK_MAX_S) * 1000)
-        count = max(1, min(max_count, READ_BYTES // self._entry_bytes))
+    def _xread(self, count: int, block_ms: int) -> None:
+        if self._conn is None:
+            self._conn = self._client.connection_pool.get_connection()
         # BLOCK 0 would mean forever in Redis; no BLOCK means return at once.
         block = ("BLOCK", block_ms) if block_ms else ()
         positions = [self._position[p] for p in self._keys.values()]
+        self._conn.send_command("XREAD", "COUNT", count, *block, "STREAMS", *self._keys, *positions)
+
+    def _read_raw(self, timeout: float, max_count: int) -> list[RawEntry]:
+        count = max(1, min(max_count, READ_BYTES // self._entry_bytes))
         try:
-            reply: Any = self._client.execute_command(
-                "XREAD", "COUNT", count, *block, "STREAMS", *self._keys, *positions
-            )
+            reply = None
+            if self._ahead:
+                self._ahead = False
+                assert self._conn is not None
+                reply = self._conn.read_response()
+            if not reply:
+                self._xread(count, int(min(timeout, BLOCK_MAX_S) * 1000))
+                assert self._conn is not None
+                reply = self._conn.read_response()
             self._backoff.succeeded()
         except _LOST as e:
+            self._drop()
             time.sleep(self._backoff.failed(e, cap=timeout))
             return []
+        out = self._parse(reply, count)
+        if out:
+            try:
+                self._xread(count, 0)
+                self._ahead = True
+            except _LOST:
+                self._drop()  # the next call connects again
+        return out
+
+    def _parse(self, reply: Any, count: int) -> list[RawEntry]:
+        """Take up to `count` entries of an XREAD reply and move the positions past them."""
         out: list[RawEntry] = []
-        # The reply as Redis sends it (see RedisStreams): [[key, entries], ...], or {key: entries}
-        # under RESP3; each entry is [id, [field, value, ...]].
+        # The reply as Redis sends it: [[key, entries], ...], or {key: entries} under RESP3;
+        # each entry is [id, [field, value, ...]].
         for key, items in reply.items() if isinstance(reply, dict) else reply or ():
             partition = self._keys[key]
             for entry_id, fields in items[: count - len(out)]:
@@ -146,9 +219,15 @@ class RedisReader(Reader):
             self._entry_bytes = max(1, sum(len(e[2]) for e in out) // len(out))
         return out
 
+    def _drop(self) -> None:
+        self._ahead = False
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._client.connection_pool.release(self._conn)
+            self._conn = None
 
-def _as_sent(reply: Any, **options: Any) -> Any:
-    return reply
+    def close(self) -> None:
+        self._drop()
 
 
 class RedisStreams(Streams):
@@ -175,8 +254,6 @@ class RedisStreams(Streams):
             socket_keepalive=True,
             retry=Retry(NoBackoff(), 0),
         )
-        # Readers take XREAD's reply as it comes: redis-py would build a dict for every entry.
-        self.client.set_response_callback("XREAD", _as_sent)
 
     def _make_writer(self, topic: str, partitions: int) -> Writer:
         maxlen = 0 if topic in CONSUMED_TOPICS else self.maxlen

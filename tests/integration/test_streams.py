@@ -490,3 +490,48 @@ def test_a_read_holds_about_read_bytes_of_payload(streams):
         got += entries
     assert ids(got) == [f"w:{i}" for i in range(100)]
     assert len(batches) > 2 and all(1 <= n <= READ_BYTES // size + 1 for n in batches)
+
+
+def test_reads_of_any_size_in_turn_with_writes_lose_and_repeat_nothing(streams):
+    """The Redis reader sends its next XREAD before its caller decodes (and may ask for more
+    than the next call takes, or get nothing): whatever the sizes of reads and of the batches
+    written between them, every record comes once, in order, and a reader opened at the
+    position reads exactly the records not handed out yet."""
+    w = streams.writer("actor")
+    r = streams.reader("actor", RolloutGroup)
+    got, written = [], 0
+    for sizes in ((1, 1), (5, 3), (40, 7), (0, 2), (300, 256), (2, 1), (0, 1)):
+        for _ in range(sizes[0]):
+            w.write(group(written))
+            written += 1
+        w.flush()
+        entries = r.read(timeout=0.5, max_count=sizes[1])
+        # A reply sent ahead holds what was there when it was asked for: maybe fewer.
+        assert 1 <= len(entries) <= min(sizes[1], written - len(got))
+        got += entries
+    resumed = streams.reader("actor", RolloutGroup, position=r.position())
+    rest = read_all(r, written - len(got))
+    assert ids(got + rest) == [f"w:{i}" for i in range(written)]
+    assert r.read(timeout=0.2) == []
+    assert ids(read_all(resumed, len(rest) + 1, timeout=1.0)) == ids(rest)
+
+
+@pytest.mark.redis
+def test_redis_write_that_redis_refuses_raises_at_flush(tmp_path, redis_server):
+    """A writer reads a batch's replies after sending the next one; an error reply (here: the
+    stream's key holds a string) still reaches the writing process, at the latest at flush()."""
+    import redis
+
+    s = open_streams(make_cfg(tmp_path, "redis", redis_server.port))
+    client = redis.Redis(port=redis_server.port)
+    client.set("pipeline_rl:streamtest:actor:0", b"not a stream")
+    w = s.writer("actor")
+    w.write(group(0))
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        w.flush()
+    client.delete("pipeline_rl:streamtest:actor:0")
+    w.write(group(1))
+    w.flush()
+    assert ids(read_all(s.reader("actor", RolloutGroup), 1)) == ["w:1"]
+    s.close()
+    client.close()
