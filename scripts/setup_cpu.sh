@@ -4,6 +4,9 @@
 #   bash scripts/setup_cpu.sh --relock   resolve the cpu+cluster+dev extras again and rewrite the lock
 #   bash scripts/setup_cpu.sh --bench    the locked versions plus the `bench` extra (TRL, for
 #                                        scripts/bench_learning.py) from scripts/bench-lock.txt
+#   bash scripts/setup_cpu.sh --verifiers  the locked versions plus the `verifiers` extra (environments
+#                                        of the verifiers library, actor.domain: verifiers) from
+#                                        scripts/verifiers-lock.txt; --bench --verifiers installs both
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v uv >/dev/null || python3 -m pip install --quiet uv
@@ -23,8 +26,12 @@ else
     # DeepSpeed builds from source against the locked torch (it is in the lock, so nothing replaces it).
     uv pip sync --python .venv/bin/python "${torch_src[@]}" scripts/cpu-lock.txt
     uv pip install --python .venv/bin/python --no-deps -e .
-    if [ "${1:-}" = "--bench" ]; then
-        uv pip install --python .venv/bin/python --no-deps -r scripts/bench-lock.txt
-    fi
+    for extra in "$@"; do  # the optional extras' locks, each on top of the CPU lock
+        case "$extra" in
+            --bench) uv pip install --python .venv/bin/python --no-deps -r scripts/bench-lock.txt ;;
+            --verifiers) uv pip install --python .venv/bin/python --no-deps -r scripts/verifiers-lock.txt ;;
+            *) echo "unknown option $extra" >&2 && exit 2 ;;
+        esac
+    done
 fi
 echo "setup done: activate with 'source .venv/bin/activate'"

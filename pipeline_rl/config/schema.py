@@ -226,12 +226,26 @@ class AgentConfig:
 
 
 @dataclass
+class VerifiersConfig:
+    """Environments of the verifiers library (the `verifiers` extra): `actor.domain: verifiers`
+    runs `environment`'s own rollout and rubric on the actor's engine
+    (pipeline_rl/actor/domains/verifiers_env.py). Its chat client is the agent domain's, so
+    actor.agent.chat_template, max_turns and error_reward apply to it too."""
+
+    environment: str = ""
+    """`module:function` returning a verifiers Environment, called with `args`; or the id of an
+    installed verifiers environment package, loaded with `verifiers.load_environment(id, **args)`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of that function."""
+
+
+@dataclass
 class ActorConfig:
     mode: ActorMode = ActorMode["async"]
     """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
     (generate one batch with the current policy, wait for the update, repeat)."""
     domain: str = "arithmetic"
-    """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent) or `module:function`."""
+    """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent, verifiers) or `module:function`."""
     attempts: int = 8
     """Completions sampled per problem (the group size)."""
     temperature: float = 1.0
@@ -265,6 +279,8 @@ class ActorConfig:
     """Where problems come from."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent environments (actor.domain: agent)."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """Environments of the verifiers library (actor.domain: verifiers)."""
 
 
 @dataclass
@@ -510,6 +526,8 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.actor.domain == "agent" and not cfg.actor.agent.environment:
         raise ConfigError("'actor.domain' agent needs 'actor.agent.environment' (module:function)")
+    if cfg.actor.domain == "verifiers" and not cfg.actor.verifiers.environment:
+        raise ConfigError("'actor.domain' verifiers needs 'actor.verifiers.environment' (module:function or an id)")
     if cfg.actor.agent.tool_timeout_s <= 0:
         raise ConfigError(f"bad value for 'actor.agent.tool_timeout_s': {cfg.actor.agent.tool_timeout_s}, must be > 0")
     if cfg.actor.temperature <= 0:

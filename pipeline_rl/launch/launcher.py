@@ -112,7 +112,7 @@ class Launcher(RunLoop):
 
 
 def check_plugins(cfg: RunConfig) -> None:
-    """Import the scorers, the loss and an agent environment with its tools that the config names
+    """Import the scorers, the loss and an agent or verifiers environment that the config names
     and check them, so that a bad one fails here, at launch, rather than in a pool minutes later
     (raises ConfigError)."""
     check_scorers(cfg)
@@ -121,6 +121,10 @@ def check_plugins(cfg: RunConfig) -> None:
         from pipeline_rl.actor.domains.agent import load_agent
 
         load_agent(cfg.actor.agent)
+    if cfg.actor.domain == "verifiers":
+        from pipeline_rl.actor.domains.verifiers_env import load_environment
+
+        load_environment(cfg.actor.verifiers)
 
 
 def on_ray(cfg: RunConfig) -> bool:

@@ -25,9 +25,10 @@ preprocessor adds token_rewards as an undiscounted, unbaselined reward-to-go on 
 group-relative advantage of `reward` (pipeline_rl/preprocess/advantages.py): keep `reward` for the
 episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
 tests/multiturn_domain.py is a small example. The `agent` domain builds such rollouts from an
-environment written against an OpenAI-style chat client (pipeline_rl/actor/agent/).
+environment written against an OpenAI-style chat client (pipeline_rl/actor/agent/); the
+`verifiers` domain from an environment of the verifiers library (domains/verifiers_env.py).
 
-`load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep", "agent") or "module:function".
+`load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep", "agent", "verifiers") or "module:function".
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ BUILTIN = {
     "math": "pipeline_rl.actor.domains.math:rollout",
     "multistep": "pipeline_rl.actor.domains.multistep:rollout",
     "agent": "pipeline_rl.actor.domains.agent:rollout",
+    "verifiers": "pipeline_rl.actor.domains.verifiers_env:rollout",
 }
 
 RolloutFn = Callable[..., Coroutine[Any, Any, Any]]

@@ -34,18 +34,23 @@ def load_agent(agent: AgentConfig) -> tuple[Callable[..., Coroutine[Any, Any, An
     return environment, Tools(agent.tools, agent.tool_timeout_s, agent.tool_workers) if agent.tools else None
 
 
+def chat_template(agent: AgentConfig) -> str | None:
+    """The text of actor.agent.chat_template (None: the tokenizer's own)."""
+    if agent.chat_template is None:
+        return None
+    path = Path(agent.chat_template)
+    if not path.is_file():
+        raise ConfigError(f"bad value for 'actor.agent.chat_template': {path} is not a file")
+    return path.read_text()
+
+
 class AgentRuntime:
     """What the episodes of one agent config share in this process: the environment function,
     the tools' worker pool, the chat template's text and the HTTP endpoint."""
 
     def __init__(self, agent: AgentConfig):
         self.environment, self.tools = load_agent(agent)
-        self.template: str | None = None
-        if agent.chat_template is not None:
-            path = Path(agent.chat_template)
-            if not path.is_file():
-                raise ConfigError(f"bad value for 'actor.agent.chat_template': {path} is not a file")
-            self.template = path.read_text()
+        self.template = chat_template(agent)
         self.server = ChatServer(agent.http_host, agent.http_port) if agent.http else None
 
 

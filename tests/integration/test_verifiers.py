@@ -1,0 +1,185 @@
+"""Environments of the verifiers library (actor.domain: verifiers) on a real vLLM engine with the
+tiny model: a vf.MultiTurnEnv and a vf.ToolEnv (tests/verifiers_envs.py) give rollouts whose model
+tokens, logprobs and versions are exactly the engine's outputs and whose mask covers exactly
+them, with the rubric's reward; a conversation across a weight swap carries both versions; an
+environment that raises ends its rollouts with a recorded error; bad configs fail naming the key.
+Skipped without the `verifiers` extra (bash scripts/setup_cpu.sh --verifiers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+vf = pytest.importorskip("verifiers", reason="the verifiers extra is not installed (scripts/setup_cpu.sh --verifiers)")
+
+from agent_checks import Recording, check_engine_exact  # noqa: E402
+from helpers import CACHE, TESTS, perturbed  # noqa: E402
+
+from pipeline_rl.actor.datasets import load_problems  # noqa: E402
+from pipeline_rl.actor.domains import load_domain  # noqa: E402
+from pipeline_rl.config import ConfigError, load_config  # noqa: E402
+from pipeline_rl.streams.records import RolloutGroup, decode, encode  # noqa: E402
+
+
+def vf_cfg(run_dir, tiny_model, environment: str, *extra: str):
+    return load_config(
+        "tiny",
+        [
+            f"run_dir={run_dir}",
+            f"model.path={tiny_model}",
+            "actor.attempts=2",
+            "actor.llm.kv_cache_gib=0.25",
+            "actor.domain=verifiers",
+            f"actor.verifiers.environment={environment}",
+            f"actor.agent.chat_template={TESTS / 'agent_tiny.jinja'}",
+            "actor.agent.error_reward=-1",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model, tmp_path_factory):
+    from pipeline_rl.actor.llm_client import LLMClient
+
+    cfg = vf_cfg(tmp_path_factory.mktemp("run"), tiny_model, "verifiers_envs:two_questions")
+    client = LLMClient.create(cfg, str(tiny_model), version=0)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def problems(tiny_model):
+    return load_problems("jsonl", str(CACHE / "arithmetic" / "test.jsonl"))
+
+
+def run_groups(llm, cfg, problems, timeout_s=120) -> tuple[list[RolloutGroup], Recording]:
+    recording = Recording(llm)
+    rollout = load_domain("verifiers")
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(rollout(p, recording, cfg) for p in problems)), timeout_s)
+
+    groups = asyncio.run(main())
+    for group in groups:
+        assert decode(encode(group), RolloutGroup) == group
+    return groups, recording
+
+
+def reward_or_error(r, expected: float) -> None:
+    """The rubric's reward, or (verifiers refuses an empty reply, possible at temperature 1) the
+    error reward with verifiers' error recorded."""
+    if "agent_error" in r.metadata:
+        assert "EmptyModelResponseError" in r.metadata["agent_error"] and r.reward == -1.0
+        assert r.finish_reason == "error"
+    else:
+        assert r.reward == expected
+
+
+@pytest.mark.vllm
+def test_multiturn_environment_is_token_exact_and_scored_by_its_rubric(llm, problems, tmp_path, tiny_model):
+    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:two_questions")
+    chosen = problems[:4]
+    groups, recording = run_groups(llm, cfg, chosen)
+    tok = llm.tokenizer
+    for problem, group in zip(chosen, groups):
+        assert len(group.rollouts) == cfg.actor.attempts
+        for r in group.rollouts:
+            assert tok.decode(r.prompt_ids) == problem["prompt"]
+            turns = check_engine_exact(r, recording)
+            if "agent_error" in r.metadata:
+                reward_or_error(r, 0.0)
+                continue
+            first, second = turns
+            env = r.completion_ids[len(first.token_ids) : len(r.completion_ids) - len(second.token_ids)]
+            closing = [] if first.finish_reason == "stop" else tok.encode("<|endoftext|>", add_special_tokens=False)
+            assert env == closing + tok.encode(
+                f"\nQ: {problem['prompt'][3:-1].split('+')[1]}+{problem['prompt'][3:-1].split('+')[0]}=",
+                add_special_tokens=False,
+            )
+            right = [c.text.strip() == problem["answer"] for c in (first, second)]
+            assert r.reward == float(all(right))
+            assert r.metadata["verifiers_metrics"]["both_right"] == r.reward
+            assert r.metadata["verifiers_metrics"]["num_turns"] == 2
+            assert r.metadata["stop_condition"] == "max_turns_reached"
+    assert sum("agent_error" not in r.metadata for g in groups for r in g.rollouts) >= 6  # the checks above ran
+
+
+@pytest.mark.vllm
+def test_tool_environment_is_token_exact_and_scored_by_its_rubric(llm, problems, tmp_path, tiny_model):
+    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:checked_by_tool")
+    chosen = problems[4:8]
+    groups, recording = run_groups(llm, cfg, chosen)
+    for problem, group in zip(chosen, groups):
+        for r in group.rollouts:
+            turns = check_engine_exact(r, recording)
+            if "agent_error" in r.metadata:
+                reward_or_error(r, 0.0)
+                continue
+            first, second = turns
+            env = r.completion_ids[len(first.token_ids) : len(r.completion_ids) - len(second.token_ids)]
+            text = llm.tokenizer.decode(env, skip_special_tokens=False)
+            assert text.endswith(f"\n[{problem['answer']}]")  # the ToolEnv's call of `add`, as the template shows it
+            assert r.reward == float(second.text.strip() == problem["answer"])
+            assert r.metadata["verifiers_metrics"]["second_right"] == r.reward
+            assert "add_calls" in r.metadata["verifiers_metrics"]  # verifiers' ToolEnv monitor ran
+    assert sum("agent_error" not in r.metadata for g in groups for r in g.rollouts) >= 6  # the checks above ran
+
+
+@pytest.mark.vllm
+def test_a_verifiers_conversation_across_a_swap_carries_both_versions(llm, problems, tmp_path, tiny_model, monkeypatch):
+    import verifiers_envs
+    from safetensors.torch import load_file
+
+    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:two_questions", "actor.attempts=1")
+    trained = load_file(str(tiny_model / "model.safetensors"))
+    before = llm.version
+
+    async def swap():
+        llm.hook.swap(perturbed(trained, seed=5).items(), before + 1)
+
+    monkeypatch.setattr(verifiers_envs, "between_turns", swap)
+    try:
+        for problem in problems[8:16]:  # the next problem if verifiers refused an empty first reply (no swap)
+            [group], recording = run_groups(llm, cfg, [problem])
+            if llm.version == before + 1:
+                break
+    finally:
+        llm.hook.swap(trained.items(), llm.version + 1)  # the checkpoint's weights for later tests
+    [r] = group.rollouts
+    first, second = check_engine_exact(r, recording)
+    assert set(first.versions) == {before} and set(second.versions) == {before + 1}
+    assert {v for v in r.versions if v >= 0} == {before, before + 1}
+
+
+@pytest.mark.vllm
+def test_an_environment_that_raises_ends_its_rollouts_with_the_error(llm, problems, tmp_path, tiny_model):
+    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:broken")
+    [group], recording = run_groups(llm, cfg, problems[16:17])
+    for r in group.rollouts:
+        check_engine_exact(r, recording)
+        assert r.reward == -1.0 and r.finish_reason == "error" and r.metadata["turns"] == 1
+        assert "ZeroDivisionError: the environment's own bug" in r.metadata["agent_error"]
+
+
+def test_bad_environments_fail_at_launch_naming_the_key(tmp_path):
+    from pipeline_rl.launch.launcher import check_plugins
+
+    key = "'actor.verifiers.environment'"
+    for spec, error in [
+        ("verifiers_envs:nothing", "cannot import"),
+        ("agent_envs:swapped", "raised TypeError"),  # needs an argument
+        ("builtins:dict", "returned dict, not a verifiers Environment"),
+        ("no_such_verifiers_env", "raised"),  # not an installed environment id
+    ]:
+        cfg = vf_cfg(tmp_path, tmp_path, spec)
+        with pytest.raises(ConfigError, match=f"bad value for {key}.*{error}"):
+            check_plugins(cfg)
+    cfg = vf_cfg(tmp_path, tmp_path, "verifiers_envs:two_questions", "actor.verifiers.args={max_turns: 3}")
+    with pytest.raises(ConfigError, match=f"bad value for {key}.*unexpected keyword"):
+        check_plugins(cfg)
+    with pytest.raises(ConfigError, match=r"needs 'actor\.verifiers\.environment'"):
+        vf_cfg(tmp_path, tmp_path, "''")
+    with pytest.raises(ConfigError, match=r"verifiers\.nope"):
+        vf_cfg(tmp_path, tmp_path, "verifiers_envs:two_questions", "actor.verifiers.nope=1")
