@@ -22,9 +22,8 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline_rl.streams.records import DeadLetter, RecordError, decode, encode
 from pipeline_rl.wire import dead_topic
@@ -50,8 +49,10 @@ server) before it gives up."""
 _TOPIC = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):
+    """One record read, and where it was. (A tuple: a frozen dataclass took 0.4 us to make,
+    a tenth of a 1 KB record's decoding.)"""
+
     partition: int
     offset: str
     """Where the record sits in its partition: a byte offset (JSONL) or an entry ID (Redis)."""
