@@ -2,7 +2,7 @@
 that a dead or hung peer becomes an exception in the survivors within it.
 
 Where the timeout goes: the trainers' process group (deepspeed.init_distributed), the
-weight-update group and its TCPStore (weight_sync.py: WeightSender, WeightReceiver, and the TP
+weight-update group and its TCPStore (weight_sync/: WeightSender, WeightReceiver, and the TP
 workers' receivers through tp_swap.py).
 
 NCCL (PyTorch's ProcessGroupNCCL environment variables): by default

@@ -1,4 +1,4 @@
-"""The wire layout of a weight update (pipeline_rl/weight_sync.py has the protocol): where
+"""The wire layout of a weight update (pipeline_rl/weight_sync/__init__.py has the protocol): where
 each tensor lies in a receiver's buffer and which messages carry it, derived by the sender and
 every receiver from the WeightUpdate announcement (and the sender's plan) alone, so the wire
 format needs nothing else. Built once per layout and kept while announcements match it."""

@@ -1,0 +1,87 @@
+"""Weight broadcast from trainer rank 0 to every actor engine, in buckets.
+
+The process group is standalone: a TCPStore hosted by the sender at `addr` and a
+ProcessGroupGloo / ProcessGroupNCCL object built directly on it, so the trainer's own
+default process group (DeepSpeed's) and vLLM's are never touched. Rank 0 is the sender; the
+receivers are the actors, or with tensor-parallel engines every worker of every actor
+(`group_ranks`).
+
+One update: the sender publishes its version under the store key "latest" (and, when it
+changes, the plan below under "plan"; the sender hosts the store, so both are local sets),
+announces a WeightUpdate record (names, shapes, dtypes, tensors per bucket, the group's name
+and the plan), then broadcasts the bytes of each bucket. Receivers read the announcement from
+the "weights" stream and take part in the broadcast; only a receiver that is not in the named
+group yet reads "latest", "group" and "plan" from the store first (one round trip).
+
+Within a bucket, each run of small tensors goes as one packed message and each large tensor
+(>= 1 MiB) as a message of its own, sent from the sender's tensor without a copy. A packed
+run whose tensors already lie in one storage as the message has them (parameters that are
+views of one flat buffer, as DeepSpeed ZeRO-1/2 keeps them, when no tensor needs padding) is
+sent from that storage without a copy too; any other is packed by one `_foreach_copy_`.
+The plan ("VERSION:BITS", one bit per bucket) makes a bucket whose tensors all lay flat in
+the previous update a single message (still without a copy; gloo costs about 0.5 ms per
+message on 2-core VMs): the sender notes flatness after each update and publishes a change
+before the next announcement; a bucket planned whole that is not flat after all is packed
+whole, once, and the plan goes back. Messages are not waited for one by one: the sender
+starts every message of a bucket and waits for them all before it takes the first tensor of
+the next bucket (so a tensor is used before the next bucket's tensors are asked for); a
+receiver keeps the messages of two buckets started (one message at a time when staging on
+host, through its bounce buffer) and waits for them in order, each within the timeout.
+
+Everything that depends only on the layout (shapes, dtypes, buckets, plan: the same model
+each time) is computed once and kept until an announcement differs (told by list
+comparisons): the messages, the buffers and the tensor views into them, and on the sender
+the announcement's lists. An update of a kept layout allocates nothing, and its per-tensor
+Python work is the sender's check of each tensor against the announcement (and whether its
+runs lie flat) and the receiver's (name, view) pairs. The sender packs into one reused area
+(the packed messages of one bucket side by side, at most a bucket; allocated the first time
+a run must be packed), and a receiver receives into one buffer of the whole update and
+returns views into it. Those views are overwritten by the next receive(): the engine's
+reload copies them into its own weights before the receiver thread receives again
+(LLMClient's receiver thread receives, swaps, and only then reads the next announcement).
+
+The group is built lazily by the first transfer and rebuilt after a failure: the sender
+gives each group it builds a new name (store key "group", set before the announcement), and a
+receiver whose group has another name joins it before receiving. A joining receiver that reads
+an announcement older than "latest" or than "plan" (an actor restarted after that transfer
+ended) skips it; a member skips an announcement not newer than the last it took part in (read
+twice: streams deliver at least once), and otherwise takes part at once, since no broadcast of
+its group can be over without it. A receiver whose store connection broke (the trainer
+restarted) connects again.
+
+A failed transfer names who is gone: every member beats a counter in the store ("alive/RANK",
+every HEARTBEAT_S, from a thread with a store connection of its own, made once the member
+has reached the store, so it beats while the member waits in a collective), and the member whose transfer fails reads the counters twice,
+DIAGNOSE_S apart, and raises WeightGroupFailed naming the members whose counter stood still
+(dead, or hung with the interpreter stuck; names by rank under the store key "members", which
+the sender sets). A store that cannot be reached means the sender, which hosts it, is gone.
+The timeout of every wait is `world.collective_timeout_s` (pipeline_rl/collectives.py).
+"""
+
+from pipeline_rl.weight_sync.group import (
+    DIAGNOSE_S,
+    HEARTBEAT_S,
+    SENDER,
+    Keep,
+    StaleUpdate,
+    WeightGroupFailed,
+    backend_for,
+    group_ranks,
+    member_names,
+)
+from pipeline_rl.weight_sync.receiver import WeightReceiver
+from pipeline_rl.weight_sync.sender import WeightSender
+
+__all__ = [
+    "DIAGNOSE_S",
+    "HEARTBEAT_S",
+    "SENDER",
+    "Keep",
+    "StaleUpdate",
+    "WeightGroupFailed",
+    "WeightReceiver",
+    "WeightSender",
+    "backend_for",
+    "group_ranks",
+    "member_names",
+]

@@ -1,0 +1,191 @@
+"""The weight-update group's common part: ranks and member names, errors, and the endpoint
+(store, group, kept layout, heartbeat, failure diagnosis) that the sender and receivers share.
+How an update travels: pipeline_rl/weight_sync/__init__.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_layout import Layout
+
+log = logging.getLogger(__name__)
+
+Keep = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int]]]
+"""Per tensor name, the views (shape, stride, storage offset) of it that a receiver keeps."""
+
+
+def group_ranks(actor_index: int, actors: int, tensor_parallel_size: int) -> tuple[list[int], int]:
+    """The weight-update group's ranks of one actor's receivers, and the group's size: rank 0 is
+    trainer rank 0, then each actor's tensor-parallel workers in order (one receiver per actor
+    when tensor_parallel_size is 1)."""
+    first = 1 + actor_index * tensor_parallel_size
+    return list(range(first, first + tensor_parallel_size)), 1 + actors * tensor_parallel_size
+
+
+def member_names(actors: int, tensor_parallel_size: int) -> list[str]:
+    """The process behind each rank of the weight-update group (see group_ranks)."""
+    names = [SENDER]
+    for actor in range(actors):
+        if tensor_parallel_size == 1:
+            names.append(f"actor{actor}")
+        else:
+            names += [f"actor{actor} TP worker {w}" for w in range(tensor_parallel_size)]
+    return names
+
+
+SENDER = "trainer0"
+"""Rank 0 of the weight-update group is always trainer rank 0."""
+HEARTBEAT_S = 1.0
+DIAGNOSE_S = 2.5 * HEARTBEAT_S
+"""A counter that did not move in this long belongs to a member that is gone."""
+
+
+class WeightGroupFailed(RuntimeError):
+    """A weight transfer failed; the message names the members that did not finish it."""
+
+
+def backend_for(gpus_per_node: int) -> str:
+    """The one backend of the weight-update group, decided from the world (the same on the
+    sender and every receiver, or they could never form the group): NCCL between GPUs, else gloo."""
+    return "nccl" if gpus_per_node > 0 else "gloo"
+
+
+class StaleUpdate(Exception):
+    """An announcement whose transfer is already over; the receiver did not take part."""
+
+
+def _split_host_port(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"weight-sync address {addr!r} is not host:port")
+    return host, int(port)
+
+
+def new_group(store: dist.Store, name: str, rank: int, world_size: int, backend: str, timeout: timedelta):
+    prefixed = dist.PrefixStore(f"weights/{name}", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+
+
+class Endpoint:
+    def __init__(self, addr: str, rank: int, world_size: int, backend: str, timeout_s: float):
+        if world_size < 2:
+            raise ValueError(f"weight-sync world size must be >= 2 (trainer + actors), got {world_size}")
+        self.host, self.port = _split_host_port(addr)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.staging_device = self.device
+        """Where a receiver's kept buffer lives (it may keep it in host memory)."""
+        # A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs omit its collectives.
+        self._group: Any = None
+        self._group_name: str | None = None
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank = 0
+        # Kept between updates while the layout stays the same (it does: the same model each
+        # time), with the buffers the subclass allocates for it: neither a packing buffer nor
+        # receive memory is allocated (and page-faulted), nor any view taken, per update.
+        self._layout: Layout | None = None
+
+    def _kept_layout(self, update: WeightUpdate, plan: str | None) -> Layout | None:
+        """The kept layout, when `update` and `plan` (unless None) have it."""
+        layout = self._layout
+        return layout if layout is not None and layout.matches(update, plan) else None
+
+    def _new_layout(self, update: WeightUpdate, plan: str) -> Layout:
+        """Compute the layout of `update` and `plan` and keep it, with its buffers (the kept
+        ones are let go first, so the old and new buffers are never held together)."""
+        self._release()
+        layout = Layout(update, plan)
+        self._allocate(layout)
+        self._layout = layout
+        return layout
+
+    def _allocate(self, layout: Layout) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        self._layout = None
+
+    def _start(self, buffer: torch.Tensor) -> Any:
+        """Start broadcasting `buffer` (rank 0's bytes into every other rank's); returns the
+        work to wait for."""
+        assert self._group is not None, "broadcast before the group was built"
+        return self._group.broadcast([buffer], self._opts)
+
+    def _drop_group(self) -> None:
+        self._group = None
+        self._group_name = None
+
+    def _start_heartbeat(self) -> None:
+        """Beat "alive/RANK" in the sender's store, through `_beat_store`, until close()."""
+        self._beating = threading.Event()
+        self._beat_store: dist.TCPStore | None = None
+
+        def beat() -> None:
+            count = 0
+            while not self._beating.wait(HEARTBEAT_S):
+                store = self._beat_store
+                if store is None:
+                    continue
+                try:
+                    count += 1
+                    store.set(f"alive/{self.rank}", str(count))
+                except Exception:  # the store went away: _beat_connected gives the next one
+                    self._beat_store = None
+
+        threading.Thread(target=beat, name=f"weight-sync-heartbeat-{self.rank}", daemon=True).start()
+
+    def _beat_connected(self) -> None:
+        """Give the heartbeat a store connection of its own, once the store is known to be up:
+        connecting to a store that is not there yet retries for seconds and logs each try."""
+        self._beat_store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+
+    def _failed(self, store: dist.Store | None, version: int, started: float, error: Exception) -> WeightGroupFailed:
+        """This member's transfer of `version` failed: name the members that are gone."""
+        what = f"weight update {version} failed after {time.monotonic() - started:.1f} s: {error}"
+        try:
+            if store is None:
+                raise RuntimeError("no store connection")
+            names = json.loads(store.get("members")) if store.check(["members"]) else []
+            gone = self._gone(store)
+        except Exception as e:  # the store is hosted by the sender: unreachable, the sender is gone
+            return WeightGroupFailed(
+                f"{what}; the weight-sync store at {self.host}:{self.port} is unreachable ({e}): "
+                f"{SENDER} (weight-update rank 0, the sender) is gone"
+            )
+        if not gone:
+            return WeightGroupFailed(f"{what}; every other member is alive (a hung collective or a network fault?)")
+        named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in gone)
+        return WeightGroupFailed(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named}")
+
+    def _gone(self, store: dist.Store) -> list[int]:
+        """Ranks whose heartbeat did not move over DIAGNOSE_S."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+
+        def beats() -> dict[int, bytes | None]:
+            return {r: store.get(f"alive/{r}") if store.check([f"alive/{r}"]) else None for r in others}
+
+        before = beats()
+        time.sleep(DIAGNOSE_S)
+        after = beats()
+        return [r for r in others if after[r] is None or after[r] == before[r]]
+
+    def close(self) -> None:
+        self._beating.set()
+        self._drop_group()
+        self._release()

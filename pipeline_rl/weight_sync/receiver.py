@@ -1,0 +1,248 @@
+"""An actor engine's end of the weight broadcast (pipeline_rl/weight_sync/__init__.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_layout import Layout, aligned, check_announcement
+from pipeline_rl.weight_sync.group import (
+    Endpoint,
+    Keep,
+    StaleUpdate,
+    new_group,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WeightReceiver(Endpoint):
+    """An actor engine's end: joins the sender's store on first use and receives updates.
+
+    stage_on_host: keep the whole update in host memory (pinned when the group is NCCL) rather
+    than on the device; each message then lands in a bounce buffer on the device, at most the
+    largest message (a bucket, or one tensor larger than a bucket), and is copied out. The GPU
+    then holds no model-sized buffer; the engine copies to it when it loads, under its lock.
+
+    keep (staged on host only): per tensor name, the views (shape, stride, storage offset) of
+    the incoming tensor that this receiver's engine reads: a tensor-parallel worker's shard, from
+    its copy plan. Only those views are kept, each as a contiguous block (`receive_kept`), so a
+    worker's host memory holds its shard of an update, not the whole model."""
+
+    def __init__(
+        self,
+        addr: str,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        stage_on_host: bool = False,
+        keep: Keep | None = None,
+    ):
+        if not 1 <= rank < world_size:
+            raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
+        if keep is not None and not stage_on_host:
+            raise ValueError("a receiver keeps views of the update only when it stages it on host")
+        super().__init__(addr, rank, world_size, backend, timeout_s)
+        self.keep = keep
+        self._kept: dict[str, list[torch.Tensor]] = {}
+        """Per name, the kept blocks (views of the receive buffer) in `keep`'s order."""
+        self._kept_by_index: list[list[tuple[torch.Tensor, tuple]]] = []
+        """Per tensor of the layout, its (block, view spec) pairs."""
+        self._names: list[str] = []
+        self._received = -1
+        """The last version received in the current group."""
+        self._start_heartbeat()
+        self.stage_on_host = stage_on_host
+        if stage_on_host:
+            self.staging_device = torch.device("cpu")
+        self._bounce: torch.Tensor | None = None
+        self._store: dist.TCPStore | None = None
+        self._buffer: torch.Tensor | None = None
+        """The receive buffer of the kept layout: the whole update."""
+        self._reuse: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._parts: list[list[torch.Tensor]] = []
+        """Per bucket, its messages' bytes in the receive buffer."""
+
+    def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
+        """Take part in the broadcast announced by `update`; returns (name, tensor) pairs whose
+        tensors are views into the receive buffer, valid until the next receive() (copy them
+        to keep them).
+        Raises StaleUpdate for an announcement whose transfer is over, ValueError for an
+        inconsistent announcement, and WeightGroupFailed, naming the members that did not
+        finish, when a member dies or stalls past the timeout."""
+        kept = self._kept_layout(update, None)
+        if kept is None:
+            check_announcement(update)
+        started = time.monotonic()
+        try:
+            if self._group is not None and update.group == self._group_name:
+                # A member takes part in every broadcast of its group, in order: none can be
+                # over without it, so the store need not say whether this one is current. An
+                # announcement read twice (streams deliver at least once) is not newer.
+                if update.version <= self._received:
+                    raise StaleUpdate(
+                        f"weight update {update.version} is not newer than {self._received}, "
+                        "the last this receiver took part in"
+                    )
+                plan = update.plan
+            else:
+                plan = self._join(update)
+            if self.keep is not None and update.names != self._names:
+                self._release()  # the kept blocks are laid out by name
+                self._names = list(update.names)
+                kept = None
+            layout = kept if kept is not None and kept.plan == plan else self._new_layout(update, plan)
+            self._receive_messages(layout)
+            self._received = update.version
+        except StaleUpdate:
+            raise
+        except ValueError:  # an announcement this receiver cannot take: not a fault of the group
+            self._drop_group()
+            self._store = None
+            raise
+        except Exception as e:
+            self._drop_group()
+            failed = self._failed(self._store, update.version, started, e)
+            self._store = None  # a trainer that restarted hosts a new store: connect again next time
+            raise failed from e
+        return list(zip(update.names, self._views))
+
+    def _join(self, update: WeightUpdate) -> str:
+        """Check with the sender's store that `update` is current (StaleUpdate otherwise: a
+        receiver that starts reads the announcements made before it), join the group that
+        broadcasts it when this receiver is not in it yet; returns the update's plan."""
+        latest, name, planned = self._store_get(["latest", "group", "plan"])
+        plan_version, _, plan = planned.decode().partition(":")
+        newest = max(int(latest), int(plan_version))  # "plan" is set before the announcement
+        if update.version < newest:
+            raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {newest}")
+        if name.decode() != self._group_name:
+            assert self._store is not None  # _store_get connected it
+            self._group = new_group(self._store, name.decode(), self.rank, self.world_size, self.backend, self.timeout)
+            self._group_name = name.decode()
+            self._received = -1  # a resumed trainer counts again from its checkpoint
+        return plan
+
+    def receive_kept(self, update: WeightUpdate) -> dict[str, list[torch.Tensor]]:
+        """`receive` for a receiver with `keep`: per name, its kept views as contiguous blocks,
+        in `keep`'s order (valid until the next receive)."""
+        if self.keep is None:
+            raise ValueError("receive_kept needs a receiver made with keep")
+        self.receive(update)
+        return self._kept
+
+    def _new_layout(self, update: WeightUpdate, plan: str) -> Layout:
+        self._reuse = self._buffer  # a layout of the same size (another plan) keeps the buffer
+        try:
+            return super()._new_layout(update, plan)
+        finally:
+            self._reuse = None
+
+    def _allocate(self, layout: Layout) -> None:
+        if self.keep is not None:
+            self._allocate_kept(layout)
+            return
+        buffer, self._reuse = self._reuse, None
+        if buffer is None or buffer.numel() != layout.total_bytes:
+            buffer = None  # let go of the old buffer before allocating the new one
+            pin = self.staging_device.type == "cpu" and self.device.type == "cuda"
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.staging_device, pin_memory=pin)
+        self._buffer = buffer
+        self._views = layout.views(self._buffer)
+        self._parts = [[] for _ in layout.bucket_sizes]
+        for m in layout.messages:
+            self._parts[m.bucket].append(self._buffer[m.start : m.stop])
+
+    def _allocate_kept(self, layout: Layout) -> None:
+        """One pinned host buffer holding every kept view back to back."""
+        assert self.keep is not None
+        specs = [(i, spec) for i, name in enumerate(self._names) for spec in self.keep.get(name, ())]
+        sizes = [math.prod(shape) * layout.dtypes[i].itemsize for i, (shape, _, _) in specs]
+        self._buffer = None
+        pin = self.device.type == "cuda"
+        self._buffer = torch.empty(sum(aligned(n) for n in sizes), dtype=torch.uint8, pin_memory=pin)
+        self._kept = {}
+        self._kept_by_index = [[] for _ in self._names]
+        at = 0
+        for (i, spec), n in zip(specs, sizes):
+            block = self._buffer[at : at + n].view(layout.dtypes[i]).view(spec[0])
+            self._kept.setdefault(self._names[i], []).append(block)
+            self._kept_by_index[i].append((block, spec))
+            at += aligned(n)
+        self._views = []
+        self._parts = []
+
+    def _release(self) -> None:
+        super()._release()
+        self._buffer = None
+        self._views = []
+        self._parts = []
+        self._kept = {}
+        self._kept_by_index = []
+
+    def _receive_messages(self, layout: Layout) -> None:
+        """Into the receive buffer: the messages of two buckets started at a time, bucket b + 2's
+        once bucket b's are done (a message never waits behind more than two buckets: NCCL
+        counts a collective's timeout from its start). Staged on host: one message at a time
+        through the bounce buffer."""
+        parts = self._parts
+        if not self.stage_on_host:
+            started = [[self._start(part) for part in bucket] for bucket in parts[:2]]
+            for b in range(len(parts)):
+                for work in started[b]:
+                    work.wait(self.timeout)
+                if b + 2 < len(parts):
+                    started.append([self._start(part) for part in parts[b + 2]])
+            return
+        if self._bounce is None or self._bounce.numel() < layout.largest:
+            self._bounce = None
+            self._bounce = torch.empty(layout.largest, dtype=torch.uint8, device=self.device)
+        if self.keep is not None:
+            for msg in layout.messages:
+                bounce = self._bounce[: msg.stop - msg.start]
+                self._start(bounce).wait(self.timeout)
+                for i, (at, n) in zip(msg.members, msg.at):
+                    if self._kept_by_index[i]:
+                        tensor = bounce[at : at + n].view(layout.dtypes[i])
+                        for block, (shape, stride, offset) in self._kept_by_index[i]:
+                            block.copy_(tensor.as_strided(shape, stride, tensor.storage_offset() + offset))
+            return
+        for bucket in parts:
+            for part in bucket:
+                bounce = self._bounce[: part.numel()]
+                self._start(bounce).wait(self.timeout)
+                part.copy_(bounce)
+
+    def publish(self, key: str, value: str) -> None:
+        """Set `key` in the sender's store: how a receiver in a process of its own (a
+        tensor-parallel worker) tells its actor that its part of a transfer ended."""
+        self._connect().set(key, value)
+
+    def _connect(self) -> dist.TCPStore:
+        if self._store is None:
+            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+            self._beat_connected()
+        return self._store
+
+    def _store_get(self, keys: list[str]) -> list[bytes]:
+        """The values of `keys` (waiting for missing ones), in one round trip."""
+        if self._store is not None:
+            try:
+                return self._store.multi_get(keys)
+            except Exception as e:  # the sender's store went away (trainer restarted): connect again
+                log.warning("weight-sync store at %s:%d: %s; reconnecting", self.host, self.port, e)
+                self._drop_group()
+                self._store = None
+        return self._connect().multi_get(keys)
+
+    def close(self) -> None:
+        super().close()
+        self._bounce = None
+        self._store = None

@@ -1,0 +1,216 @@
+"""Trainer rank 0's end of the weight broadcast (pipeline_rl/weight_sync/__init__.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_layout import Layout, dtype_name, flat_span, plan_buckets
+from pipeline_rl.weight_sync.group import (
+    Endpoint,
+    new_group,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WeightSender(Endpoint):
+    """Trainer rank 0: hosts the store and broadcasts each published version."""
+
+    def __init__(self, addr: str, world_size: int, backend: str, timeout_s: float, members: list[str] | None = None):
+        """`members`: the process behind each rank (member_names), for failure messages."""
+        super().__init__(addr, 0, world_size, backend, timeout_s)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            self.host, self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
+        )
+        self._store.set("members", json.dumps(members or [f"rank {r}" for r in range(world_size)]))
+        self._start_heartbeat()
+        self._beat_connected()
+        self._pack: torch.Tensor | None = None
+        """The pack area, allocated when the kept layout first packs a message (never when every
+        packed run goes from a flat source)."""
+        self._pack_views: dict[int, torch.Tensor] = {}
+        self._pack_parts: dict[int, torch.Tensor] = {}
+        """Per packed message (by index), its bytes in the pack area."""
+        self._specs: tuple[list[tuple[str, list[int], torch.dtype]], int] | None = None
+        self._announced: tuple[list[str], list[list[int]], list[str], list[int]] = ([], [], [], [])
+        """names, shapes, dtypes and bucket sizes announced for `_specs` (specs, bucket_mb)."""
+        self._plan = ""
+        """The plan of the next update: per bucket "1" when the last update found all its
+        tensors flat (flat_span of the whole bucket), "" before any such update."""
+        self._published: str | None = None
+
+    def send(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        announce: Callable[[WeightUpdate], None],
+        bucket_mb: int,
+        specs: list[tuple[str, list[int], torch.dtype]] | None = None,
+    ) -> float:
+        """Announce `version` and broadcast it to every receiver; returns the seconds taken.
+        With `specs` (name, shape, dtype of every tensor, in order) the announcement needs no
+        tensor, and `named_tensors` is consumed one message at a time: every tensor of a bucket
+        is used (its broadcast done) before the first tensor of the next bucket is asked for,
+        so a generator of gathered chunks in the same buckets (full_weights.gathered_chunks)
+        never holds more than one chunk. Raises when a receiver is missing or dies (after at
+        most the timeout), or when the tensors differ from `specs` (name, shape or dtype); the
+        next send then builds a fresh group."""
+        start = time.perf_counter()
+        if specs is None:
+            named_tensors = list(named_tensors)
+            specs = [(name, list(t.shape), t.dtype) for name, t in named_tensors]
+        update = self._announcement(version, specs, bucket_mb)
+        if self._store is None:
+            raise RuntimeError("WeightSender.send after close()")
+        plan = self._plan
+        started = time.monotonic()
+        try:
+            layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
+            if self._group is None:
+                self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
+                self._store.set("group", self._group_name)
+            self._store.set("latest", str(version))
+            if self._published != plan:
+                self._store.set("plan", f"{version}:{plan}")
+                self._published = plan
+            assert self._group_name is not None
+            update.group, update.plan = self._group_name, plan
+            announce(update)
+            if self._group is None:
+                assert self._group_name is not None
+                self._group = new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
+            self._send_messages(update, layout, iter(named_tensors))
+        except ValueError:  # the tensors differ from the announcement: the sender's own fault
+            self._drop_group()
+            raise
+        except Exception as e:
+            self._drop_group()
+            raise self._failed(self._store, version, started, e) from e
+        return time.perf_counter() - start
+
+    def _announcement(
+        self, version: int, specs: list[tuple[str, list[int], torch.dtype]], bucket_mb: int
+    ) -> WeightUpdate:
+        """The WeightUpdate of `version`; its lists are computed again only when the specs or the
+        bucket size change (one list comparison otherwise). They are shared between updates:
+        nobody may modify them."""
+        if self._specs is None or self._specs[1] != bucket_mb or self._specs[0] != specs:
+            self._plan = ""  # observed on other buckets
+            self._announced = (
+                [name for name, _, _ in specs],
+                [list(shape) for _, shape, _ in specs],
+                [dtype_name(dtype) for _, _, dtype in specs],
+                plan_buckets([torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in specs], bucket_mb),
+            )
+            self._specs = ([(name, list(shape), dtype) for name, shape, dtype in specs], bucket_mb)
+        names, shapes, dtypes, buckets = self._announced
+        return WeightUpdate(version=version, names=names, shapes=shapes, dtypes=dtypes, bucket_sizes=buckets)
+
+    def _allocate(self, layout: Layout) -> None:
+        pass  # the pack area waits for a message to pack (_packed)
+
+    def _packed(self, layout: Layout, k: int) -> torch.Tensor:
+        """Packed message k's bytes in the pack area, which is allocated (with its views) the
+        first time the kept layout needs it."""
+        if self._pack is None:
+            self._pack = torch.empty(layout.pack_bytes, dtype=torch.uint8, device=self.device)
+            self._pack_views = layout.pack_views(self._pack)
+            self._pack_parts = {
+                j: self._pack[m.pack_at : m.pack_at + m.stop - m.start]
+                for j, m in enumerate(layout.messages)
+                if m.packed
+            }
+        return self._pack_parts[k]
+
+    def _release(self) -> None:
+        super()._release()
+        self._pack = None
+        self._pack_views = {}
+        self._pack_parts = {}
+
+    def _send_messages(self, update: WeightUpdate, layout: Layout, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Start each message of a bucket: a packed run from its tensors' own storage when they
+        are flat there (flat_span), else packed into the reused pack area by one
+        _foreach_copy_; a large tensor from its own storage. Wait for the bucket's messages
+        before taking the next bucket's first tensor. Takes each tensor from `named` only when
+        its message is being built."""
+        names, sizes, dtypes = update.names, layout.sizes, layout.dtypes
+        taken = 0
+        bucket_tensors: dict[int, torch.Tensor] = {}
+        """The current bucket's tensors as taken, to tell whether the bucket lies flat."""
+
+        def take(i: int) -> torch.Tensor:
+            """Tensor i, passing by the ones before it (tensors of no bytes are in no message)."""
+            nonlocal taken
+            while True:
+                name, tensor = next(named)
+                if name != names[taken] or tensor.shape != sizes[taken]:
+                    raise ValueError(
+                        f"weight tensor {taken} is {name} {list(tensor.shape)}, "
+                        f"announced as {names[taken]} {layout.shapes[taken]}"
+                    )
+                if tensor.dtype != dtypes[taken]:
+                    raise ValueError(
+                        f"weight tensor {taken} ({name}) is {dtype_name(tensor.dtype)}, "
+                        f"announced as {dtype_name(dtypes[taken])}"
+                    )
+                bucket_tensors[taken] = tensor
+                taken += 1
+                if taken > i:
+                    return tensor
+
+        flat = ["0"] * len(layout.bucket_sizes)
+
+        def bucket_done(b: int) -> None:
+            """Wait for bucket b's messages; note whether it lies flat (the next plan)."""
+            self._wait(in_flight)
+            span = layout.bucket_spans[b] if b < len(layout.bucket_spans) else None
+            if span is not None and layout.split_counts[b] > 1:
+                source = flat_span(span, [bucket_tensors.get(i) for i in span.members])
+                flat[b] = "1" if source is not None and source.device == self.device else "0"
+            bucket_tensors.clear()
+
+        in_flight: list[tuple[Any, object]] = []
+        """Started messages, each with what must stay alive until it is done."""
+        bucket = 0
+        with torch.no_grad():
+            for k, msg in enumerate(layout.messages):
+                if msg.bucket != bucket:
+                    bucket_done(bucket)
+                    bucket = msg.bucket
+                if msg.packed:
+                    tensors = [take(i) for i in msg.members]
+                    source = flat_span(msg, tensors)
+                    if source is None or source.device != self.device:
+                        part = self._packed(layout, k)
+                        if source is not None:  # flat elsewhere (another device): one copy
+                            part.copy_(source)
+                        else:
+                            torch._foreach_copy_([self._pack_views[i] for i in msg.members], tensors)
+                        source = part
+                    in_flight.append((self._start(source), tensors))
+                else:
+                    tensor = take(msg.members[0]).to(self.device).contiguous()
+                    in_flight.append((self._start(tensor.reshape(-1).view(torch.uint8)), tensor))
+            bucket_done(bucket)
+        if taken < len(names):
+            take(len(names) - 1)
+        self._plan = "".join(flat) if "1" in flat else ""
+
+    def _wait(self, in_flight: list[tuple[Any, object]]) -> None:
+        for work, _ in in_flight:
+            work.wait(self.timeout)
+        in_flight.clear()
+
+    def close(self) -> None:
+        super().close()
+        self._store = None
