@@ -4,11 +4,15 @@ tiny arithmetic model (tests/agent_tiny.jinja): the questions of tests/agent_env
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 
 import verifiers as vf
 from agent_envs import operands, swapped
 from agent_tools import add
+from helpers import TESTS
+
+from pipeline_rl.actor.agent.vf_mcp import McpToolEnv
 
 between_turns: Callable[[], Awaitable[None]] | None = None
 """Awaited by TwoQuestions before its second question (a test sets it to swap weights there)."""
@@ -53,10 +57,19 @@ def broken() -> vf.Environment:
     return Broken(dataset=_never_built, max_turns=2, rubric=vf.Rubric(funcs=[both_right]))
 
 
-class CheckedByTool(vf.ToolEnv):
-    """verifiers' ToolEnv with `add`. The tiny model writes no <tool_call>, so after its first
-    answer the environment makes the call the model would make, with the ToolEnv's own
-    call_tool, and shows it the result; the second answer ends the episode."""
+class BrokenAtSetup(TwoQuestions):
+    async def setup_state(self, state):
+        raise KeyError("no such resource")
+
+
+def broken_at_setup() -> vf.Environment:
+    return BrokenAtSetup(dataset=_never_built, max_turns=2, rubric=vf.Rubric(funcs=[both_right]))
+
+
+class OnTheModelsBehalf:
+    """For a ToolEnv: the tiny model writes no <tool_call>, so after its first answer the
+    environment makes the call the model would make, with the ToolEnv's own call_tool, and shows
+    it the result; the second answer ends the episode."""
 
     async def env_response(self, messages, state, **kwargs):
         if messages[-1].tool_calls:
@@ -69,6 +82,14 @@ class CheckedByTool(vf.ToolEnv):
         return len(state["trajectory"]) >= 2
 
 
+class CheckedByTool(OnTheModelsBehalf, vf.ToolEnv):
+    """verifiers' ToolEnv with the Python function `add`."""
+
+
+class CheckedByMcp(OnTheModelsBehalf, McpToolEnv):
+    """McpToolEnv with the `add` of the MCP server tests/mcp_tools_server.py."""
+
+
 def second_right(completion, answer) -> float:
     replies = _replies(completion)
     return float(len(replies) == 2 and replies[1] == answer)
@@ -76,3 +97,8 @@ def second_right(completion, answer) -> float:
 
 def checked_by_tool() -> vf.Environment:
     return CheckedByTool(tools=[add], dataset=_never_built, max_turns=2, rubric=vf.Rubric(funcs=[second_right]))
+
+
+def checked_by_mcp() -> vf.Environment:
+    servers = [{"command": sys.executable, "args": [str(TESTS / "mcp_tools_server.py")]}]
+    return CheckedByMcp(mcp_servers=servers, dataset=_never_built, max_turns=2, rubric=vf.Rubric(funcs=[second_right]))

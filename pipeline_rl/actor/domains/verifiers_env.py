@@ -112,6 +112,8 @@ async def episode(env: Any, session: ChatSession, problem: dict) -> Any:
 def sample(session: ChatSession, state: Any, error_reward: float) -> Rollout:
     if state is not None and state.get("error") is not None and session.error is None:
         session.error = describe(state["error"])
+    if session.transcript is None:  # nothing to train on: the actor counts the group as lost
+        raise RuntimeError(f"the verifiers environment ended before its first model turn: {session.error}")
     metrics = dict(state.get("metrics") or {}) if state is not None else {}
     session.tool_calls = int(metrics.get("total_tool_calls", 0))  # verifiers ran them, not the session
     reward = state.get("reward") if state is not None and session.error is None else None
