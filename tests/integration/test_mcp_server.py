@@ -1,6 +1,6 @@
 """McpServer (pipeline_rl/actor/agent/mcp_server.py) against a real stdio MCP server process
-(tests/mcp_tools_server.py): its tools' schemas, a call, a failing and a timed-out call, calls
-from two event loops, and a server that cannot start."""
+(tests/mcp_tools_server.py): its tools' schemas, a call, a failing, an unknown and a timed-out
+call, calls from two event loops, and a server that cannot start."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def test_failures_raise_naming_the_tool(server):
         asyncio.run(server.call("fails", {"a": 7}))
     with pytest.raises(McpToolError, match="'sleeps' timed out after 2 s"):
         asyncio.run(server.call("sleeps", {"seconds": 30}))
+    with pytest.raises(McpToolError, match="'nope' failed"):
+        asyncio.run(server.call("nope", {}))
     assert asyncio.run(server.call("add", {"a": 3, "b": 4})) == "7"  # the server goes on
 
 

@@ -74,7 +74,10 @@ class McpServer:
         ]
 
     async def _call(self, name: str, arguments: dict) -> str:
-        result = await self._session.call_tool(name, arguments, read_timeout_seconds=self.timeout_s)
+        try:  # the time limit is call's alone: a late reply is cancelled with the call
+            result = await self._session.call_tool(name, arguments)
+        except Exception as e:  # mcp's protocol errors, a server that died
+            raise McpToolError(f"MCP tool {name!r} failed: {type(e).__name__}: {e}") from None
         texts = [part.text for part in getattr(result, "content", []) if getattr(part, "text", None) is not None]
         if getattr(result, "is_error", False):
             raise McpToolError(f"MCP tool {name!r} failed: {' '.join(texts)}")

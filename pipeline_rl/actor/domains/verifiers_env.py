@@ -93,7 +93,7 @@ def describe(error: BaseException) -> str:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        parts.append(f"{type(current).__name__}: {current}".rstrip(": "))
+        parts.append(f"{type(current).__name__}: {current}" if str(current) else type(current).__name__)
         current = current.__cause__ or current.__context__
     return " <- ".join(parts)
 
@@ -103,7 +103,8 @@ async def episode(env: Any, session: ChatSession, problem: dict) -> Any:
     from pipeline_rl.actor.agent.vf_client import SessionClient
 
     try:
-        return await env.rollout(rollout_input(env, problem), SessionClient(session), "policy", {})
+        # The environment's sampling_args reach the session, which applies the run's own sampling.
+        return await env.rollout(rollout_input(env, problem), SessionClient(session), "policy", dict(env.sampling_args))
     except Exception as e:  # the environment's own code failed: this rollout ends, the group goes on
         session.error = session.error or describe(e)
         return None
