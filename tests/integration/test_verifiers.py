@@ -195,8 +195,12 @@ def test_an_environment_that_raises_before_the_first_turn_fails_its_group(llm, p
 
 
 @pytest.mark.vllm
-def test_actor_loop_writes_verifiers_groups_and_agent_metrics(llm, tmp_path, tiny_model, monkeypatch):
-    """The real actor loop (in this process, on this engine, JSONL streams), 4 groups of 2."""
+@pytest.mark.parametrize("backend, mode", [("jsonl", "async"), pytest.param("redis", "sync", marks=pytest.mark.redis)])
+def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
+    backend, mode, llm, tmp_path, tiny_model, request, monkeypatch
+):
+    """The real actor loop (in this process, on this engine), 4 groups of 2: one step's worth,
+    which sync mode also generates before it waits for the next version."""
     import json
     import time
 
@@ -215,6 +219,9 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(llm, tmp_path, tin
         "trainer.groups_per_step=4",
         "trainer.max_lag=1",
         "metrics.tensorboard=false",
+        f"streams.backend={backend}",
+        f"actor.mode={mode}",
+        *([f"streams.redis.port={request.getfixturevalue('redis_server').port}"] if backend == "redis" else []),
     )
     monkeypatch.setattr(LLMClient, "create", classmethod(lambda cls, *a, **k: llm))
     actor = actor_module.Actor(cfg, 0)
