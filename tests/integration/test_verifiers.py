@@ -199,8 +199,8 @@ def test_an_environment_that_raises_before_the_first_turn_fails_its_group(llm, p
 def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     backend, mode, llm, tmp_path, tiny_model, request, monkeypatch
 ):
-    """The real actor loop (in this process, on this engine), 4 groups of 2: one step's worth,
-    which sync mode also generates before it waits for the next version."""
+    """The real actor loop (in this process, on this engine), groups of 2 until admission stops it
+    at version 0: two steps' worth (trainer.max_lag=1), one in sync mode."""
     import json
     import time
 
@@ -225,19 +225,20 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     )
     monkeypatch.setattr(LLMClient, "create", classmethod(lambda cls, *a, **k: llm))
     actor = actor_module.Actor(cfg, 0)
+    cap = 4 if mode == "sync" else 8
     deadline = time.monotonic() + 180
     try:
-        asyncio.run(actor.run(lambda: actor.written >= 4 or time.monotonic() > deadline))
+        asyncio.run(actor.run(lambda: actor.written >= cap or time.monotonic() > deadline))
     finally:
         actor.metrics.close()
         actor.streams.close()
-    assert actor.written == 4 and actor.rollout_errors_total == 0
+    assert actor.written == cap and actor.rollout_errors_total == 0
 
     streams = open_streams(cfg)
     reader = streams.reader("actor", RolloutGroup, partitions=(0,))
     rollouts = [r for batch in iter(lambda: reader.read(timeout=0.0), []) for e in batch for r in e.record.rollouts]
     streams.close()
-    assert len(rollouts) == 8
+    assert len(rollouts) == 2 * cap
     for r in rollouts:
         failed = "agent_error" in r.metadata
         assert r.metadata["turns"] == 2 or failed
