@@ -200,7 +200,7 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     backend, mode, llm, tmp_path, tiny_model, request, monkeypatch
 ):
     """The real actor loop (in this process, on this engine), groups of 2 until admission stops it
-    at version 0: two steps' worth (trainer.max_lag=1), one in sync mode."""
+    at the engine's version (steps of 4 groups, trainer.max_lag=1; sync mode: no lag)."""
     import json
     import time
 
@@ -225,7 +225,8 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     )
     monkeypatch.setattr(LLMClient, "create", classmethod(lambda cls, *a, **k: llm))
     actor = actor_module.Actor(cfg, 0)
-    cap = 4 if mode == "sync" else 8
+    # Admission's cap at the engine's version (earlier tests in this module swapped weights).
+    cap = (llm.version + (0 if mode == "sync" else 1) + 1) * 4
     deadline = time.monotonic() + 180
     try:
         asyncio.run(actor.run(lambda: actor.written >= cap or time.monotonic() > deadline))
