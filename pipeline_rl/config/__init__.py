@@ -1,4 +1,4 @@
-"""Typed run configuration: the schema (`schema.py`) and how YAML layers load into it (`loader.py`)."""
+"""Typed run configuration: the schema (`schema.py`), its checks (`validate.py`) and how YAML layers load into it (`loader.py`)."""
 
 from pipeline_rl.config.choices import *  # noqa: F403  (the Enums of choice-valued keys)
 from pipeline_rl.config.loader import (
@@ -11,7 +11,8 @@ from pipeline_rl.config.loader import (
     save_config,
 )
 from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses)
-from pipeline_rl.config.schema import ConfigError, RunConfig, validate
+from pipeline_rl.config.schema import RunConfig
+from pipeline_rl.config.validate import ConfigError, validate
 
 __all__ = [
     "SHIPPED_CONF_DIR",

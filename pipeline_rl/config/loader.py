@@ -17,7 +17,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline_rl.config.schema import ConfigError, RunConfig, validate
+from pipeline_rl.config.schema import RunConfig
+from pipeline_rl.config.validate import ConfigError, validate
 
 SHIPPED_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

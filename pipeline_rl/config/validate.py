@@ -1,0 +1,140 @@
+"""Checks of a loaded configuration that its types cannot express (`validate`), and the error
+every configuration problem raises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline_rl.config.choices import Attention
+from pipeline_rl.config.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and where it came from."""
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks of values that types alone cannot express. The schema describes; what a named
+    plug-in must be is checked where it is loaded (`pipeline_rl.launch.launcher.check_plugins`
+    runs those checks at launch)."""
+    positive = [
+        "world.nodes",
+        "world.actors",
+        "world.preprocessors",
+        "world.trainers",
+        "actor.attempts",
+        "actor.max_new_tokens",
+        "actor.max_groups_in_flight",
+        "actor.reward_workers",
+        "actor.agent.tool_workers",
+        "actor.agent.max_turns",
+        "preprocess.seq_length",
+        "preprocess.batch_groups",
+        "trainer.groups_per_step",
+        "trainer.weight_update_interval",
+        "trainer.max_steps",
+        "trainer.weight_bucket_mb",
+        "trainer.updates_per_step",
+    ]
+    for key in positive:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 1")
+    for key in [
+        "trainer.max_lag",
+        "world.gpus_per_node",
+        "trainer.checkpoint_every",
+        "model.logprob_chunk_tokens",
+        "trainer.optimizer.warmup_steps",
+    ]:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
+    if cfg.actor.admission_lag is not None and cfg.actor.admission_lag < 0:
+        raise ConfigError(f"bad value for 'actor.admission_lag': {cfg.actor.admission_lag}, must be >= 0 or null")
+    high = cfg.trainer.loss.ppo_clip_high
+    if high is not None and high < cfg.trainer.loss.ppo_clip:
+        raise ConfigError(
+            f"bad value for 'trainer.loss.ppo_clip_high': {high}, must be >= 'trainer.loss.ppo_clip' "
+            f"({cfg.trainer.loss.ppo_clip}) or null"
+        )
+    if not 0.0 <= cfg.trainer.optimizer.min_lr_ratio <= 1.0:
+        raise ConfigError(
+            f"bad value for 'trainer.optimizer.min_lr_ratio': {cfg.trainer.optimizer.min_lr_ratio}, expected 0-1"
+        )
+    if cfg.trainer.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"bad value for 'trainer.zero_stage': {cfg.trainer.zero_stage}, expected 0-3")
+    if cfg.trainer.optimizer.offload and cfg.trainer.zero_stage == 0:
+        raise ConfigError("'trainer.optimizer.offload' needs 'trainer.zero_stage' >= 1 (ZeRO-Offload)")
+    if (
+        cfg.trainer.attention in (Attention.flash_attention_2, Attention.flex_attention)
+        and cfg.preprocess.share_prompts
+    ):
+        raise ConfigError(
+            f"'trainer.attention' {cfg.trainer.attention} cannot run 'preprocess.share_prompts' rows (they need an "
+            "explicit [T, T] mask): use sdpa or auto"
+        )
+    if cfg.actor.domain == "agent" and not cfg.actor.agent.environment:
+        raise ConfigError("'actor.domain' agent needs 'actor.agent.environment' (module:function)")
+    if cfg.actor.domain == "verifiers" and not cfg.actor.verifiers.environment:
+        raise ConfigError("'actor.domain' verifiers needs 'actor.verifiers.environment' (module:function or an id)")
+    if cfg.actor.agent.tool_timeout_s <= 0:
+        raise ConfigError(f"bad value for 'actor.agent.tool_timeout_s': {cfg.actor.agent.tool_timeout_s}, must be > 0")
+    if cfg.actor.temperature <= 0:
+        raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
+    for i, scorer in enumerate(cfg.preprocess.scorers):
+        if ":" not in scorer.cls:
+            raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
+    if len(cfg.trainer.optimizer.betas) != 2:
+        raise ConfigError(
+            f"bad value for 'trainer.optimizer.betas': {cfg.trainer.optimizer.betas}, expected [beta1, beta2]"
+        )
+    if cfg.actor.llm.tensor_parallel_size < 1:
+        raise ConfigError(
+            f"bad value for 'actor.llm.tensor_parallel_size': {cfg.actor.llm.tensor_parallel_size}, expected >= 1"
+        )
+    lora = cfg.model.lora
+    if lora is not None:
+        if not 1 <= lora.rank <= 512:
+            raise ConfigError(
+                f"bad value for 'model.lora.rank': {lora.rank}, expected 1-512 (vLLM's largest LoRA rank)"
+            )
+        if lora.alpha <= 0:
+            raise ConfigError(f"bad value for 'model.lora.alpha': {lora.alpha}, must be > 0")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ConfigError(f"bad value for 'model.lora.dropout': {lora.dropout}, expected 0 <= dropout < 1")
+        if not lora.target_modules:
+            raise ConfigError("bad value for 'model.lora.target_modules': empty, name at least one linear layer")
+    _validate_redis(cfg)
+    for key in ["world.collective_timeout_s", "world.disk_gib_per_s"]:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be > 0")
+    for key in ["trainer.stop_grace_s", "watchdog_startup_s"]:
+        if _get(cfg, key) is not None and _get(cfg, key) < 0:
+            raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0 or null")
+    if (cfg.world.nodes > 1 or cfg.world.ray_address is not None) and cfg.streams.backend != "redis":
+        key = "world.nodes' > 1" if cfg.world.nodes > 1 else "world.ray_address' is set"
+        raise ConfigError(f"'streams.backend' must be redis when '{key} (JSONL files are one node only)")
+
+
+def _validate_redis(cfg: RunConfig) -> None:
+    r = cfg.streams.redis
+    files = {"tls_ca_file": r.tls_ca_file, "tls_cert_file": r.tls_cert_file, "tls_key_file": r.tls_key_file}
+    given = [k for k, v in files.items() if v]
+    if given and not r.tls:
+        raise ConfigError(f"'streams.redis.{given[0]}' is set but 'streams.redis.tls' is false")
+    if bool(r.tls_cert_file) != bool(r.tls_key_file):
+        raise ConfigError(
+            "'streams.redis.tls_cert_file' and 'streams.redis.tls_key_file' go together: set both or neither"
+        )
+    if r.start_server and (r.tls or r.password_env):
+        key = "tls" if r.tls else "password_env"
+        raise ConfigError(
+            f"'streams.redis.{key}' is for an external Redis: the one 'streams.redis.start_server' starts has no "
+            "TLS and a random password of its own (RUN_DIR/redis.password)"
+        )
