@@ -1,9 +1,13 @@
-"""Checks shared by the agent and verifiers tests: a recording LLMClient and the check that a
-rollout's model turns are exactly the engine's outputs."""
+"""Checks shared by the agent and verifiers tests: a recording LLMClient, groups rolled out by
+the configured domain, and the check that a rollout's model turns are exactly the engine's
+outputs."""
 
 from __future__ import annotations
 
-from pipeline_rl.streams.records import Rollout
+import asyncio
+
+from pipeline_rl.actor.domains import load_domain
+from pipeline_rl.streams.records import Rollout, RolloutGroup, decode, encode
 
 
 class Recording:
@@ -53,3 +57,18 @@ def check_engine_exact(r: Rollout, recording: Recording) -> list:
     assert sum(e - s for s, e in turns) + len(env) == len(r.completion_ids)
     assert all(r.versions[i] == -1 and r.logprobs[i] == 0.0 for i in env)
     return completions
+
+
+def run_groups(llm, cfg, problems, timeout_s=120) -> tuple[list[RolloutGroup], Recording]:
+    """One group per problem from cfg.actor.domain on `llm` (recorded); each group survives the
+    stream codec unchanged."""
+    recording = Recording(llm)
+    rollout = load_domain(cfg.actor.domain)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(rollout(p, recording, cfg) for p in problems)), timeout_s)
+
+    groups = asyncio.run(main())
+    for group in groups:
+        assert decode(encode(group), RolloutGroup) == group
+    return groups, recording

@@ -12,14 +12,13 @@ import json
 import time
 
 import pytest
-from agent_checks import Recording, check_engine_exact, model_turns
+from agent_checks import check_engine_exact, model_turns, run_groups
 from helpers import CACHE, TESTS, perturbed
 
 from pipeline_rl.actor.datasets import load_problems
-from pipeline_rl.actor.domains import load_domain
 from pipeline_rl.config import load_config
 from pipeline_rl.streams import open_streams
-from pipeline_rl.streams.records import RolloutGroup, decode, encode
+from pipeline_rl.streams.records import RolloutGroup
 
 pytestmark = pytest.mark.vllm
 
@@ -55,19 +54,6 @@ def llm(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def problems(tiny_model):
     return load_problems("jsonl", str(CACHE / "arithmetic" / "test.jsonl"))
-
-
-def run_groups(llm, cfg, problems, timeout_s=120) -> tuple[list[RolloutGroup], Recording]:
-    recording = Recording(llm)
-    rollout = load_domain("agent")
-
-    async def main():
-        return await asyncio.wait_for(asyncio.gather(*(rollout(p, recording, cfg) for p in problems)), timeout_s)
-
-    groups = asyncio.run(main())
-    for group in groups:
-        assert decode(encode(group), RolloutGroup) == group
-    return groups, recording
 
 
 def test_multiturn_environment_is_token_exact(llm, problems, tmp_path, tiny_model):

@@ -15,13 +15,12 @@ import pytest
 
 vf = pytest.importorskip("verifiers", reason="the verifiers extra is not installed (scripts/setup_cpu.sh --verifiers)")
 
-from agent_checks import Recording, check_engine_exact  # noqa: E402
+from agent_checks import check_engine_exact, run_groups  # noqa: E402
 from helpers import CACHE, TESTS, perturbed  # noqa: E402
 
 from pipeline_rl.actor.datasets import load_problems  # noqa: E402
-from pipeline_rl.actor.domains import load_domain  # noqa: E402
 from pipeline_rl.config import ConfigError, load_config  # noqa: E402
-from pipeline_rl.streams.records import RolloutGroup, decode, encode  # noqa: E402
+from pipeline_rl.streams.records import RolloutGroup  # noqa: E402
 
 
 def vf_cfg(run_dir, tiny_model, environment: str, *extra: str):
@@ -54,19 +53,6 @@ def llm(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def problems(tiny_model):
     return load_problems("jsonl", str(CACHE / "arithmetic" / "test.jsonl"))
-
-
-def run_groups(llm, cfg, problems, timeout_s=120) -> tuple[list[RolloutGroup], Recording]:
-    recording = Recording(llm)
-    rollout = load_domain("verifiers")
-
-    async def main():
-        return await asyncio.wait_for(asyncio.gather(*(rollout(p, recording, cfg) for p in problems)), timeout_s)
-
-    groups = asyncio.run(main())
-    for group in groups:
-        assert decode(encode(group), RolloutGroup) == group
-    return groups, recording
 
 
 def reward_or_error(r, expected: float) -> None:
