@@ -109,11 +109,6 @@ class WeightUpdate:
     dtypes: list[str]
     bucket_sizes: list[int]
     """Number of tensors in each bucket, in order."""
-    group: str = ""
-    """Name of the weight-update group that broadcasts it: a receiver already in that group
-    takes part at once, without asking the sender's store whether the update is current."""
-    plan: str = ""
-    """The sender's message plan for it (weight_layout.Layout), as the store's "plan" key has it."""
     kind: str = Kind.WEIGHT_UPDATE
 
 

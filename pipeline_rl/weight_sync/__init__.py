@@ -8,10 +8,9 @@ receivers are the actors, or with tensor-parallel engines every worker of every 
 
 One update: the sender publishes its version under the store key "latest" (and, when it
 changes, the plan below under "plan"; the sender hosts the store, so both are local sets),
-announces a WeightUpdate record (names, shapes, dtypes, tensors per bucket, the group's name
-and the plan), then broadcasts the bytes of each bucket. Receivers read the announcement from
-the "weights" stream and take part in the broadcast; only a receiver that is not in the named
-group yet reads "latest", "group" and "plan" from the store first (one round trip).
+announces a WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts
+the bytes of each bucket. Receivers read the announcement from the "weights" stream, read
+"latest", "group" and "plan" in one store round trip, and take part in the broadcast.
 
 Within a bucket, each run of small tensors goes as one packed message and each large tensor
 (>= 1 MiB) as a message of its own, sent from the sender's tensor without a copy. A packed
@@ -42,12 +41,10 @@ reload copies them into its own weights before the receiver thread receives agai
 
 The group is built lazily by the first transfer and rebuilt after a failure: the sender
 gives each group it builds a new name (store key "group", set before the announcement), and a
-receiver whose group has another name joins it before receiving. A joining receiver that reads
-an announcement older than "latest" or than "plan" (an actor restarted after that transfer
-ended) skips it; a member skips an announcement not newer than the last it took part in (read
-twice: streams deliver at least once), and otherwise takes part at once, since no broadcast of
-its group can be over without it. A receiver whose store connection broke (the trainer
-restarted) connects again.
+receiver whose group has another name joins it before receiving. A receiver that reads an
+announcement older than "latest" or than "plan" (an actor restarted after that transfer
+ended) skips it. A receiver whose store connection broke (the trainer restarted) connects
+again.
 
 A failed transfer names who is gone: every member beats a counter in the store ("alive/RANK",
 every HEARTBEAT_S, from a thread with a store connection of its own, made once the member

@@ -55,8 +55,6 @@ class WeightReceiver(Endpoint):
         self._kept_by_index: list[list[tuple[torch.Tensor, tuple]]] = []
         """Per tensor of the layout, its (block, view spec) pairs."""
         self._names: list[str] = []
-        self._received = -1
-        """The last version received in the current group."""
         self._start_heartbeat()
         self.stage_on_host = stage_on_host
         if stage_on_host:
@@ -82,25 +80,13 @@ class WeightReceiver(Endpoint):
             check_announcement(update)
         started = time.monotonic()
         try:
-            if self._group is not None and update.group == self._group_name:
-                # A member takes part in every broadcast of its group, in order: none can be
-                # over without it, so the store need not say whether this one is current. An
-                # announcement read twice (streams deliver at least once) is not newer.
-                if update.version <= self._received:
-                    raise StaleUpdate(
-                        f"weight update {update.version} is not newer than {self._received}, "
-                        "the last this receiver took part in"
-                    )
-                plan = update.plan
-            else:
-                plan = self._join(update)
+            plan = self._join(update)
             if self.keep is not None and update.names != self._names:
                 self._release()  # the kept blocks are laid out by name
                 self._names = list(update.names)
                 kept = None
             layout = kept if kept is not None and kept.plan == plan else self._new_layout(update, plan)
             self._receive_messages(layout)
-            self._received = update.version
         except StaleUpdate:
             raise
         except ValueError:  # an announcement this receiver cannot take: not a fault of the group
@@ -117,7 +103,9 @@ class WeightReceiver(Endpoint):
     def _join(self, update: WeightUpdate) -> str:
         """Check with the sender's store that `update` is current (StaleUpdate otherwise: a
         receiver that starts reads the announcements made before it), join the group that
-        broadcasts it when this receiver is not in it yet; returns the update's plan."""
+        broadcasts it when this receiver is not in it yet; returns the update's plan. (A
+        member that took part without asking, trusting the announcement's order, once hung a
+        survivor of a killed receiver for over a minute: tests/integration/test_collective_failures.py.)"""
         latest, name, planned = self._store_get(["latest", "group", "plan"])
         plan_version, _, plan = planned.decode().partition(":")
         newest = max(int(latest), int(plan_version))  # "plan" is set before the announcement
@@ -127,7 +115,6 @@ class WeightReceiver(Endpoint):
             assert self._store is not None  # _store_get connected it
             self._group = new_group(self._store, name.decode(), self.rank, self.world_size, self.backend, self.timeout)
             self._group_name = name.decode()
-            self._received = -1  # a resumed trainer counts again from its checkpoint
         return plan
 
     def receive_kept(self, update: WeightUpdate) -> dict[str, list[torch.Tensor]]:

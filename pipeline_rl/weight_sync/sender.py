@@ -82,8 +82,6 @@ class WeightSender(Endpoint):
             if self._published != plan:
                 self._store.set("plan", f"{version}:{plan}")
                 self._published = plan
-            assert self._group_name is not None
-            update.group, update.plan = self._group_name, plan
             announce(update)
             if self._group is None:
                 assert self._group_name is not None
