@@ -22,8 +22,15 @@ class McpToolError(RuntimeError):
 
 class McpServer:
     def __init__(
-        self, command: str, args: list[str] | None = None, env: dict[str, str] | None = None, timeout_s: float = 30.0
+        self,
+        command: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 30.0,
+        start_timeout_s: float = 120.0,
     ):
+        """`timeout_s` limits each tool call; `start_timeout_s` the server's start (a Python
+        server imports mcp's whole stack first: seconds on a busy machine)."""
         self.command, self.args, self.env, self.timeout_s = command, list(args or []), env, timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"mcp {command}", daemon=True)
@@ -35,7 +42,7 @@ class McpServer:
         ready: Future = Future()
         self._holder = asyncio.run_coroutine_threadsafe(self._hold(ready), self._loop)
         try:
-            ready.result(timeout=timeout_s)
+            ready.result(timeout=start_timeout_s)
         except Exception as e:
             self.close()
             raise RuntimeError(f"MCP server {command} {self.args} did not start: {e!r}") from None
