@@ -54,6 +54,11 @@ def eval_curve(records: list[dict], t0: float) -> list[tuple[float, float]]:
     return [(r["time"] - t0, r["values"]["eval/reward"]) for r in records if "eval/reward" in r["values"]]
 
 
+def series(records: list[dict], t0: float, key: str) -> list[tuple[float, float]]:
+    """(seconds since t0, value) of every record that has `key`."""
+    return [(r["time"] - t0, r["values"][key]) for r in records if isinstance(r["values"].get(key), (int, float))]
+
+
 def last_values(records: list[dict]) -> dict[str, dict]:
     latest: dict[str, dict] = defaultdict(dict)
     for r in records:
@@ -275,6 +280,8 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         "costs": version_costs(records, steps),
         "late": late_means(steps),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
+        # Agent runs: the actor's tool calls per training rollout, per metrics window.
+        "tool_calls": series(records, t0, "agent/tool_calls_per_rollout"),
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
         **{k: sum(r["values"].get(k, 0) for r in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
     }
@@ -316,6 +323,28 @@ def save_plots(per_model: list[tuple[str, list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
+def save_tool_plots(results: list[dict], path: Path) -> None:
+    """Agent runs: the held-out reward and the tool calls per training rollout, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward, calls) = plt.subplots(1, 2, figsize=(12, 4))
+    plot(results, reward)
+    for r in results:
+        if r.get("tool_calls"):
+            xs, ys = zip(*r["tool_calls"])
+            calls.plot(xs, ys, label=r["mode"])
+    calls.set_xlabel("wall time (s)")
+    calls.set_ylabel("tool calls per training rollout")
+    calls.grid(alpha=0.3)
+    calls.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def report(results: list[dict], out: Path, conf: str) -> None:
     print(f"\n=== bench_learning: held-out mean reward (T=1), conf={conf}, {out.name} ===")
     print(f"(rewards are moving averages of {learning_curve.WINDOW} evaluations; drop: the worst fall after the best)")
@@ -336,11 +365,21 @@ def report(results: list[dict], out: Path, conf: str) -> None:
                 f"        dropped samples {fmt(r['dropped_samples'])} of {r['samples']:.0f}, masked tokens {r['masked_tokens']:.0f}, "
                 f"trained tokens {r['trained_tokens']:.0f}"
             )
+        if r.get("tool_calls"):
+            calls = [v for _, v in r["tool_calls"]]
+            third = max(1, len(calls) // 3)
+            print(
+                f"        tool calls per rollout: first third {sum(calls[:third]) / third:.2f}, "
+                f"last third {sum(calls[-third:]) / third:.2f}"
+            )
         rss = ", ".join(f"{p}={v:.0f}" for p, v in sorted(r["peak_rss_mb"].items()))
         if rss:
             print(f"        peak RSS MB: {rss}")
     save_plots([(out.name, results)], out / "learning_curves.png")
     print(f"curves: {out / 'learning_curves.png'}")
+    if any(r.get("tool_calls") for r in results):
+        save_tool_plots(results, out / "tool_calls.png")
+        print(f"held-out reward and tool calls per rollout: {out / 'tool_calls.png'}")
     by = {r["mode"]: r for r in results}
     trl = by.get("trl")
     for name, pipe in by.items():

@@ -5,6 +5,7 @@ outputs."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from pipeline_rl.actor.domains import load_domain
 from pipeline_rl.streams.records import Rollout, RolloutGroup, decode, encode
@@ -72,3 +73,32 @@ def run_groups(llm, cfg, problems, timeout_s=120) -> tuple[list[RolloutGroup], R
     for group in groups:
         assert decode(encode(group), RolloutGroup) == group
     return groups, recording
+
+
+class ScriptedEngine:
+    """An LLMClient that answers each generate call with the next scripted (text, finish reason),
+    closed by the token `end` when it stopped; records the prompts it was given."""
+
+    def __init__(self, tokenizer, replies: list[tuple[str, str]], max_model_len: int = 4096, end: str = "<|im_end|>"):
+        self.tokenizer, self.replies, self.max_model_len = tokenizer, list(replies), max_model_len
+        self.end = tokenizer.convert_tokens_to_ids(end)
+        self.prompts: list[list[int]] = []
+        self.version = 0
+
+    async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, stop=None):
+        self.prompts.append(list(prompt_ids))
+        text, finish = self.replies.pop(0)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if finish == "stop":
+            ids.append(self.end)
+        self.version += 1
+        n_ids = len(ids)
+        return [
+            SimpleNamespace(
+                token_ids=ids,
+                logprobs=[-0.25] * n_ids,
+                versions=[self.version] * n_ids,
+                finish_reason=finish,
+                text=text,
+            )
+        ]

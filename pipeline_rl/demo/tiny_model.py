@@ -247,7 +247,7 @@ def sampled_accuracy(model, tokenizer, problems: list[dict], seed: int, max_new_
     return correct / len(problems)
 
 
-class _Schedule:
+class Schedule:
     """Linear warm-up, constant until the model has learned (`learned_at`), then cosine decay
     to zero over DECAY_STEPS."""
 
@@ -271,7 +271,7 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, r
     train_batches = Batcher(tokenizer, train)
     test_ids, test_labels = Batcher(tokenizer, test).tensors(list(range(len(test))))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), weight_decay=WEIGHT_DECAY)
-    schedule = _Schedule()
+    schedule = Schedule()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
     greedy = 0.0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
+from agent_checks import ScriptedEngine
 from helpers import TESTS
 
 from pipeline_rl.actor.agent.session import AgentError, ChatSession
@@ -28,34 +28,6 @@ def tokenizer():
     tok = make_tokenizer()
     tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
     return tok
-
-
-class ScriptedEngine:
-    """Answers each generate call with the next scripted text, closed by <|im_end|> unless cut
-    off; records the prompts it was given."""
-
-    def __init__(self, tokenizer, replies: list[tuple[str, str]], max_model_len: int = 4096):
-        self.tokenizer, self.replies, self.max_model_len = tokenizer, list(replies), max_model_len
-        self.prompts: list[list[int]] = []
-        self.version = 0
-
-    async def generate(self, prompt_ids, n, max_tokens, temperature, top_p, stop=None):
-        self.prompts.append(list(prompt_ids))
-        text, finish = self.replies.pop(0)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if finish == "stop":
-            ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        self.version += 1
-        n_ids = len(ids)
-        return [
-            SimpleNamespace(
-                token_ids=ids,
-                logprobs=[-0.25] * n_ids,
-                versions=[self.version] * n_ids,
-                finish_reason=finish,
-                text=text,
-            )
-        ]
 
 
 def actor(**agent) -> ActorConfig:

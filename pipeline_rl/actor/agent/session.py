@@ -185,9 +185,10 @@ class ChatSession:
         tool; the tool message to send back. A failure ends the episode (AgentError)."""
         call = as_dict(tool_call)
         function = call.get("function", {})
-        if self.tool_box is None:
-            raise self._end(AgentError("the model called a tool, but actor.agent.tools is empty"))
         self.tool_calls += 1
+        if self.tool_box is None:  # counted as a failed call, as one naming an unknown tool is
+            self.tool_errors += 1
+            raise self._end(AgentError("the model called a tool, but actor.agent.tools is empty"))
         start = time.monotonic()
         try:
             text = await self.tool_box.call(function.get("name", ""), function.get("arguments", "{}"))
