@@ -195,6 +195,18 @@ class MathRewardConfig:
 
 
 @dataclass
+class McpServerConfig:
+    """One MCP tool server the agent domain starts over stdio (actor.agent.mcp_servers)."""
+
+    command: str = ""
+    """The program that runs the server, e.g. python or npx."""
+    args: list[str] = field(default_factory=list)
+    """Its arguments, e.g. the server script's path."""
+    env: dict[str, str] | None = None
+    """Its environment variables; null: the mcp package's default (a safe subset of the actor's)."""
+
+
+@dataclass
 class AgentConfig:
     """Agent environments: `actor.domain: agent` runs `environment` against an OpenAI-style
     client of the actor's engine (pipeline_rl/actor/agent/, README "Agent environments")."""
@@ -205,9 +217,12 @@ class AgentConfig:
     tools: list[str] = field(default_factory=list)
     """Tools the model may call, each a documented function `module:function`
     (pipeline_rl/actor/agent/tools.py); `client.tools` are their OpenAI schemas."""
+    mcp_servers: list[McpServerConfig] = field(default_factory=list)
+    """MCP tool servers (stdio) whose tools the model may call too; each actor starts its own
+    at its first episode and stops them at exit."""
     tool_timeout_s: float = 10.0
-    """Time limit of one tool call; past it the tool's worker is killed and the episode ends with
-    an error."""
+    """Time limit of one tool call; past it the tool's worker is killed (an MCP call is
+    abandoned) and the episode ends with an error."""
     tool_workers: int = 2
     """Worker processes per actor that run tool calls."""
     max_turns: int = 8

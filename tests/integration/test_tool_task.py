@@ -1,14 +1,19 @@
 """The tool-use demo (`conf=tiny_tools`, pipeline_rl/demo/tool_task.py): an episode run by the
 agent domain with the shipped config and its real tool workers is, token for token, the
 conversation tools_policy was fine-tuned on (pipeline_rl/demo/tools_policy.py), with the loss
-on exactly the model's turns; and the reward is the final number's. The model's turns are
-scripted (the engine's part is test_agent.py's), so the demo's contract holds whatever the
-built policy happens to sample."""
+on exactly the model's turns; and the reward is the final number's. The same holds with `add`
+served by a real MCP server process (actor.agent.mcp_servers), whose failing and hanging tools
+end the episode with a recorded error. The model's turns are scripted (the engine's part is
+test_agent.py's), so the demo's contract holds whatever the built policy happens to sample."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 from agent_checks import ScriptedEngine, run_groups
+from helpers import TESTS
 
 from pipeline_rl.actor.agent.template import ChatTemplate
 from pipeline_rl.config import load_config
@@ -17,6 +22,7 @@ from pipeline_rl.demo.tool_task import TEMPLATE, call_text
 from pipeline_rl.demo.tools_policy import transcript
 
 EOS = tiny_model.EOS_TOKEN
+MCP_SERVER = [f"actor.agent.mcp_servers=[{{command: {sys.executable}, args: [{TESTS / 'mcp_tools_server.py'}]}}]"]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +53,17 @@ def episode(tokenizer, cfg, problem: dict, turns: list[tuple[str, str]]):
     return group.rollouts[0]
 
 
-@pytest.mark.parametrize("with_tool", [True, False], ids=["tool", "worked"])
-def test_an_episode_is_the_conversation_the_policy_was_trained_on(tokenizer, problems, with_tool):
-    cfg = config()
+def mcp_call(name: str, arguments: dict) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+@pytest.mark.parametrize(
+    "with_tool,overrides",
+    [(True, []), (False, []), (True, ["actor.agent.tools=[]", *MCP_SERVER])],
+    ids=["tool", "worked", "mcp-tool"],
+)
+def test_an_episode_is_the_conversation_the_policy_was_trained_on(tokenizer, problems, with_tool, overrides):
+    cfg = config(*overrides)
     template = ChatTemplate(tokenizer, None, None)
     for problem in problems:
         turns = tool_turns(problem) if with_tool else [(problem["solution"], "stop")]
@@ -78,7 +92,7 @@ def test_without_the_tool_a_call_ends_the_episode_with_the_error_reward(tokenize
     cfg = config("actor.agent.tools=[]", "actor.agent.error_reward=-0.5")
     r = episode(tokenizer, cfg, problems[0], tool_turns(problems[0])[:1])
     assert r.reward == -0.5 and r.metadata["tool_calls"] == r.metadata["tool_errors"] == 1
-    assert "actor.agent.tools is empty" in r.metadata["agent_error"]
+    assert "actor.agent.tools and mcp_servers are empty" in r.metadata["agent_error"]
 
 
 def test_too_many_calls_end_the_episode(tokenizer, problems):
@@ -87,3 +101,14 @@ def test_too_many_calls_end_the_episode(tokenizer, problems):
     cfg = config("actor.agent.max_turns=2")
     r = episode(tokenizer, cfg, problem, [(call_text(a, b), "stop")] * 2)
     assert r.reward == 0.0 and "max_turns=2" in r.metadata["agent_error"]
+
+
+def test_failing_and_hanging_mcp_tools_end_the_episode_with_a_recorded_error(tokenizer, problems):
+    cfg = config("actor.agent.tools=[]", "actor.agent.tool_timeout_s=2", *MCP_SERVER)
+    problem = problems[0]
+    failed = episode(tokenizer, cfg, problem, [(mcp_call("fails", {"a": 1}), "stop")])
+    assert failed.reward == 0.0 and failed.metadata["tool_errors"] == 1
+    assert "MCP tool 'fails' failed" in failed.metadata["agent_error"]
+    hung = episode(tokenizer, cfg, problem, [(mcp_call("sleeps", {"seconds": 30}), "stop")])
+    assert "'sleeps' timed out after 2 s" in hung.metadata["agent_error"]
+    assert 2 <= hung.metadata["tool_s"] < 30

@@ -95,6 +95,14 @@ def test_bad_overrides_name_the_key(overrides, expected):
             ],
             "bad value for 'actor.agent.tools.0': cannot import",
         ),
+        (
+            [
+                "actor.domain=agent",
+                "actor.agent.environment=agent_envs:two_questions",
+                "actor.agent.mcp_servers=[{command: no-such-mcp-server}]",
+            ],
+            "bad value for 'actor.agent.mcp_servers.0.command': 'no-such-mcp-server' is not a program",
+        ),
     ],
 )
 def test_bad_plugins_are_refused_at_launch_naming_the_key(overrides, expected, capsys):

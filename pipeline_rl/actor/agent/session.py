@@ -188,7 +188,7 @@ class ChatSession:
         self.tool_calls += 1
         if self.tool_box is None:  # counted as a failed call, as one naming an unknown tool is
             self.tool_errors += 1
-            raise self._end(AgentError("the model called a tool, but actor.agent.tools is empty"))
+            raise self._end(AgentError("the model called a tool, but actor.agent.tools and mcp_servers are empty"))
         start = time.monotonic()
         try:
             text = await self.tool_box.call(function.get("name", ""), function.get("arguments", "{}"))

@@ -1,6 +1,8 @@
 """Tools the model may call (actor.agent.tools): Python functions named `module:function`, run
 in RewardPool workers (pipeline_rl/actor/rewards.py) under actor.agent.tool_timeout_s, so a tool
-that hangs, even inside C code, is killed and replaced without stopping the actor.
+that hangs, even inside C code, is killed and replaced without stopping the actor; and the tools
+of MCP servers (actor.agent.mcp_servers, mcp_server.py), started by `start_mcp` in the actor,
+each call under the same limit.
 
 A tool is a plain function of JSON-valued keyword arguments, documented Google-style (a summary
 line and an `Args:` entry per argument, with type hints): transformers' `get_json_schema` makes
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import atexit
 import json
+import shutil
 from typing import Any
 
+from pipeline_rl.actor.agent.mcp_server import McpServer, McpToolError
 from pipeline_rl.actor.rewards import RewardPool
 from pipeline_rl.config import ConfigError
+from pipeline_rl.config.schema import McpServerConfig
 from pipeline_rl.plugins import import_attr, load_plugin
 
 INVOKE = f"{__name__}:invoke"
@@ -50,12 +55,21 @@ def tool_schema(function: Any, key: str) -> dict:
 
 
 class Tools:
-    """The configured tools: their schemas (`schemas`, for the model) and their worker pool."""
+    """The configured tools: their schemas (`schemas`, for the model), their worker pool and
+    MCP servers."""
 
-    def __init__(self, specs: list[str], timeout_s: float, workers: int):
+    def __init__(self, specs: list[str], timeout_s: float, workers: int, mcp: list[McpServerConfig] | None = None):
         self.timeout_s, self.workers = timeout_s, workers
         self.paths: dict[str, str] = {}
         self.schemas: list[dict] = []
+        self.mcp_specs = list(mcp or [])
+        for i, server in enumerate(self.mcp_specs):
+            if not shutil.which(server.command):
+                raise ConfigError(
+                    f"bad value for 'actor.agent.mcp_servers.{i}.command': {server.command!r} is not a program"
+                )
+        self.mcp_servers: list[McpServer] = []
+        self.mcp_routes: dict[str, McpServer] = {}
         for i, spec in enumerate(specs):
             key = f"actor.agent.tools.{i}"
             schema = tool_schema(load_plugin(spec, key, "a function", check=callable), key)
@@ -66,6 +80,27 @@ class Tools:
             self.schemas.append(schema)
         self._pool: RewardPool | None = None
 
+    def start_mcp(self) -> None:
+        """Start the MCP servers (in the actor: the launcher's check starts none) and add their
+        tools; a server that does not start, or a tool name given twice, raises naming the key."""
+        try:
+            for i, spec in enumerate(self.mcp_specs):
+                key = f"actor.agent.mcp_servers.{i}"
+                try:
+                    server = McpServer(spec.command, spec.args, spec.env, self.timeout_s)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{key}: {e}") from None
+                self.mcp_servers.append(server)
+                for schema in server.schemas():
+                    name = schema["function"]["name"]
+                    if name in self.paths or name in self.mcp_routes:
+                        raise ConfigError(f"bad value for '{key}': its tool {name!r} is named by another tool too")
+                    self.mcp_routes[name] = server
+                    self.schemas.append(schema)
+        except BaseException:
+            self.close()
+            raise
+
     def _workers(self) -> RewardPool:
         if self._pool is None:  # started on the first call: a run without tool calls starts none
             modules = tuple(sorted({p.partition(":")[0] for p in self.paths.values()}))
@@ -75,14 +110,20 @@ class Tools:
 
     async def call(self, name: str, arguments: str) -> str:
         """The result text of one call; raises ToolError naming the tool."""
-        if name not in self.paths:
-            raise ToolError(f"the model called {name!r}, which is not a tool (actor.agent.tools: {sorted(self.paths)})")
+        if name not in self.paths and name not in self.mcp_routes:
+            known = sorted([*self.paths, *self.mcp_routes])
+            raise ToolError(f"the model called {name!r}, which is not a tool (known: {known})")
         try:
             kwargs = json.loads(arguments)
         except ValueError as e:
             raise ToolError(f"tool {name!r}: arguments are not JSON: {e}") from None
         if not isinstance(kwargs, dict):
             raise ToolError(f"tool {name!r}: arguments are {type(kwargs).__name__}, expected an object")
+        if name in self.mcp_routes:
+            try:
+                return await self.mcp_routes[name].call(name, kwargs)
+            except McpToolError as e:
+                raise ToolError(str(e)) from None
         result = await self._workers().acall(INVOKE, self.paths[name], kwargs)
         if result.error is not None:
             raise ToolError(f"tool {name!r} ({self.paths[name]}) failed: {result.error}")
@@ -93,3 +134,6 @@ class Tools:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        for server in self.mcp_servers:
+            server.close()
+        self.mcp_servers, self.mcp_routes = [], {}

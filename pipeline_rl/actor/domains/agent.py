@@ -31,7 +31,9 @@ def load_agent(agent: AgentConfig) -> tuple[Callable[..., Coroutine[Any, Any, An
         "an async function (async def run(client, problem) -> float)",
         check=inspect.iscoroutinefunction,
     )
-    return environment, Tools(agent.tools, agent.tool_timeout_s, agent.tool_workers) if agent.tools else None
+    if not (agent.tools or agent.mcp_servers):
+        return environment, None
+    return environment, Tools(agent.tools, agent.tool_timeout_s, agent.tool_workers, agent.mcp_servers)
 
 
 def chat_template(agent: AgentConfig) -> str | None:
@@ -46,10 +48,12 @@ def chat_template(agent: AgentConfig) -> str | None:
 
 class AgentRuntime:
     """What the episodes of one agent config share in this process: the environment function,
-    the tools' worker pool, the chat template's text and the HTTP endpoint."""
+    the tools' worker pool and MCP servers, the chat template's text and the HTTP endpoint."""
 
     def __init__(self, agent: AgentConfig):
         self.environment, self.tools = load_agent(agent)
+        if self.tools:  # once per actor, at its first episode: a second or two of start-up
+            self.tools.start_mcp()
         self.template = chat_template(agent)
         self.server = ChatServer(agent.http_host, agent.http_port) if agent.http else None
 
