@@ -21,7 +21,6 @@ outcome_rm.py.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from pathlib import Path
@@ -33,11 +32,10 @@ from pipeline_rl.demo.tiny_model import (
     Batcher,
     greedy_accuracy,
     make_tokenizer,
-    replace_dir,
     save_model,
     teacher_forced_accuracy,
     train_step,
-    write_jsonl,
+    write_split,
 )
 from pipeline_rl.demo.tiny_model import build as build_tiny
 
@@ -117,11 +115,7 @@ def build(cache_dir: Path, seed: int = 0) -> dict[str, Path]:
     if not (base / "config.json").exists():
         build_tiny(cache_dir, seed)
     train, test = make_problems(seed)
-    data = cache_dir / f"multistep.tmp-{os.getpid()}"
-    data.mkdir(parents=True)
-    write_jsonl(data / "train.jsonl", train)
-    write_jsonl(data / "test.jsonl", test)
-    replace_dir(data, cache_dir / "multistep")
+    write_split(cache_dir / "multistep", train, test)
     tokenizer = make_tokenizer()
     out = {}
     for i, (role, target) in enumerate(POLICY_TARGETS.items()):

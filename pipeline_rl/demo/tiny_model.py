@@ -386,14 +386,19 @@ def _remove_leftovers(cache_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def write_split(dest: Path, train: list[dict], test: list[dict]) -> None:
+    """Write dest/{train,test}.jsonl through a temporary sibling moved into place."""
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    write_jsonl(tmp / "train.jsonl", train)
+    write_jsonl(tmp / "test.jsonl", test)
+    replace_dir(tmp, dest)
+
+
 def write_problems(cache_dir: Path, seed: int) -> tuple[list[dict], list[dict]]:
     """Write cache_dir/arithmetic/{train,test}.jsonl (the split of `seed`); returns them."""
     train, test = make_problems(seed)
-    data_tmp = cache_dir / f"arithmetic.tmp-{os.getpid()}"
-    data_tmp.mkdir()
-    write_jsonl(data_tmp / "train.jsonl", train)
-    write_jsonl(data_tmp / "test.jsonl", test)
-    replace_dir(data_tmp, cache_dir / "arithmetic")
+    write_split(cache_dir / "arithmetic", train, test)
     return train, test
 
 
