@@ -33,9 +33,10 @@ from pipeline_rl.demo.tool_task import TEMPLATE, call_text
 NAME = "tools_policy"
 TOOL_SHARE = 0.5
 """Share of training transcripts that use the tool."""
-TOOL_MIN = 0.9
+TOOL_MIN = tiny_model.LEARNED
 """Held-out greedy accuracy of whole tool transcripts (after the first token, which chooses the
-tool) below which the build fails."""
+tool) below which the build fails: the model has not found the format. Two builds of the same
+seed on two machines ended at 0.915 and 0.850 (floating point differs), so this is no target."""
 EVAL_PROBLEMS = 200
 MAX_STEPS = 2000
 BATCH = 32
