@@ -103,6 +103,12 @@ class SwapStats:
     """Time between asking for the lock and getting it (at most one forward pass)."""
     load_s: float
     """Time the lock was held: the staged check's verdict read, the new weights copied in."""
+    call_s: float = 0.0
+    """Length of the engine call the swap waited for (0 when it found the lock free): the
+    bound on lock_wait_s."""
+    calls_started: int = 0
+    """Engine calls that began while the swap waited: the turnstile lets in at most one, a
+    call already past it when the swap asked."""
 
 
 @contextlib.contextmanager
@@ -139,6 +145,8 @@ class SwapGate:
         with a new version: the moment that splits the tokens of the old version from the new."""
         self.forward_passes = 0
         self._forward_version = version
+        self._last_call = (0.0, 0.0)
+        """(start, end) of the latest engine call, for SwapStats.call_s."""
         self.swaps: deque[SwapStats] = deque(maxlen=history)
         self.swap_count = 0
         self.failures = 0
@@ -157,8 +165,12 @@ class SwapGate:
                     self.on_new_version(self.version)
                 self._forward_version = self.version
             self.forward_passes += 1
-            result = self._call(*args, **kwargs)
-            self._after_call()
+            began = time.perf_counter()
+            try:
+                result = self._call(*args, **kwargs)
+                self._after_call()
+            finally:
+                self._last_call = (began, time.perf_counter())
             return result
 
     def _refuse_if_broken(self) -> None:
@@ -184,9 +196,12 @@ class SwapGate:
         load it between two engine calls; then set `version`. Raises ValueError (nothing loaded)
         when the check fails, RuntimeError (engine unusable) when the load fails."""
         staged = update if isinstance(update, Staged) else self.stage(update)
-        asked = time.perf_counter()
+        asked, passes = time.perf_counter(), self.forward_passes
         with self._turnstile, self.lock, _prompt_gil():
             got = time.perf_counter()
+            began, ended = self._last_call
+            waited_for = ended - began if ended > asked else 0.0
+            calls_started = self.forward_passes - passes
             self._refuse_if_broken()
             try:
                 if staged.problem is not None:
@@ -202,7 +217,7 @@ class SwapGate:
                 self._broken = f"loading version {version} failed: {e}"
                 raise RuntimeError(self._broken) from e
             self.version = version
-            stats = SwapStats(version, got - asked, time.perf_counter() - got)
+            stats = SwapStats(version, got - asked, time.perf_counter() - got, waited_for, calls_started)
             self.swaps.append(stats)
             self.swap_count += 1
             return stats

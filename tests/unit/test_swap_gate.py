@@ -1,0 +1,62 @@
+"""The swap gate's priority, on a stand-in engine (no vLLM): an engine thread that calls its
+gated step back to back, the pattern that starves a plain lock's waiter, and swaps from
+another thread."""
+
+import threading
+import time
+
+from pipeline_rl.actor.vllm_hook import Staged, SwapGate
+
+STEP_S = 0.004
+
+
+class Engine:
+    def step(self) -> None:
+        # Python work that holds the GIL, as vLLM's step does around the forward pass: the
+        # engine thread re-takes the lock before the woken swap thread can.
+        end = time.perf_counter() + STEP_S
+        while time.perf_counter() < end:
+            pass
+
+
+class Gate(SwapGate):
+    def stage(self, named_tensors) -> Staged:
+        return Staged("local")
+
+    def _check(self, staged: Staged) -> None:
+        pass
+
+    def _load(self, staged: Staged) -> None:
+        pass
+
+
+def test_a_swap_waits_for_at_most_the_call_in_progress():
+    engine = Engine()
+    gate = Gate(engine, "step", version=0)
+    firsts: list[tuple[int, int]] = []
+    gate.on_new_version = lambda v: firsts.append((v, gate.forward_passes))
+    stop = threading.Event()
+
+    def run_engine():
+        while not stop.is_set():
+            engine.step()  # the gated call: setattr replaced it
+
+    thread = threading.Thread(target=run_engine)
+    thread.start()
+    try:
+        stats = []
+        for version in range(1, 61):
+            time.sleep(STEP_S * 1.7)  # land at varying points of a call
+            stats.append(gate.swap([], version))
+    finally:
+        stop.set()
+        thread.join()
+    # Without the turnstile some swaps wait for two or more calls (seen in about half of runs
+    # of 30 swaps).
+    assert max(s.calls_started for s in stats) <= 1, [s.calls_started for s in stats]
+    waited = [s for s in stats if s.call_s > 0]
+    assert waited, "no swap found the engine in a call"
+    assert all(s.call_s >= STEP_S for s in waited)
+    # Every version after the first was the one a forward pass started with exactly once.
+    assert [v for v, _ in firsts] == sorted({v for v, _ in firsts})
+    assert gate.version == 60 and gate.swap_count == 60
