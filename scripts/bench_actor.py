@@ -10,9 +10,8 @@ other processes on a shared machine hits all alike:
       LLMClient.start_receiver, as in a run).
 Prints tokens/s of each, the ratios (2)/(1) and (3)/(2) (overall and the median of the
 rounds' ratios), the swap pauses (lock wait and lock hold, p50/p99; each wait against the engine
-call it waited for) beside a memcpy of the
-update's bytes measured in the same run, the engine step time p50, and the peak RSS of each
-process. Goals: lock hold p50 <= 5x the memcpy; (3)/(2) >= 0.97. With TP > 1 the hold only
+call it waited for) beside a memcpy of the update's bytes measured in the same run, the
+engine step time p50, and the peak RSS of each process. Goals: lock hold p50 <= 5x the memcpy; (3)/(2) >= 0.97. With TP > 1 the hold only
 queues the load: each worker copies its shard at the head of the next step, and the workers'
 copy times are printed beside it.
 
