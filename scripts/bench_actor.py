@@ -8,12 +8,12 @@ other processes on a shared machine hits all alike:
   (3) as (2) while a real sender process broadcasts new weights over gloo every
       --update-every seconds (announced on a JSONL "weights" stream and received by
       LLMClient.start_receiver, as in a run).
-Prints tokens/s of each, the ratios (2)/(1) and (3)/(2) (overall and the median of the
-rounds' ratios), the swap pauses (lock wait and lock hold, p50/p99; each wait against the engine
-call it waited for) beside a memcpy of the update's bytes measured in the same run, the
-engine step time p50, and the peak RSS of each process. Goals: lock hold p50 <= 5x the memcpy; (3)/(2) >= 0.97. With TP > 1 the hold only
-queues the load: each worker copies its shard at the head of the next step, and the workers'
-copy times are printed beside it.
+Prints tokens/s of each, the ratios (2)/(1) and (3)/(2) (overall and the median of the rounds'
+ratios), the swap pauses (lock wait and lock hold, p50/p99; each wait against the engine call
+it waited for) beside a memcpy of the update's bytes measured in the same run, the engine step
+time p50, and the peak RSS of each process. Goals: lock hold p50 <= 5x the memcpy; (3)/(2) >=
+0.97. With TP > 1 the hold only queues the load: each worker copies its shard at the head of
+the next step, and the workers' copy times are printed beside it.
 
 With --tp 2 the engine is tensor parallel (two worker processes, each a receiver of the
 broadcast; on CPU each bound to its own cores) and (1) is plain vLLM with the same TP size.
