@@ -24,12 +24,15 @@ if [ "${1:-}" = "--relock" ]; then
     echo "rewrote scripts/cpu-lock.txt"
 else
     # DeepSpeed builds from source against the locked torch (it is in the lock, so nothing replaces it).
-    uv pip sync --compile-bytecode --python .venv/bin/python "${torch_src[@]}" scripts/cpu-lock.txt
-    uv pip install --compile-bytecode --python .venv/bin/python --no-deps -e .
+    # Bytecode at install: uv writes none otherwise, and with PYTHONDONTWRITEBYTECODE set every
+    # process would compile torch and vLLM from source at each start.
+    into=(--compile-bytecode --python .venv/bin/python)
+    uv pip sync "${into[@]}" "${torch_src[@]}" scripts/cpu-lock.txt
+    uv pip install "${into[@]}" --no-deps -e .
     for extra in "$@"; do  # the optional extras' locks, each on top of the CPU lock
         case "$extra" in
-            --bench) uv pip install --compile-bytecode --python .venv/bin/python --no-deps -r scripts/bench-lock.txt ;;
-            --verifiers) uv pip install --compile-bytecode --python .venv/bin/python --no-deps -r scripts/verifiers-lock.txt ;;
+            --bench) uv pip install "${into[@]}" --no-deps -r scripts/bench-lock.txt ;;
+            --verifiers) uv pip install "${into[@]}" --no-deps -r scripts/verifiers-lock.txt ;;
             *) echo "unknown option $extra" >&2 && exit 2 ;;
         esac
     done

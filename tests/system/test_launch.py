@@ -268,7 +268,7 @@ def test_lora_run_resumes_with_the_engine_on_the_checkpoint_adapter(tmp_path, ti
     have nothing to compare."""
     run_dir = tmp_path / "run"
     lora = ["model.lora.rank=8", "trainer.optimizer.lr=1e-2", "actor.mode=sync", "trainer.checkpoint_every=3"]
-    lora.append("preprocess.advantage.filter_zero=false")
+    lora += ["preprocess.advantage.filter_zero=false"]
     code, out = launch(run_dir, "trainer.max_steps=3", *lora)
     assert code == 0, out
     found = latest_checkpoint(run_dir)
