@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every core the process may use, as pipeline_rl's processes share them all: on 2 cores TRL made
+# 1.43x (family_char_base) and 1.17x (family_byte_small) the steps/s of one thread.
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 COMPLETIONS_PER_STEP = 64
