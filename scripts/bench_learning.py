@@ -496,13 +496,28 @@ def warm_up(model: Path) -> None:
     in a subprocess the first time on a machine and then caches (measured: 113 s from launch to
     the first step in a fresh environment, 46 s after), so that the first run timed is not the
     only one to pay. DeepSpeed's CPU ops are compiled too (scripts/build_deepspeed_ops.py): the
-    first trainer of a fresh machine otherwise compiles its collective op, a minute on 2 cores."""
+    first trainer of a fresh machine otherwise compiles its collective op, a minute on 2 cores.
+    And an engine samples once with logprobs, as actors do: vLLM's logprob op is compiled by
+    torch inductor on first use and cached per machine (the first actor of a fresh machine
+    waited 20 s for its first tokens, later ones 5 s)."""
     code = f"import deepspeed, transformers; from vllm.config import ModelConfig; ModelConfig(model={str(model)!r})"
+    engine = (
+        "from pipeline_rl.config import load_config\n"
+        "from pipeline_rl.actor.llm_client import engine_args, set_engine_environment\n"
+        f"cfg = load_config('tiny', ['model.path={model}'])\n"
+        "set_engine_environment(cfg)\n"
+        "from vllm import LLM, SamplingParams\n"
+        "LLM(**engine_args(cfg, cfg.model.path)).generate(['1+1='], SamplingParams(max_tokens=2, logprobs=0))\n"
+    )
     start = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
     subprocess.run([sys.executable, "scripts/build_deepspeed_ops.py"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", engine], cwd=ROOT, env=env, check=True, capture_output=True)
     print(
-        f"warm-up: {time.time() - start:.0f} s (imports, vLLM's architecture inspection, DeepSpeed's ops)", flush=True
+        f"warm-up: {time.time() - start:.0f} s (imports, vLLM's architecture inspection and compiled ops, "
+        "DeepSpeed's ops)",
+        flush=True,
     )
 
 
