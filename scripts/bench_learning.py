@@ -170,6 +170,7 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], 
     if (kept := reused(name, run_dir, key, reuse)) is not None:
         return kept
     warm_up(Path(key["model"]))
+    warm_up_engine(Path(key["model"]))
     argv = [
         sys.executable,
         "launch.py",
@@ -196,7 +197,7 @@ def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> di
     key = run_key("tiny", budget_s, overrides, [])
     if (kept := reused("trl", run_dir, key, reuse)) is not None:
         return kept
-    warm_up(model, engine=False)
+    warm_up(Path(key["model"]))  # the resolved path, as run() passes: once per model
     start = time.time()
     argv = [sys.executable, "scripts/bench_trl.py", f"--model={model}", f"--data={data}", f"--budget-s={budget_s}"]
     argv += [f"--out={run_dir}", f"--seed={cfg.seed}", f"--started-at={start}"]
@@ -490,18 +491,28 @@ def model_path(name: str, default: Path) -> Path:
 
 
 @functools.cache
-def warm_up(model: Path, engine: bool = True) -> None:
+def warm_up(model: Path) -> None:
     """Untimed, before a model's first run that is not reused: read the stacks every run imports
     (from disk into the page cache) and let vLLM inspect the model's architecture, which it does
     in a subprocess the first time on a machine and then caches (measured: 113 s from launch to
     the first step in a fresh environment, 46 s after), so that the first run timed is not the
     only one to pay. DeepSpeed's CPU ops are compiled too (scripts/build_deepspeed_ops.py): the
-    first trainer of a fresh machine otherwise compiles its collective op, a minute on 2 cores.
-    With `engine` (before pipeline_rl's runs) an engine samples once with logprobs, as actors
-    do: vLLM's logprob op is compiled by torch inductor on first use and cached per machine (the
-    first actor of a fresh machine waited 20 s for its first tokens, later ones 5 s)."""
+    first trainer of a fresh machine otherwise compiles its collective op, a minute on 2 cores."""
     code = f"import deepspeed, transformers; from vllm.config import ModelConfig; ModelConfig(model={str(model)!r})"
-    sample = (
+    start = time.time()
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "scripts/build_deepspeed_ops.py"], cwd=ROOT, check=True, capture_output=True)
+    print(
+        f"warm-up: {time.time() - start:.0f} s (imports, vLLM's architecture inspection, DeepSpeed's ops)", flush=True
+    )
+
+
+@functools.cache
+def warm_up_engine(model: Path) -> None:
+    """Untimed, before a model's first pipeline_rl run: an engine samples once with logprobs, as
+    actors do. vLLM's logprob op is compiled by torch inductor on first use and cached per
+    machine: the first actor of a fresh machine waited 20 s for its first tokens, later ones 5 s."""
+    code = (
         "from pipeline_rl.config import load_config\n"
         "from pipeline_rl.actor.llm_client import engine_args, set_engine_environment\n"
         f"cfg = load_config('tiny', ['model.path={model}'])\n"
@@ -511,12 +522,8 @@ def warm_up(model: Path, engine: bool = True) -> None:
     )
     start = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
-    subprocess.run([sys.executable, "scripts/build_deepspeed_ops.py"], cwd=ROOT, check=True, capture_output=True)
-    if engine:
-        subprocess.run([sys.executable, "-c", sample], cwd=ROOT, env=env, check=True, capture_output=True)
-    what = "vLLM's architecture inspection" + (" and compiled ops" if engine else "")
-    print(f"warm-up: {time.time() - start:.0f} s (imports, {what}, DeepSpeed's ops)", flush=True)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True)
+    print(f"warm-up: {time.time() - start:.0f} s (an engine's first sampling: vLLM's compiled ops)", flush=True)
 
 
 def main() -> None:
