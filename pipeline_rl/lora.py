@@ -41,9 +41,14 @@ def peft_config(lora: LoraConfig, base_path: str | None = None) -> Any:
     )
 
 
-def wrap(model: torch.nn.Module, lora: LoraConfig) -> Any:
+def wrap(model: torch.nn.Module, lora: LoraConfig, dtype: torch.dtype | None = None) -> Any:
     """The model with peft adapters on `lora.target_modules`; only they require grad. Raises
-    ValueError naming a target module the model has no linear layer of."""
+    ValueError naming a target module the model has no linear layer of.
+
+    With `dtype` the adapters are made of it. peft makes them float32 whatever the base; in a
+    bfloat16 model each adapter then casts its input to float32 and autograd keeps that copy
+    (7.5 GiB at 8k tokens for a 0.5 B Qwen2 under ZeRO-3, measured on an H200, 65 % of the
+    layers' own activations), and the adapter's matmuls run in float32."""
     from peft import get_peft_model
 
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -53,7 +58,12 @@ def wrap(model: torch.nn.Module, lora: LoraConfig) -> Any:
             f"bad value for 'model.lora.target_modules': {missing} name no linear layer of the model "
             f"(its linear layers: {sorted(linear)})"
         )
-    return get_peft_model(model, peft_config(lora))  # pyright: ignore[reportArgumentType]
+    wrapped = get_peft_model(model, peft_config(lora))  # pyright: ignore[reportArgumentType]
+    if dtype is not None:
+        for p in wrapped.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
+    return wrapped
 
 
 def saved_name(parameter_name: str) -> str:

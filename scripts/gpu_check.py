@@ -4,6 +4,7 @@ real loss, on a locally built Qwen2-shaped model with random weights.
     python scripts/gpu_check.py                 # GPU: ~0.5 B parameters, bf16, NCCL
     python scripts/gpu_check.py --reduced       # CPU: a tiny model, fp32, gloo (the test suite runs this)
     python scripts/gpu_check.py --lora 16       # the same with LoRA adapters of rank 16 on the frozen base
+    python scripts/gpu_check.py model.logprob_chunk_tokens=512   # any config override
 
 Prints throughput, MFU (GPU only: model FLOPs over the device's dense bf16 peak) and peak
 device memory, and writes them as JSON to OUT/gpu_check.json. The micro-batches go through
@@ -114,6 +115,7 @@ def main() -> int:
     parser.add_argument("--zero-stage", type=int, default=3, choices=(2, 3))
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
     parser.add_argument("--profile", action="store_true", help="print the operators that take the most device time")
+    parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.logprob_chunk_tokens=512")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.reduced
     seq_length = args.seq_length or (8192 if gpu else 256)
@@ -134,6 +136,7 @@ def main() -> int:
             "metrics.tensorboard=false",
             f"world.gpus_per_node={1 if gpu else 0}",
             *([f"model.lora.rank={args.lora}"] if args.lora else []),
+            *args.overrides,
         ],
     )
     save_config(cfg, Path(cfg.run_dir) / "config.yaml")

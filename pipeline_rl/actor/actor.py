@@ -59,7 +59,6 @@ from pipeline_rl.launch.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams import PositionStore, open_streams
 from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
-from pipeline_rl.weight_sync import WeightGroupFailed
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger("pipeline_rl.actor.actor")
@@ -195,7 +194,7 @@ class Actor:
                     # for a version that this engine can no longer receive).
                     raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
                 if self.llm.group_failure is not None:
-                    raise WeightGroupFailed(self.llm.group_failure)
+                    raise self.llm.group_failure
                 while len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()

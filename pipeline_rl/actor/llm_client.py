@@ -192,7 +192,7 @@ class LLMClient:
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._error: BaseException | None = None
-        self.group_failure: str | None = None
+        self.group_failure: WeightGroupFailed | None = None
         """Why the weight-update group failed (names the member that did not finish), or None:
         the actor stops on it (a peer is dead or hung; the run must stop, not drift apart)."""
         # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), which vLLM's annotation
@@ -416,7 +416,7 @@ class LLMClient:
                 "weight update %d failed while receiving, keeping version %d: %s", update.version, self.hook.version, e
             )
             if isinstance(e, WeightGroupFailed):
-                self.group_failure = str(e)
+                self.group_failure = e
             return False
         if update.version <= self.hook.version:
             self.updates_skipped += 1

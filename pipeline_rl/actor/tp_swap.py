@@ -46,7 +46,7 @@ from safetensors.torch import save as save_safetensors
 
 from pipeline_rl.actor.vllm_hook import Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, encode
-from pipeline_rl.weight_sync import DIAGNOSE_S, SENDER, StaleUpdate, WeightGroupFailed
+from pipeline_rl.weight_sync import DIAGNOSE_S, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ WORKER_EXTENSION = "pipeline_rl.actor.tp_worker.TensorParallelWorker"
 STALE = "stale: "
 GROUP_FAILED = "group failed: "
 """Prefix of a worker's report whose transfer failed (weight_sync.WeightGroupFailed): fatal to the actor."""
+PEER_GONE = "peer gone: "
+"""The same, failed because members are gone (weight_sync.PeerGone)."""
 CHECK = "check: "
 """Prefix of a worker's reply or status whose staged update failed its check."""
 
@@ -216,6 +218,9 @@ class TensorParallelReceiver:
                 f"weight update {update.version}: no report from the TP workers through the weight-sync store at "
                 f"{self.addr} ({e}): {SENDER} (weight-update rank 0, the sender, hosts it) is gone, or a worker hangs"
             ) from e
+        gone = [s for s in statuses if s.startswith(PEER_GONE)]
+        if gone:
+            raise PeerGone(gone[0].removeprefix(PEER_GONE))
         failed = [s for s in statuses if s.startswith(GROUP_FAILED)]
         if failed:
             raise WeightGroupFailed(failed[0].removeprefix(GROUP_FAILED))

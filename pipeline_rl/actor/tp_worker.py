@@ -20,10 +20,10 @@ from safetensors.torch import load as load_safetensors
 
 from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
 from pipeline_rl.actor.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
-from pipeline_rl.actor.tp_swap import CHECK, GROUP_FAILED, STALE, staged_key
+from pipeline_rl.actor.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE, staged_key
 from pipeline_rl.streams.records import WeightUpdate, decode
 from pipeline_rl.weight_layout import dtype_of
-from pipeline_rl.weight_sync import StaleUpdate, WeightGroupFailed, WeightReceiver
+from pipeline_rl.weight_sync import PeerGone, StaleUpdate, WeightGroupFailed, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,8 @@ class TensorParallelWorker:
             except StaleUpdate as e:
                 status = f"{STALE}{e}"
             except WeightGroupFailed as e:
-                status = f"{GROUP_FAILED}worker {self.rank} (weight-update rank {my_rank}): {e}"
+                prefix = PEER_GONE if isinstance(e, PeerGone) else GROUP_FAILED
+                status = f"{prefix}worker {self.rank} (weight-update rank {my_rank}): {e}"
             except Exception as e:
                 status = f"worker {self.rank} (weight-update rank {my_rank}): {e}"
             try:

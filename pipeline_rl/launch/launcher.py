@@ -21,7 +21,7 @@ from pipeline_rl.launch.placement import Node, child_env, describe, plan
 from pipeline_rl.launch.redis_server import start_redis, wait_port
 from pipeline_rl.launch.run_dir import prepare_run_dir
 from pipeline_rl.launch.run_loop import Failure, RunLoop
-from pipeline_rl.launch.supervisor import Supervisor, describe_exit, last_lines
+from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor, describe_exit, last_lines
 from pipeline_rl.scorers import check_scorers
 from pipeline_rl.trainer.loss import load_loss
 from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
@@ -103,7 +103,8 @@ class Launcher(RunLoop):
             return None, done
         child = failure.child
         reason = describe_exit(failure.code) if child.name != "redis" else "redis-server stopped"
-        return Failure(f"process {child.name} failed: {reason}", str(child.log_path), last_lines(child.log_path)), False
+        summary = f"process {child.name} failed: {reason}"
+        return Failure(summary, str(child.log_path), last_lines(child.log_path), failure.code == PEER_GONE_EXIT), False
 
     def stop_all(self, graceful: bool) -> None:
         trainers = {s.name for s in self.specs if s.pool == "trainer"}

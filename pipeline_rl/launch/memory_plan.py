@@ -16,7 +16,7 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
   (`activation_bytes_per_token`), for every layer or, with gradient checkpointing, one layer
   plus each layer's input; sdpa's [T, T] mask of a packed row, in the model's dtype, once per
   layer (the one term that grows with the square of preprocess.seq_length); the output layer's
-  chunk of logits with its float32 log-softmax and their gradients (18 bytes per row and
+  chunk of logits with its float32 log-softmax and their gradients (20 bytes per row and
   vocabulary entry); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
   PyTorch's allocator.
 - with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
@@ -177,10 +177,11 @@ holds beyond PyTorch's allocator (gpu_check.py on an H100, torch 2.11, CUDA 13: 
 ZeRO-3, 1.68 GiB at ZeRO-2)."""
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed's default stage3_prefetch_bucket_size (parameters fetched ahead of use)."""
-LOGITS_CHUNK_BYTES_PER_ENTRY = 18
+LOGITS_CHUNK_BYTES_PER_ENTRY = 20
 """Bytes per row and vocabulary entry while a chunk of logits is live: the output layer's logits
-in bf16, their float32 log-softmax, exp and product, and in backward their gradients (peak of
-forward + backward less what stays saved, gpu_check.py's model on an H100: 17.8)."""
+in bf16, their float32 log-softmax, exp and product, and in backward their gradients (the
+shipped _ChunkedHead's peak grows by 20.1 and 19.7 bytes per added entry from chunks of 512 to
+2048 and 2048 to 8192 rows, gpu_check.py's model on an H200)."""
 
 
 def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) -> int:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from pipeline_rl.config import RunConfig, load_saved_config
 from pipeline_rl.launch.run_dir import check_run_dir
+from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
+from pipeline_rl.weight_sync.group import PeerGone
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,6 @@ def run_pool_process(pool: str, body: Body, argv: list[str] | None = None) -> in
     except Exception as e:
         log.exception("%s failed", name)
         print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        return PEER_GONE_EXIT if isinstance(e, PeerGone) else 1
     log.info("%s", summary)
     return 0

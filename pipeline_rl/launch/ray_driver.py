@@ -40,7 +40,7 @@ from pipeline_rl.launch.placement import Node, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
 from pipeline_rl.launch.run_dir import prepare_run_dir
 from pipeline_rl.launch.run_loop import Failure, RunLoop
-from pipeline_rl.launch.supervisor import STOP_GRACE_S, describe_exit, last_lines
+from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, describe_exit, last_lines
 from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
 
 PLACEMENT_REPORT_S = 30.0
@@ -232,9 +232,11 @@ class RayRun(RunLoop):
 
     def poll(self) -> tuple[Failure | None, bool]:
         self._collect(timeout=0.0)
-        for h in self._everyone():
-            if h.result is None:
-                continue
+        # A failure caused by a peer comes last: the peer's own failure is the cause to report.
+        ended = sorted(
+            (h for h in self._everyone() if h.result is not None), key=lambda h: h.result[0] == PEER_GONE_EXIT
+        )
+        for h in ended:
             code, tail = h.result
             if h.pool == "trainer" and code == 0:
                 continue
@@ -250,7 +252,7 @@ class RayRun(RunLoop):
                 summary = lost if h.node in dead else f"{lost}. Then {summary}"
             # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
             log_tail = tail if code is not None else last_lines(h.log_path)
-            return Failure(summary, str(h.log_path), log_tail), False
+            return Failure(summary, str(h.log_path), log_tail, code == PEER_GONE_EXIT and not dead), False
         gone = self._probe_nodes()
         if gone is not None:
             first = next(h for h in self._everyone() if h.node.id == gone.id)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.budget import run_limits
+from pipeline_rl.launch.supervisor import PEER_REPORT_WAIT_S
 from pipeline_rl.launch.watchdog import Watchdog
 from pipeline_rl.streams.records import Metrics
 from pipeline_rl.wire import Topic
@@ -32,6 +33,9 @@ class Failure:
     log_path: str
     log_tail: str
     """The last lines of its log."""
+    caused_by_peer: bool = False
+    """It failed because a peer is gone (supervisor.PEER_GONE_EXIT): that peer's failure, when
+    it comes, is the one to report."""
 
 
 def end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:
@@ -75,11 +79,25 @@ class RunLoop:
         )
         watchdog = Watchdog(self.cfg.watchdog_s, self.watchdog_startup_s)
         start = time.time()
+        # The first failure caused by a peer: reported with the peer's own failure, or alone when
+        # that does not come within PEER_REPORT_WAIT_S.
+        noticed: Failure | None = None
+        noticed_until = 0.0
         try:
             while True:
                 failure, done = self.poll()
+                if failure is not None and failure.caused_by_peer:
+                    if noticed is None:
+                        noticed, noticed_until = failure, time.time() + PEER_REPORT_WAIT_S
+                        print(
+                            f"\n{failure.summary}; waiting up to {PEER_REPORT_WAIT_S:g} s for the peer's own report",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    if time.time() < noticed_until:
+                        failure = None
                 if failure is not None:
-                    return self.fail(failure)
+                    return self.fail(failure, noticed)
                 if done:
                     return self.finish("the trainers finished", code=0)
                 if self.stop_reason:
@@ -96,10 +114,15 @@ class RunLoop:
         finally:
             status.close()
 
-    def fail(self, failure: Failure) -> int:
+    def fail(self, failure: Failure, noticed: Failure | None = None) -> int:
+        """Stop everyone and report `failure`; `noticed` is an earlier failure caused by a peer
+        (the same one when its peer never reported)."""
         self.stop_all(graceful=False)
+        before = ""
+        if noticed is not None and noticed.summary != failure.summary:
+            before = f" (before it: {noticed.summary})"
         print(
-            f"\n{failure.summary}; stopped the others. Last lines of {failure.log_path}:\n{failure.log_tail}",
+            f"\n{failure.summary}{before}; stopped the others. Last lines of {failure.log_path}:\n{failure.log_tail}",
             file=sys.stderr,
             flush=True,
         )

@@ -19,6 +19,13 @@ from pathlib import Path
 STOP_GRACE_S = 6.0
 """SIGTERM, then SIGKILL after this long: a stop completes well within 10 s."""
 
+PEER_GONE_EXIT = 3
+"""Exit code of a pool process that failed because a peer it exchanges weights with is gone
+(weight_sync.PeerGone): the launcher then waits up to PEER_REPORT_WAIT_S for that peer's own
+failure and reports it as the cause (a worker that died, not the trainer that noticed first)."""
+PEER_REPORT_WAIT_S = 20.0
+"""Long enough for vLLM's worker monitor (up to 9 s) and the actor's exit that follows."""
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -54,6 +61,8 @@ def last_lines(path: Path, n: int = 20) -> str:
 def describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
+    if code == PEER_GONE_EXIT:
+        return f"exit code {code} (a weight-update peer is gone)"
     return f"exit code {code}"
 
 
@@ -80,15 +89,18 @@ class Supervisor:
         return child
 
     def poll(self) -> tuple[ChildFailed | None, bool]:
-        """(the first failure, whether every expected-exit child finished with 0)."""
+        """(the first failure, one that is not PEER_GONE_EXIT if there is one; whether every
+        expected-exit child finished with 0)."""
         done = True
+        failures = []
         for child in self.children:
             code = child.proc.poll()
             if code is None:
                 done = done and not child.expected_exit
-                continue
-            if code != 0 or not child.expected_exit:
-                return ChildFailed(child, code), False
+            elif code != 0 or not child.expected_exit:
+                failures.append(ChildFailed(child, code))
+        if failures:
+            return min(failures, key=lambda f: f.code == PEER_GONE_EXIT), False
         return None, done and any(c.expected_exit for c in self.children)
 
     def signal_all(self, sig: int, names: set[str] | None = None) -> None:

@@ -44,7 +44,8 @@ def load_model(cfg: RunConfig) -> Any:
     model = _load_base(cfg)
     if cfg.model.lora is None:
         return model
-    return lora.wrap(model, cfg.model.lora)
+    # The adapters in the training dtype, like the base (DeepSpeed keeps their float32 master copy).
+    return lora.wrap(model, cfg.model.lora, dtype=getattr(torch, cfg.model.dtype))
 
 
 def _load_base(cfg: RunConfig) -> PreTrainedModel:

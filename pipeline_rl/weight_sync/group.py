@@ -53,6 +53,11 @@ class WeightGroupFailed(RuntimeError):
     """A weight transfer failed; the message names the members that did not finish it."""
 
 
+class PeerGone(WeightGroupFailed):
+    """A weight transfer failed because the members it names are gone: their own failure is the
+    cause, and their processes report it (the launcher waits for that report: launch/process.py)."""
+
+
 def backend_for(gpus_per_node: int) -> str:
     """The one backend of the weight-update group, decided from the world (the same on the
     sender and every receiver, or they could never form the group): NCCL between GPUs, else gloo."""
@@ -164,14 +169,14 @@ class Endpoint:
             names = json.loads(store.get("members")) if store.check(["members"]) else []
             gone = self._gone(store)
         except Exception as e:  # the store is hosted by the sender: unreachable, the sender is gone
-            return WeightGroupFailed(
+            return PeerGone(
                 f"{what}; the weight-sync store at {self.host}:{self.port} is unreachable ({e}): "
                 f"{SENDER} (weight-update rank 0, the sender) is gone"
             )
         if not gone:
             return WeightGroupFailed(f"{what}; every other member is alive (a hung collective or a network fault?)")
         named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in gone)
-        return WeightGroupFailed(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named}")
+        return PeerGone(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named}")
 
     def _gone(self, store: dist.Store) -> list[int]:
         """Ranks whose heartbeat did not move over DIAGNOSE_S."""

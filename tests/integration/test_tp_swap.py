@@ -282,7 +282,7 @@ def test_a_sender_killed_mid_transfer_fails_the_actor_naming_it(client):
     finally:
         sender.kill()
         receiver.close()
-    assert client.group_failure is not None and "trainer0 (weight-update rank 0" in client.group_failure
+    assert client.group_failure is not None and "trainer0 (weight-update rank 0" in str(client.group_failure)
     assert took < timeout_s + 2 * DIAGNOSE_S + 5, took
     on_worker(client, drop_receiver)
 

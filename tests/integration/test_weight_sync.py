@@ -28,7 +28,7 @@ from pipeline_rl.config import load_config
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import plan_buckets
-from pipeline_rl.weight_sync import WeightReceiver, WeightSender
+from pipeline_rl.weight_sync import PeerGone, WeightReceiver, WeightSender
 
 pytestmark = pytest.mark.vllm
 
@@ -389,9 +389,8 @@ def test_failed_updates_keep_the_last_complete_version(setup):
     wait_for(lambda: failures(client) == count + 1, 30, "the killed transfer to be counted")
     assert time.monotonic() - started < TIMEOUT_S
     # What the actor stops with (actor.py): the failure names the sender that is gone.
-    assert client.group_failure is not None and "trainer0 (weight-update rank 0, the sender) is gone" in (
-        client.group_failure
-    )
+    assert isinstance(client.group_failure, PeerGone)
+    assert "trainer0 (weight-update rank 0, the sender) is gone" in str(client.group_failure)
     assert client.version == 4 and greedy(client) == serving
 
     # The trainer restarts (a new store at the same address): the receiver connects again.

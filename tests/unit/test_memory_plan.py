@@ -138,19 +138,23 @@ def test_math_32b_lora_fits_the_trainer_on_two_gpus_of_one_node(tmp_path):
     assert cfg.world.nodes == 1 and used <= cfg.world.gpus_per_node
 
 
-def _saved_bytes_per_layer(tokens: int, dtype, packed: bool) -> float:
+def _saved_bytes_per_layer(tokens: int, dtype, packed: bool, lora=None, adapter_dtype=None) -> float:
     """Bytes autograd saves for one decoder layer of a tiny Qwen2 over `tokens` tokens (the
-    difference between 4 and 2 layers), storages counted once, parameters left out."""
+    difference between 4 and 2 layers), storages counted once, parameters left out; with `lora`
+    the model is the trainer's peft model with adapters of `adapter_dtype`."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from pipeline_rl.demo.tiny_model import qwen2_config
+    from pipeline_rl.lora import wrap
 
     def saved(layers: int) -> int:
         torch.manual_seed(0)
         config = qwen2_config(512, hidden=64, layers=layers, intermediate=128, max_len=tokens)
         config._attn_implementation = "sdpa"
         model = Qwen2ForCausalLM(config).to(dtype)
+        if lora is not None:
+            model = wrap(model, lora, adapter_dtype).base_model.model
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
 
@@ -184,3 +188,22 @@ def test_activation_bytes_are_what_autograd_saves(dtype_name):
         mask = size * tokens**2
         extra = _saved_bytes_per_layer(tokens, dtype, packed=True) - per_token * tokens - mask
         assert 0 <= extra <= size * shape.hidden * tokens, extra
+
+
+def test_lora_adapters_in_the_model_dtype_save_no_more_than_full_fine_tuning():
+    """The plan gives a LoRA trainer the full model's activation bytes. That holds only with the
+    adapters in the model's dtype (lora.wrap's dtype, as the trainer makes them): peft's default
+    float32 adapters in a bfloat16 model keep a float32 copy of every adapter's input."""
+    import torch
+
+    from pipeline_rl.config import LoraConfig
+    from pipeline_rl.launch.memory_plan import activation_bytes_per_token
+
+    shape = ModelShape(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, vocab=512, tied=True, qkv_bias=True)
+    per_token = activation_bytes_per_token(shape, 2, cuda=False)
+    lora = LoraConfig(rank=4)
+    tokens = 64
+    assert _saved_bytes_per_layer(tokens, torch.bfloat16, False, lora, torch.bfloat16) <= per_token * tokens
+    # The float32 copies: q/k/v, o, gate and up read hidden-sized inputs, down an intermediate one.
+    copies = 4 * (6 * shape.hidden + shape.intermediate) * tokens
+    assert _saved_bytes_per_layer(tokens, torch.bfloat16, False, lora, None) >= per_token * tokens + copies / 2

@@ -50,6 +50,20 @@ def test_gpu_trainers_use_device_0_of_their_own_and_cpu_trainers_their_node_inde
     assert [(e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", ""), ("1", "")]
 
 
+def test_gpu_trainers_get_expandable_segments_unless_the_user_chose():
+    cfg = load_config("math_7b")
+    specs = plan(cfg)
+    envs = {s.pool: child_env(cfg, Node(s.node, 2, "h"), s, specs, {}) for s in specs}
+    assert envs["trainer"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in envs["actor"]  # vLLM manages its own memory pool
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    trainer = next(s for s in specs if s.pool == "trainer")
+    assert child_env(cfg, Node(0, 2, "h"), trainer, specs, mine)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    cfg = load_config("tiny")
+    specs = plan(cfg)
+    assert all("PYTORCH_CUDA_ALLOC_CONF" not in child_env(cfg, Node(0, 1, "h"), s, specs, {}) for s in specs)
+
+
 def test_scheduler_binding_is_kept_not_overwritten():
     cfg = load_config("math_7b")
     specs = plan(cfg)
