@@ -234,10 +234,9 @@ class RayRun(RunLoop):
         self._collect(timeout=0.0)
         # A failure caused by a peer comes last: the peer's own failure is the cause to report.
         ended = sorted(
-            (h for h in self._everyone() if h.result is not None), key=lambda h: h.result[0] == PEER_GONE_EXIT
+            ((h, h.result) for h in self._everyone() if h.result is not None), key=lambda e: e[1][0] == PEER_GONE_EXIT
         )
-        for h in ended:
-            code, tail = h.result
+        for h, (code, tail) in ended:
             if h.pool == "trainer" and code == 0:
                 continue
             dead = self._dead_nodes()

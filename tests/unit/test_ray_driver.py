@@ -12,7 +12,8 @@ from pipeline_rl.config import load_config
 from pipeline_rl.launch import ray_driver
 from pipeline_rl.launch.bundles import bundles
 from pipeline_rl.launch.placement import plan
-from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, RayNode, RayRun, node_alive
+from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, Hosted, RayNode, RayRun, node_alive
+from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
 
 
 @pytest.fixture
@@ -57,3 +58,22 @@ def test_a_cluster_address_nothing_listens_on_fails_at_once(tmp_path, capsys):
     assert main([*argv, f"world.ray_address={address}"]) == 2
     assert f"no Ray cluster at {address} (world.ray_address, else RAY_ADDRESS)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failure_caused_by_a_gone_peer_is_reported_after_its_cause(raylet, monkeypatch, tmp_path):
+    """Across nodes as on one (test_failure_report.py): the trainer that noticed a dead actor's
+    weight-update ranks first is not the cause when the actor's own failure has come too."""
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "world.nodes=3", "streams.backend=redis"])
+    node = RayNode("up", "127.0.0.1", raylet.getsockname()[1])
+    run = RayRun(cfg, None, bundles(cfg, plan(cfg)), [node] * 3, nonce="x")  # type: ignore[arg-type]
+    monkeypatch.setattr(run, "_collect", lambda timeout: None)
+    monkeypatch.setattr(ray_driver, "_cluster_nodes", lambda: {"up": {"Alive": True}})
+    trainer = Hosted("trainer0", "trainer", node, None, None, tmp_path / "t.log", (PEER_GONE_EXIT, "gone: actor0"))
+    actor = Hosted("actor0", "actor", node, None, None, tmp_path / "a.log", None)
+    run.hosted = [trainer, actor]
+    failure, _ = run.poll()
+    assert failure is not None and failure.caused_by_peer and "trainer0" in failure.summary
+    actor.result = (1, "the vLLM engine failed")
+    failure, _ = run.poll()
+    assert failure is not None and not failure.caused_by_peer
+    assert failure.summary.startswith("process actor0 on") and failure.log_tail == "the vLLM engine failed"
