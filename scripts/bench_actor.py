@@ -294,7 +294,7 @@ def main() -> None:
 
     rate = {k: t / s for k, (t, s) in totals.items()}
     copy_ms, update_mib = memcpy_ms(update_sets(args.model, cfg)[0])
-    swaps = list(hook.swaps)
+    swaps, _ = hook.recent_swaps()
     waits = [s.lock_wait_s * 1e3 for s in swaps]
     loads = [s.load_s * 1e3 for s in swaps]
     step50 = percentile(step_times, 0.5) * 1e3

@@ -53,7 +53,7 @@ def swap_during_generation(
     thread.join()
 
     assert hook.swap_count == swaps_before + 1 and client.version == new
-    stats = hook.swaps[-1]
+    stats = hook.recent_swaps()[0][-1]
     assert stats.lock_wait_s < 1.0 and stats.load_s < 1.0
     s = c.versions.index(new)  # first token produced by the new weights
     assert c.versions == [old] * s + [new] * (len(c.token_ids) - s)

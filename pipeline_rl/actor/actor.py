@@ -337,9 +337,10 @@ class Actor:
         w, now = self.window, time.monotonic()
         elapsed = max(now - w.start, 1e-9)
         stats = self.llm.stats()
-        new_swaps = int(stats["swaps"]) - self.swaps_seen
-        self.swaps_seen = int(stats["swaps"])
-        recent = list(self.llm.hook.swaps)[-new_swaps:] if new_swaps else []
+        history, count = self.llm.hook.recent_swaps()
+        new_swaps = count - self.swaps_seen
+        self.swaps_seen = count
+        recent = history[-new_swaps:] if new_swaps else []
         pauses = [s.lock_wait_s + s.load_s for s in recent]
         values = {
             "version": self.llm.version,

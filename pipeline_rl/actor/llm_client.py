@@ -437,8 +437,9 @@ class LLMClient:
 
     def stats(self) -> dict[str, float]:
         """Counters and recent timings for metrics."""
-        waits = [s.lock_wait_s for s in self.hook.swaps]
-        loads = [s.load_s for s in self.hook.swaps]
+        swaps, swap_count = self.hook.recent_swaps()
+        waits = [s.lock_wait_s for s in swaps]
+        loads = [s.load_s for s in swaps]
         wait50, wait99, wait_max = _percentiles(waits)
         load50, load99, load_max = _percentiles(loads)
         step50, step99, _ = _percentiles(list(self.step_times))
@@ -446,7 +447,7 @@ class LLMClient:
             "version": self.hook.version,
             "tokens_generated": self.tokens_generated,
             "forward_passes": self.hook.forward_passes,
-            "swaps": self.hook.swap_count,
+            "swaps": swap_count,
             "swap_failures": self.hook.failures + self.update_failures,
             "updates_skipped": self.updates_skipped,
             "lock_wait_p50_s": wait50,

@@ -147,7 +147,10 @@ class SwapGate:
         self._forward_version = version
         self._last_call = (0.0, 0.0)
         """(start, end) of the latest engine call, for SwapStats.call_s."""
-        self.swaps: deque[SwapStats] = deque(maxlen=history)
+        self._swaps: deque[SwapStats] = deque(maxlen=history)
+        # Its own lock: metrics read the history from another thread while a swap appends
+        # (iterating a deque that changes raises), and must not wait for the engine's lock.
+        self._swaps_lock = threading.Lock()
         self.swap_count = 0
         self.failures = 0
         self._broken: str | None = None
@@ -218,9 +221,16 @@ class SwapGate:
                 raise RuntimeError(self._broken) from e
             self.version = version
             stats = SwapStats(version, got - asked, time.perf_counter() - got, waited_for, calls_started)
-            self.swaps.append(stats)
-            self.swap_count += 1
+            with self._swaps_lock:
+                self._swaps.append(stats)
+                self.swap_count += 1
             return stats
+
+    def recent_swaps(self) -> tuple[list[SwapStats], int]:
+        """The latest swaps, oldest first (at most `history`), and the count of all swaps so far,
+        read together from any thread."""
+        with self._swaps_lock:
+            return list(self._swaps), self.swap_count
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
         """Hold tensors at hand as an update for `swap` (no lock needed)."""

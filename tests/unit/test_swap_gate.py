@@ -2,6 +2,7 @@
 gated step back to back, the pattern that starves a plain lock's waiter, and swaps from
 another thread."""
 
+import sys
 import threading
 import time
 
@@ -60,3 +61,34 @@ def test_a_swap_waits_for_at_most_the_call_in_progress():
     # Each new version was announced to one forward pass only, in order.
     assert firsts == sorted(set(firsts))
     assert gate.version == 60 and gate.swap_count == 60
+
+
+def test_swap_history_reads_from_another_thread_while_swaps_append():
+    """The actor's metrics read the swap history while the receiver's thread swaps (a run once
+    died of 'deque mutated during iteration'): each read is a consistent snapshot."""
+    gate = Gate(Engine(), "step", version=0, history=8)
+    stop = threading.Event()
+
+    def swap_forever():
+        version = 0
+        while not stop.is_set():
+            version += 1
+            gate.swap([], version)
+
+    thread = threading.Thread(target=swap_forever)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, mid-iteration too
+    thread.start()
+    try:
+        reads = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            history, count = gate.recent_swaps()
+            versions = [s.version for s in history]
+            assert versions == list(range(count - len(versions) + 1, count + 1)), (versions, count)
+            reads += 1
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    assert reads > 100 and gate.swap_count > 8
