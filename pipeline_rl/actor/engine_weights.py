@@ -7,8 +7,9 @@ memcpy of the update's bytes. Instead, when the engine starts, `LoadPlan.capture
 model's own `load_weights` once on the checkpoint and records every copy its weight loaders
 make: for each checkpoint name, which slice of the incoming tensor lands in which view of
 which parameter (a fused qkv or gate_up shard, this worker's tensor-parallel slice, a tied
-weight once). An update is then one `copy_` per recorded pair into storage the engine
-computes from: no module walk, no loader, no allocation.
+weight once). An update is then one copy per recorded pair into storage the engine
+computes from: no module walk, no loader, no allocation. On the CPU these copies are memmoves
+that keep the GIL (`host_copy.py`), elsewhere one `_foreach_copy_`.
 
 On CPU vLLM repacks linear weights after loading and frees the originals, so a copy into
 `.weight` would not be seen. `keep_cpu_linear_weights()`, called before an engine loads its
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
+
+from pipeline_rl.actor.host_copy import HostSpans
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +325,7 @@ class EngineWeights:
         self.check(named_tensors)
         if self.plan is None:
             return Prepared(named=named_tensors)
-        return Prepared(pairs=self.plan.bind(named_tensors))
+        return Prepared.of(self.plan.bind(named_tensors))
 
     def source_views(self) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int]]] | None:
         """Per checkpoint name, the views of an incoming tensor the copy plan reads (a
@@ -341,15 +344,16 @@ class EngineWeights:
         for them (`source_views`' order); raises ValueError."""
         self.check(announced)
         assert self.plan is not None, "prepare_kept needs a copy plan (source_views was None)"
-        return Prepared(
-            pairs=[
-                (dst, block) for name, pairs in self.plan.copies.items() for (dst, *_), block in zip(pairs, kept[name])
-            ]
+        return Prepared.of(
+            [(dst, block) for name, pairs in self.plan.copies.items() for (dst, *_), block in zip(pairs, kept[name])]
         )
 
     def load(self, update: Prepared) -> None:
         """Load a prepared update in place (each tensor-parallel worker its own shard); the
         caller makes sure no forward pass runs meanwhile."""
+        if update.host is not None:
+            update.host.copy()
+            return
         if update.pairs is not None:
             assert self.plan is not None  # prepare bound it
             self.plan.copy(update.pairs)
@@ -367,3 +371,9 @@ class Prepared:
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     named: Named | None = None
+    host: HostSpans | None = None
+    """The pairs as memmoves that keep the GIL, when all of them are plain host copies."""
+
+    @staticmethod
+    def of(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Prepared:
+        return Prepared(pairs=pairs, host=HostSpans.of(pairs))

@@ -80,6 +80,8 @@ def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, trained):
 def test_swap_during_greedy_generation_takes_effect_at_next_step(client, tiny_model, trained):
     # The swap copies by the plan made at start-up into the parameters the engine computes with.
     assert client.hook.weights.plan_refused is None
+    # On the CPU every pair of the plan is a plain byte copy: the swap's memmoves keep the GIL.
+    assert client.hook.weights.prepare(list(trained.items())).host is not None
     model = client.hook.weights._runner.get_model()
     storage = {name: p.data_ptr() for name, p in model.named_parameters()}
     weights_a, weights_b = perturbed(trained, seed=1), perturbed(trained, seed=2)
