@@ -10,8 +10,9 @@ LoRA layer's adapters stacked, [slots, 1, rank, in] for A and [slots, 1, out, ra
 - `prepare` (no lock): checks every tensor against the adapter the engine started with (names,
   shapes: a wrong rank or target module is refused naming the tensor), then has vLLM's own code
   turn it into what a slot holds (q/k/v and gate/up packed, B scaled) on the engine's device;
-- `load` (under the swap lock): one `_foreach_copy_` into the slot by a copy plan that
-  `set_lora` traced when the engine started (`AdapterSlot`): requests in flight keep their
+- `load` (under the swap lock): one copy into the slot by a copy plan that `set_lora` traced
+  when the engine started (`AdapterSlot`): memmoves that keep the GIL when every view is a
+  plain host copy (`host_copy.py`), else one `_foreach_copy_`. Requests in flight keep their
   slot and decode their next step with the new adapter. The registered adapter is replaced
   too, so that if vLLM ever activated it again it would write this one.
 
@@ -32,6 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_rl.actor.engine_weights import Copies, CopyRecorder, PlanRefused, bind, check_update
+from pipeline_rl.actor.host_copy import HostSpans
 from pipeline_rl.lora import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class PreparedAdapter:
     """vLLM's LoRAModel of this adapter."""
     dsts: list[torch.Tensor] | None = None
     srcs: list[torch.Tensor] | None = None
+    host: HostSpans | None = None
+    """The plan's copies as memmoves that keep the GIL, when all of them are plain host copies."""
 
 
 class AdapterSlot:
@@ -85,7 +89,7 @@ class AdapterSlot:
     When the engine starts, `set_lora` writes the start-up adapter into the slot once under a
     copy recorder (actor/engine_weights.py's), which notes every slot view it copies into and
     from where (this worker's shard of which A or B slice). An update is then one
-    `_foreach_copy_` of the same views from the new tensors, in the lock; the slot's rows beyond
+    copy of the same views from the new tensors, in the lock; the slot's rows beyond
     the rank stay as that first write cleared them. A layer whose write the recorder cannot
     replay (a copy from a transformed tensor) makes every update go through `set_lora`."""
 
@@ -166,13 +170,15 @@ class AdapterSlot:
                 for dst, src in bind(self.copies, (m, i), t):
                     dsts.append(dst)
                     srcs.append(src)
-        return PreparedAdapter(writes, model, dsts, srcs)
+        return PreparedAdapter(writes, model, dsts, srcs, HostSpans.of(list(zip(dsts, srcs))))
 
     def load(self, update: PreparedAdapter) -> None:
         """Write a prepared adapter into the policy's slot; the caller makes sure no forward pass
         runs meanwhile."""
         with torch.no_grad():
-            if update.dsts is not None and update.srcs is not None:
+            if update.host is not None:
+                update.host.copy()
+            elif update.dsts is not None and update.srcs is not None:
                 torch._foreach_copy_(update.dsts, update.srcs)
             else:
                 for module, lora_a, lora_b in update.writes:

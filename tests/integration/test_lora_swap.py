@@ -24,6 +24,7 @@ import torch
 from helpers import free_port, peft_model, random_adapter, start_tp_client
 from swap_checks import swap_during_generation, worst_logprob_error
 
+from pipeline_rl.actor.adapter_slot import engine_max_rank
 from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
 from pipeline_rl.lora import adapter_shapes, write_zero_adapter
@@ -32,15 +33,19 @@ from pipeline_rl.weight_sync import WeightSender
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def lora_cfg(tmp_path_factory):
+@pytest.fixture(scope="module", params=[8, 4], ids=["rank8", "rank4"])
+def lora_cfg(request, tmp_path_factory):
+    # Rank 8 is a rank vLLM reserves exactly (engine_max_rank): the slot's views are whole rows
+    # and an update is plain host copies (host_copy.py). For rank 4 it reserves 8, B's views
+    # are half rows, and the update goes through torch's copy.
+    rank = request.param
     return load_config(
         "base",
         [
             f"run_dir={tmp_path_factory.mktemp('run')}",
             "model.dtype=float32",
-            "model.lora.rank=4",
-            "model.lora.alpha=8",
+            f"model.lora.rank={rank}",
+            f"model.lora.alpha={2 * rank}",
             "actor.llm.kv_cache_gib=0.25",
             "actor.llm.max_model_len=256",
             "actor.llm.max_num_seqs=16",
@@ -68,11 +73,14 @@ def greedy(client, prompt: list[int], n: int = 24) -> list[int]:
 
 def test_written_adapter_gives_peft_logprobs(client, tiny_model, lora_cfg, shapes):
     adapter = random_adapter(shapes, seed=1)
-    # A rank-4 adapter whose shapes cover q/k/v, o, gate/up and down: vLLM packs q/k/v and
+    # An adapter whose shapes cover q/k/v, o, gate/up and down: vLLM packs q/k/v and
     # gate/up into one layer each, so every kind of slot is written.
     assert {n.split(".")[-3] for n in shapes} == set(lora_cfg.model.lora.target_modules)
-    # Writes go by the copy plan set_lora traced at start-up (one _foreach_copy_ in the lock).
+    # Writes go by the copy plan set_lora traced at start-up: memmoves in the lock when the
+    # slot's views are whole rows, else one _foreach_copy_.
     assert client.hook.weights.plan_refused is None and client.hook.weights.copies
+    whole_rows = lora_cfg.model.lora.rank == engine_max_rank(lora_cfg.model.lora.rank)
+    assert (client.hook.weights.prepare(list(adapter.items())).host is not None) == whole_rows
     prompts = [client.tokenizer.encode(p) for p in ("12 + 7 =", "the quick brown", "3")]
     before = [greedy(client, p) for p in prompts]
     client.hook.swap(adapter.items(), client.version + 1)
@@ -85,8 +93,8 @@ def test_written_adapter_gives_peft_logprobs(client, tiny_model, lora_cfg, shape
     model = peft_model(tiny_model, adapter, lora_cfg.model.lora)
     assert all(c.versions[0] == client.version for group in groups for c in group)
     worst = worst_logprob_error(model, prompts, groups, temperature)
-    # The adapter adds a rank-4 product to each of the 7 linear layers per block; engine and
-    # peft sum the same fp32 products in different orders, each sum off by at most its length
+    # The adapter adds a rank-8 (or 4) product to each of the 7 linear layers per block; engine
+    # and peft sum the same fp32 products in different orders, each sum off by at most its length
     # (<= 512) x 2^-24 relative: about 3e-5 per layer, 1e-3 over the 4 blocks and the log-softmax
     # (the bound the full-weight swap tests use). A slot left unwritten, a missing alpha/rank
     # scale or a stale adapter moves logprobs by orders of magnitude more (the greedy check).
@@ -123,7 +131,7 @@ def test_wrong_adapter_is_refused_and_the_old_one_keeps_serving(client, tiny_mod
     prompt = client.tokenizer.encode("12 + 7 =")
     before, version = greedy(client, prompt), client.version
     if change == "rank":
-        other = dataclasses.replace(lora_cfg.model.lora, rank=8)
+        other = dataclasses.replace(lora_cfg.model.lora, rank=4 if lora_cfg.model.lora.rank == 8 else 8)
         bad = random_adapter(adapter_shapes(tiny_model, other), seed=5)
         named = "has shape"
     elif change == "targets":
@@ -142,6 +150,8 @@ def test_wrong_adapter_is_refused_and_the_old_one_keeps_serving(client, tiny_mod
 
 @pytest.mark.slow  # a tensor-parallel engine: two worker processes, 30-70 s to start on 2 cores
 def test_tensor_parallel_workers_each_write_their_shard_of_a_broadcast_adapter(tiny_model, lora_cfg, shapes, tmp_path):
+    if lora_cfg.model.lora.rank != 8:
+        pytest.skip("the workers' shards are checked at one rank (the copy path is the rank-4 tests' above)")
     cfg = dataclasses.replace(lora_cfg, actor=copy.deepcopy(lora_cfg.actor))
     cfg.actor.llm.tensor_parallel_size = 2
     adapter_dir = write_zero_adapter(tmp_path / "adapter", tiny_model, lora_cfg.model.lora, torch.float32)
