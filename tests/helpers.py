@@ -6,6 +6,7 @@ Tests import these with `from helpers import ...` (pytest puts tests/ on sys.pat
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,10 +23,29 @@ TESTS = ROOT / "tests"
 CACHE = Path(os.environ.get(CACHE_ENV, ROOT / ".cache"))
 
 
+PORT_RANGE = (20000, 32767)
+"""Where test servers listen: below the kernel's ephemeral range (32768-60999 by default, where
+port 0 and outgoing connections draw from, so a port found free there can be taken before the
+server binds it; a Ray cluster makes hundreds of connections) and above Ray's worker ports
+(10002-19999)."""
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no process listens on, never the same twice in one test session."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(*PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 class RedisServer:
