@@ -361,7 +361,7 @@ class OptimizerConfig:
     lr: float = 1e-5
     """Peak learning rate, reached at the end of warm-up."""
     warmup_steps: int = 0
-    """Linear warm-up over this many optimizer updates (`trainer.updates_per_step` per step)."""
+    """Linear warm-up over this many optimizer updates (`trainer.epochs x updates_per_step` per step)."""
     decay: LrDecay = LrDecay.constant
     """What the lr does after warm-up."""
     min_lr_ratio: float = 0.1
@@ -396,6 +396,11 @@ class TrainerConfig:
     mini-batches, each normalised on its own and followed by an optimizer update (the later
     ones are off-policy; the importance ratios and clipping correct for it). The policy version
     counts steps, not updates. At most the step's micro-batches per rank are used."""
+    epochs: int = 1
+    """Passes over the step's samples: each pass makes `updates_per_step` optimizer updates on
+    the same micro-batches (PPO's epochs), so a step makes `epochs x updates_per_step` updates.
+    Later passes are off-policy by the updates before them (the ratio clip bounds them). Worth it
+    where the trainer waits for the actor: more learning from each generated sample."""
     weight_update_interval: int = 1
     """Publish weights to the actors every this many optimizer steps."""
     max_steps: int = 1000

@@ -42,6 +42,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.max_steps",
         "trainer.weight_bucket_mb",
         "trainer.updates_per_step",
+        "trainer.epochs",
     ]
     for key in positive:
         if _get(cfg, key) < 1:

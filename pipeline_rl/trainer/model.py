@@ -81,7 +81,7 @@ def lr_factor(cfg: RunConfig, clock: Callable[[], float] = time.monotonic) -> Ca
     made of `trainer.max_steps` and, when the run is bounded by time, the wall time spent (since
     this call) of `max_time_s`."""
     o, started = cfg.trainer.optimizer, clock()
-    updates = cfg.trainer.max_steps * cfg.trainer.updates_per_step
+    updates = cfg.trainer.max_steps * cfg.trainer.updates_per_step * cfg.trainer.epochs
 
     def factor(s: int) -> float:
         if s < o.warmup_steps:

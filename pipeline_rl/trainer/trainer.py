@@ -9,7 +9,8 @@ uses the same denominators; each micro-batch's loss is a share of its update's g
 the gradients summed over micro-batches and ranks are those of one rank holding all the data.
 
 Policy version = steps done. A step is `updates_per_step` optimizer updates (one by default),
-each over its own consecutive share of the micro-batches; a step whose samples the gate
+each over its own consecutive share of the micro-batches, repeated for `epochs` passes over
+them; a step whose samples the gate
 dropped entirely advances the version without an update. Every `weight_update_interval` versions rank 0
 gathers the full weights (all ranks take part under ZeRO-3) and broadcasts them to the
 actors; every `checkpoint_every` versions, at max_steps and on SIGTERM/SIGINT the ranks
@@ -215,7 +216,8 @@ class Trainer:
 
     def _step(self, batch: list[MicroBatch], gates: list[GateResult], stop: Callable[[], bool]) -> dict | None:
         """Forward/backward over the step's micro-batches, split into `updates_per_step`
-        mini-batches of one optimizer update each; returns metrics, or None when a stop was
+        mini-batches of one optimizer update each, for `epochs` passes; returns metrics (the
+        step's samples, rewards and lags counted once), or None when a stop was
         requested between two micro-batches of its first update (a 32B step takes minutes: the
         stop grace period must not wait for it). The step is then left unfinished: its
         gradients are dropped, and a resumed run trains it again from its first micro-batch."""
@@ -238,12 +240,13 @@ class Trainer:
         rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
-        for i, u in enumerate(updates):
+        passes = [(epoch, i, u) for epoch in range(self.cfg.trainer.epochs) for i, u in enumerate(updates)]
+        for epoch, i, u in passes:
             step_tokens, step_samples = gated[f"update{i}/tokens"], gated[f"update{i}/samples"]
             for k, (mb, gate) in enumerate(zip(batch[u], gates[u])):
                 # Only before the step's first optimizer update: after it, the weights are no
                 # longer those of any whole version, and the step runs to its end.
-                if i == 0 and k > 0 and self._stopping(stop):
+                if epoch == 0 and i == 0 and k > 0 and self._stopping(stop):
                     log.info(
                         "stop requested: leaving step %d after %d of %d micro-batches; checkpointing version %d",
                         mb.step,
@@ -252,18 +255,20 @@ class Trainer:
                         self.version,
                     )
                     return None
-                lags.update(gate.lags)
-                real = [j for j, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
-                rewards += sum(mb.rewards[j] for j in real)
-                samples += len(real)
-                tokens += len(mb.input_ids)
+                if epoch == 0:
+                    lags.update(gate.lags)
+                    real = [j for j, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
+                    rewards += sum(mb.rewards[j] for j in real)
+                    samples += len(real)
+                    tokens += len(mb.input_ids)
                 if step_tokens == 0:
                     continue
                 loss, stats, mismatch = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
                 # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the sum.
                 self.engine.backward(loss * self.world_size)
                 sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
-                consistency += mismatch.to(consistency)
+                if epoch == 0:  # later passes see weights that no version had
+                    consistency += mismatch.to(consistency)
             if step_tokens > 0:
                 t = time.perf_counter()
                 self.engine.step()
@@ -278,6 +283,8 @@ class Trainer:
         local.update({f"lag{lag}": lags.get(lag, 0) for lag in range(lo, hi + 1)})
         totals = self._all_reduce(local)
         values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
+        # The ratio metrics average over the passes; every pass trains the same tokens.
+        values["trained_tokens"] /= self.cfg.trainer.epochs
         if totals["lag0_tokens"]:
             # Inference/training consistency: on tokens sampled by the very weights being trained
             # (lag 0), behaviour and trainer logprobs differ only by numerics (kernels, dtypes).

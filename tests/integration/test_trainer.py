@@ -209,6 +209,33 @@ def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
     assert [(m["version"], m["optimizer_updates"]) for m in metrics] == [(1, 2)]
 
 
+def test_epochs_equal_the_same_step_trained_twice(tiny_model, tmp_path):
+    """epochs=2 makes, on one step, the same two optimizer updates as two steps of the same
+    micro-batches (same behaviour logprobs, so the second is as off-policy as a second pass);
+    one pass gives a different result. Samples and tokens are counted once."""
+    data = make_steps(tiny_model, steps=1, groups=2, seed=5, versions=[0])
+
+    def weights_after(name: str, steps, *overrides) -> dict[str, torch.Tensor]:
+        cfg = trainer_config(tmp_path / name, tiny_model, *LINEAR_ADAM, *overrides)
+        write_steps(cfg, steps, ranks=1)
+        train(cfg)
+        return final_weights(cfg.run_dir, cfg.trainer.max_steps)
+
+    twice = weights_after("twice", data * 2, "trainer.max_steps=2")
+    two_epochs = weights_after("two_epochs", data, "trainer.max_steps=1", "trainer.epochs=2")
+    one_epoch = weights_after("one_epoch", data, "trainer.max_steps=1")
+    initial = load_file(tiny_model / "model.safetensors")
+    assert update_error(two_epochs, twice, initial) < REL_TOL
+    assert update_error(one_epoch, twice, initial) > 100 * REL_TOL
+    (two,) = trainer_metrics(tmp_path / "two_epochs")
+    (one,) = trainer_metrics(tmp_path / "one_epoch")
+    assert two["optimizer_updates"] == 2 and one["optimizer_updates"] == 1
+    counted = (8, sum(sum(s.loss_mask) for s in data[0]))
+    assert (two["samples"], two["trained_tokens"]) == (one["samples"], one["trained_tokens"]) == counted
+    # The second pass sees moved weights: its importance weights leave 1, the first pass's do not.
+    assert one["ess"] == pytest.approx(1.0, abs=1e-4) and two["ess"] < one["ess"]
+
+
 def test_step_collector_skips_trained_steps_and_restarts_rewritten_ones(tmp_path):
     """Without DeepSpeed: the collector over a real JSONL trainer stream."""
     from pipeline_rl.streams.records import MicroBatch

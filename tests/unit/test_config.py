@@ -58,6 +58,7 @@ def test_extends_chain_and_overrides():
         (["actor.llm.tensor_parallel_size=0"], "'actor.llm.tensor_parallel_size': 0, expected >= 1"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
+        (["trainer.epochs=0"], "'trainer.epochs': 0, must be >= 1"),
         (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),
         (["trainer.optimizer.decay=linear"], "bad value for 'trainer.optimizer.decay': Invalid value 'linear'"),
         (["trainer.optimizer.min_lr_ratio=1.5"], "'trainer.optimizer.min_lr_ratio': 1.5, expected 0-1"),
