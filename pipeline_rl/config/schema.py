@@ -399,8 +399,9 @@ class TrainerConfig:
     epochs: int = 1
     """Passes over the step's samples: each pass makes `updates_per_step` optimizer updates on
     the same micro-batches (PPO's epochs), so a step makes `epochs x updates_per_step` updates.
-    Later passes are off-policy by the updates before them (the ratio clip bounds them). Worth it
-    where the trainer waits for the actor: more learning from each generated sample."""
+    Later passes are off-policy by the updates before them (the ratio clip bounds them). Meant
+    for trainers that wait for actors on devices of their own; on a shared 2-core CPU two
+    passes learned slower (README)."""
     weight_update_interval: int = 1
     """Publish weights to the actors every this many optimizer steps."""
     max_steps: int = 1000
