@@ -11,9 +11,9 @@ the gradients summed over micro-batches and ranks are those of one rank holding 
 Policy version = steps done. A step is `updates_per_step` optimizer updates (one by default),
 each over its own consecutive share of the micro-batches, repeated for `epochs` passes over
 them; a step whose samples the gate dropped entirely advances the version without an update.
-Every `weight_update_interval` versions rank 0 gathers the full weights (all ranks take part under ZeRO-3) and broadcasts them to the
-actors; every `checkpoint_every` versions, at max_steps and on SIGTERM/SIGINT the ranks
-write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes from it.
+Every `weight_update_interval` versions rank 0 gathers the full weights (all ranks take part
+under ZeRO-3) and broadcasts them to the actors; every `checkpoint_every` versions, at
+max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes from it.
 """
 
 from __future__ import annotations
