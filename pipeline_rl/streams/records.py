@@ -1,20 +1,20 @@
-"""Typed records that cross process boundaries, and their orjson codec.
+"""Typed records that cross process boundaries, and their JSON codec.
 
-Every record is a dataclass with a `kind` tag. `encode` turns one into compact JSON bytes
-(orjson serializes dataclasses and int/float lists natively, with no per-element Python
-work); `decode` checks the tag, the field names and the container types, and the lengths
-that must agree, and raises RecordError otherwise. Elements of long token lists are not
-checked one by one: that would cost more than the decoding itself.
+Every record is a dataclass with a `kind` tag. `encode` turns one into compact JSON bytes with
+orjson (which serializes dataclasses and int/float lists natively, with no per-element Python
+work). `decode` parses and type-checks in one pass with msgspec, against a Struct mirror of the
+record class built once (every field name, every value's type down to each list element, no
+unknown field), then checks the lengths that must agree, and raises RecordError otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import orjson
 
 from pipeline_rl.wire import Kind
@@ -157,30 +157,14 @@ _ALIGNED = {
     Rollout: ("completion_ids", ("logprobs", "versions", "mask", "token_rewards", "ref_logprobs")),
     MicroBatch: ("input_ids", ("position_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs")),
 }
-_PER_SEQUENCE = ("sample_versions", "group_ids", "rewards")
+_PER_SEQUENCE = ("sample_versions", "group_ids", "rewards", "prefix_lengths")
 """MicroBatch fields with one value per packed sequence (len(seq_lengths))."""
-
-_BASE_TYPES = {
-    "int": {int},
-    "float": {int, float},
-    "str": {str},
-    "bool": {bool},
-    "Any": {dict, list, str, int, float, bool, type(None)},
-}
-"""Exact JSON value types accepted for a scalar hint (orjson.loads makes exact builtin types)."""
-
-
-class _Absent:
-    """Type of the placeholder for a field missing from the payload."""
-
-
-_ABSENT = _Absent()
 
 
 class _FieldError(Exception):
-    """Raised inside decoding with the path (field names, list indices) to the bad value."""
+    """A decoded record whose fields disagree; `path` names the field (e.g. "rollouts[2].mask")."""
 
-    def __init__(self, path: list[str], message: str):
+    def __init__(self, path: str, message: str):
         super().__init__(message)
         self.path, self.message = path, message
 
@@ -189,176 +173,93 @@ def encode(record: Any) -> bytes:
     return orjson.dumps(record)
 
 
-def _split_optional(hint: str) -> tuple[str, bool]:
-    """("X", True) for the string annotations "X | None" and "Optional[X]"; (hint, False) otherwise."""
-    if hint.endswith(" | None"):
-        return hint[: -len(" | None")], True
-    if hint.startswith("Optional["):
-        return hint[len("Optional[") : -1], True
-    return hint, False
+def _mirror(cls: type, nested: dict[str, Any]) -> type[msgspec.Struct]:
+    """A msgspec Struct with the fields, types and defaults of dataclass `cls`, that refuses
+    unknown fields and any other `kind` (a required field here). `nested` replaces the hints
+    of fields that hold other records with their mirrors."""
+    hints = typing.get_type_hints(cls)
+    fields: list[tuple] = []
+    for f in dataclasses.fields(cls):
+        hint = nested.get(f.name, hints[f.name])
+        if f.name == "kind":
+            fields.append((f.name, Literal[str(f.default)]))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, hint, msgspec.field(default_factory=f.default_factory)))
+        elif f.default is not dataclasses.MISSING:
+            fields.append((f.name, hint, f.default))
+        else:
+            fields.append((f.name, hint))
+    return msgspec.defstruct(f"{cls.__name__}Wire", fields, kw_only=True, forbid_unknown_fields=True)
 
 
-def _accepted(hint: str, required: bool) -> frozenset:
-    """Types a field's JSON value may have (_Absent: the field may be left out)."""
-    base, optional = _split_optional(hint)
-    types: set[type]
-    if base.startswith("list["):
-        types = {list}
-    elif base.startswith("dict["):
-        types = {dict}
-    else:
-        types = set(_BASE_TYPES[base])
-    if optional:
-        types.add(type(None))
-    if not required:
-        types.add(_Absent)
-    return frozenset(types)
+def _as(cls: type, struct: msgspec.Struct) -> Any:
+    """The dataclass instance with the struct's fields, without the cost of __init__; raises
+    _FieldError (path relative to the record) where token-level lengths disagree."""
+    obj = object.__new__(cls)
+    obj.__dict__ = fields = msgspec.structs.asdict(struct)
+    aligned = _ALIGNED.get(cls)
+    if aligned is not None:
+        ref, names = aligned
+        n = len(fields[ref])
+        for name in names:
+            value = fields[name]
+            if value is not None and len(value) != n:
+                raise _FieldError(name, f"length {len(value)} != len({ref}) {n}")
+    return obj
 
 
-def _describe(value: Any, hint: str) -> str:
-    """Why `value` does not fit `hint` (only called once a value failed the fast check)."""
-    if value is _ABSENT:
-        return "missing field"
-    if value is None:
-        return "missing value"
-    base, _ = _split_optional(hint)
-    wanted = "a list" if base.startswith("list[") else "an object" if base.startswith("dict[") else base
-    return f"expected {wanted}, got {type(value).__name__}"
+_ROLLOUT_WIRE = _mirror(Rollout, {})
+_DECODERS = {
+    cls: msgspec.json.Decoder(_mirror(cls, {"rollouts": list[_ROLLOUT_WIRE]} if cls is RolloutGroup else {}))
+    for cls in RECORD_TYPES.values()
+}
 
 
-@dataclass(frozen=True)
-class _Schema:
-    """What decoding checks for one record class, computed once: per-element checks of long
-    lists would cost more than parsing them, so only field names, container/scalar types and
-    the lengths that must agree are checked."""
-
-    names: tuple[str, ...]
-    hints: tuple[str, ...]
-    accepted: tuple[frozenset, ...]
-    exact: frozenset
-    """(*field names, *value types) of every accepted record that has all its fields in
-    declaration order, as `encode` writes them: one set lookup checks such a record (the
-    classes have few optional fields, so this stays small)."""
-    name_set: frozenset
-    absent: tuple
-    """One _ABSENT per field: the default for dict.get."""
-    defaults: tuple[tuple[str, Any, Callable[[], Any] | None], ...]
-    """(name, default, default factory) of the fields that may be left out."""
-
-    @staticmethod
-    def of(record_type: type) -> _Schema:
-        fields = dataclasses.fields(record_type)
-        defaults = tuple(
-            (f.name, f.default, None if f.default_factory is dataclasses.MISSING else f.default_factory)
-            for f in fields
-            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        )
-        optional = {d[0] for d in defaults}
-        accepted = tuple(_accepted(str(f.type), f.name not in optional) for f in fields)
-        names = tuple(f.name for f in fields)
-        return _Schema(
-            names,
-            tuple(str(f.type) for f in fields),
-            accepted,
-            frozenset((*names, *types) for types in itertools.product(*(a - {_Absent} for a in accepted))),
-            frozenset(f.name for f in fields),
-            (_ABSENT,) * len(fields),
-            defaults,
-        )
-
-    def check(self, data: Any) -> None:
-        """Raise _FieldError unless `data` is an object with known fields of accepted types."""
-        if type(data) is not dict:
-            raise _FieldError([], f"expected an object, got {type(data).__name__}")
-        if (*data, *map(type, data.values())) in self.exact:
-            return
-        if not self.name_set.issuperset(data):
-            raise _FieldError([], f"unknown field(s) {sorted(set(data) - self.name_set)}")
-        for name, hint, accepted, value in zip(
-            self.names, self.hints, self.accepted, map(data.get, self.names, self.absent)
-        ):
-            if type(value) not in accepted:
-                raise _FieldError([name], _describe(value, hint))
-
-    def make(self, cls: type, data: dict) -> Any:
-        """An instance of the checked `data`, without the cost of the dataclass __init__."""
-        if len(data) < len(self.names):
-            for name, default, factory in self.defaults:
-                if name not in data:
-                    data[name] = default if factory is None else factory()
-        obj = object.__new__(cls)
-        obj.__dict__ = data
-        return obj
-
-
-_SCHEMAS = {cls: _Schema.of(cls) for cls in (Rollout, *RECORD_TYPES.values())}
-
-
-def _check_lengths(cls: type, data: dict) -> None:
-    ref, aligned = _ALIGNED[cls]
-    n = len(data[ref])
-    for name in aligned:
-        value = data.get(name)
-        if value is not None and len(value) != n:
-            raise _FieldError([name], f"length {len(value)} != len({ref}) {n}")
-
-
-def _build(cls: type, data: Any) -> Any:
-    schema = _SCHEMAS[cls]
-    schema.check(data)
+def _build(cls: type, struct: msgspec.Struct) -> Any:
+    obj = _as(cls, struct)
     if cls is RolloutGroup:
-        # Rollouts are checked here rather than through _build: a group holds many of them.
-        rollouts, rollout_schema = data["rollouts"], _SCHEMAS[Rollout]
-        exact, make = rollout_schema.exact, object.__new__
-        ref, aligned = _ALIGNED[Rollout]
+        rollouts = obj.rollouts
         for i, rollout in enumerate(rollouts):
-            # The common case inline (a record as `encode` writes it): a quarter of a 1 KB
-            # group's decoding time went to function calls.
-            if type(rollout) is dict and (*rollout, *map(type, rollout.values())) in exact:
-                n = len(rollout[ref])
-                for v in map(rollout.__getitem__, aligned):
-                    if v is not None and len(v) != n:
-                        break
-                else:
-                    obj = make(Rollout)
-                    obj.__dict__ = rollout
-                    rollouts[i] = obj
-                    continue
             try:
-                rollout_schema.check(rollout)
-                _check_lengths(Rollout, rollout)
+                rollouts[i] = _as(Rollout, rollout)
             except _FieldError as e:
-                e.path.insert(0, f"rollouts[{i}]")
+                e.path = f"rollouts[{i}].{e.path}"
                 raise
-            rollouts[i] = rollout_schema.make(Rollout, rollout)
-    elif cls in _ALIGNED:
-        _check_lengths(cls, data)
-        if cls is MicroBatch:
-            n = len(data["seq_lengths"])
-            for name in _PER_SEQUENCE + ("prefix_lengths",):
-                if data.get(name) is not None and len(data[name]) != n:
-                    raise _FieldError([name], f"length {len(data[name])} != number of sequences {n}")
-            try:
-                total = sum(data["seq_lengths"])
-            except TypeError:
-                raise _FieldError(["seq_lengths"], "expected a list of ints") from None
-            if total != len(data["input_ids"]):
-                raise _FieldError(["seq_lengths"], f"sum {total} != len(input_ids) {len(data['input_ids'])}")
-    return schema.make(cls, data)
+    elif cls is MicroBatch:
+        n = len(obj.seq_lengths)
+        for name in _PER_SEQUENCE:
+            value = getattr(obj, name)
+            if value is not None and len(value) != n:
+                raise _FieldError(name, f"length {len(value)} != number of sequences {n}")
+        if sum(obj.seq_lengths) != len(obj.input_ids):
+            raise _FieldError("seq_lengths", f"sum {sum(obj.seq_lengths)} != len(input_ids) {len(obj.input_ids)}")
+    return obj
 
 
 def decode(payload: bytes | str, expected: type) -> Any:
     """Parse and type-check one record of type `expected`; raises RecordError on any mismatch,
     with the path to the bad field (e.g. "rollout_group.rollouts[2].logprobs: ...")."""
+    kind = expected.__dataclass_fields__["kind"].default
+    try:
+        return _build(expected, _DECODERS[expected].decode(payload))
+    except msgspec.ValidationError as e:
+        raise RecordError(_describe(payload, kind, str(e))) from None
+    except msgspec.DecodeError as e:
+        raise RecordError(f"not valid JSON: {e}") from None
+    except _FieldError as e:
+        raise RecordError(f"{kind}.{e.path}: {e.message}") from None
+
+
+def _describe(payload: bytes | str, kind: str, error: str) -> str:
+    """RecordError's text for a msgspec ValidationError ("MESSAGE - at `$.PATH`"): the record's
+    kind, when it is another one, else KIND.PATH: MESSAGE. msgspec validates while it parses, so
+    a payload cut short may fail validation before the parser reaches its end."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as e:
-        raise RecordError(f"not valid JSON: {e}") from None
-    kind = expected.__dataclass_fields__["kind"].default
+        return f"not valid JSON: {e}"
     if type(data) is not dict or data.get("kind") != kind:
         got = data.get("kind") if isinstance(data, dict) else type(data).__name__
-        raise RecordError(f"expected a '{kind}' record, got {got!r}")
-    try:
-        return _build(expected, data)
-    except _FieldError as e:
-        raise RecordError(f"{'.'.join([kind, *e.path])}: {e.message}") from None
+        return f"expected a '{kind}' record, got {got!r}"
+    message, _, where = error.partition(" - at `$")
+    return f"{kind}{where.rstrip('`')}: {message}"

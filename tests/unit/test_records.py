@@ -142,60 +142,84 @@ def mb_payload(**changes) -> dict:
         (
             {"kind": "rollout_group", "problem_id": "p", "group_id": "g"},
             RolloutGroup,
-            "rollout_group.rollouts: missing field",
+            "rollout_group: Object missing required field `rollouts`",
         ),
         (
             {"kind": "rollout_group", "problem_id": 3, "group_id": "g", "rollouts": []},
             RolloutGroup,
-            "rollout_group.problem_id: expected str, got int",
+            "rollout_group.problem_id: Expected `str`, got `int`",
         ),
         (
             {"kind": "rollout_group", "problem_id": "p", "group_id": "g", "rollouts": {}},
             RolloutGroup,
-            "rollout_group.rollouts: expected a list, got dict",
+            "rollout_group.rollouts: Expected `array`, got `object`",
         ),
         (
             {"kind": "rollout_group", "problem_id": "p", "group_id": "g", "rollouts": [], "extra": 1},
             RolloutGroup,
-            "rollout_group: unknown field(s) ['extra']",
+            "rollout_group: Object contains unknown field `extra`",
         ),
         (
             {"kind": "rollout_group", "problem_id": "p", "group_id": "g", "rollouts": [], "actor": True},
             RolloutGroup,
-            "rollout_group.actor: expected int, got bool",
+            "rollout_group.actor: Expected `int`, got `bool`",
         ),
         (
             {"kind": "rollout_group", "problem_id": "p", "group_id": "g", "rollouts": [7]},
             RolloutGroup,
-            "rollout_group.rollouts[0]: expected an object, got int",
+            "rollout_group.rollouts[0]: Expected `object`, got `int`",
         ),
-        (group_payload(logprobs=...), RolloutGroup, "rollout_group.rollouts[1].logprobs: missing field"),
-        (group_payload(logprobs="AAAA"), RolloutGroup, "rollout_group.rollouts[1].logprobs: expected a list, got str"),
-        (group_payload(reward=None), RolloutGroup, "rollout_group.rollouts[1].reward: missing value"),
-        (group_payload(reward="1"), RolloutGroup, "rollout_group.rollouts[1].reward: expected float, got str"),
-        (group_payload(metadata=[]), RolloutGroup, "rollout_group.rollouts[1].metadata: expected an object, got list"),
+        (
+            group_payload(logprobs=...),
+            RolloutGroup,
+            "rollout_group.rollouts[1]: Object missing required field `logprobs`",
+        ),
+        (
+            group_payload(logprobs="AAAA"),
+            RolloutGroup,
+            "rollout_group.rollouts[1].logprobs: Expected `array`, got `str`",
+        ),
+        (group_payload(reward=None), RolloutGroup, "rollout_group.rollouts[1].reward: Expected `float`, got `null`"),
+        (group_payload(reward="1"), RolloutGroup, "rollout_group.rollouts[1].reward: Expected `float`, got `str`"),
+        (
+            group_payload(metadata=[]),
+            RolloutGroup,
+            "rollout_group.rollouts[1].metadata: Expected `object`, got `array`",
+        ),
         (
             group_payload(versions=[0]),
             RolloutGroup,
             "rollout_group.rollouts[1].versions: length 1 != len(completion_ids) 3",
         ),
         (group_payload(mask=[1, 1]), RolloutGroup, "rollout_group.rollouts[1].mask: length 2 != len(completion_ids) 3"),
-        (group_payload(bogus=1), RolloutGroup, "rollout_group.rollouts[1]: unknown field(s) ['bogus']"),
+        (group_payload(bogus=1), RolloutGroup, "rollout_group.rollouts[1]: Object contains unknown field `bogus`"),
+        (
+            group_payload(logprobs=[-0.5, "x", -0.5]),
+            RolloutGroup,
+            "rollout_group.rollouts[1].logprobs[1]: Expected `float`, got `str`",
+        ),
+        # orjson writes a NaN as null: the reader refuses it rather than hand a None to torch.
+        (
+            group_payload(logprobs=[-0.5, float("nan"), -0.5]),
+            RolloutGroup,
+            "rollout_group.rollouts[1].logprobs[1]: Expected `float`, got `null`",
+        ),
+        (mb_payload(input_ids=[1, 2, 3.5, 4, 5]), MicroBatch, "micro_batch.input_ids[2]: Expected `int`, got `float`"),
         (mb_payload(advantages=[0.0]), MicroBatch, "micro_batch.advantages: length 1 != len(input_ids) 5"),
         (mb_payload(group_ids=["g"]), MicroBatch, "micro_batch.group_ids: length 1 != number of sequences 2"),
         (mb_payload(seq_lengths=[3, 3]), MicroBatch, "micro_batch.seq_lengths: sum 6 != len(input_ids) 5"),
-        (mb_payload(seq_lengths=[3, "2"]), MicroBatch, "micro_batch.seq_lengths: expected a list of ints"),
-        (mb_payload(step=1.5), MicroBatch, "micro_batch.step: expected int, got float"),
+        (mb_payload(seq_lengths=[3, "2"]), MicroBatch, "micro_batch.seq_lengths[1]: Expected `int`, got `str`"),
+        (mb_payload(step=1.5), MicroBatch, "micro_batch.step: Expected `int`, got `float`"),
         (mb_payload(ref_logprobs=[0.0]), MicroBatch, "micro_batch.ref_logprobs: length 1 != len(input_ids) 5"),
         (
             {"kind": "metrics", "process": "p", "time": 0.0, "values": {}, "step": "4"},
             Metrics,
-            "metrics.step: expected int, got str",
+            "metrics.step: Expected `int | null`, got `str`",
         ),
         (
             {"kind": "weight_update", "version": 1, "names": [], "shapes": [], "dtypes": []},
             WeightUpdate,
-            "weight_update.bucket_sizes: missing field",
+            "weight_update: Object missing required field `bucket_sizes`",
         ),
     ],
 )
@@ -223,5 +247,5 @@ def test_fields_in_any_order_decode_alike(record):
 
 def test_a_bad_field_is_named_whatever_the_field_order():
     data = reversed_fields(group_payload(reward="1"))
-    with pytest.raises(RecordError, match=r"rollout_group\.rollouts\[1\]\.reward: expected float, got str"):
+    with pytest.raises(RecordError, match=r"rollout_group\.rollouts\[1\]\.reward: Expected `float`, got `str`"):
         decode(orjson.dumps(data), RolloutGroup)
