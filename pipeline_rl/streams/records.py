@@ -109,6 +109,10 @@ class WeightUpdate:
     dtypes: list[str]
     bucket_sizes: list[int]
     """Number of tensors in each bucket, in order."""
+    group: str
+    """Name of the sender's process group that broadcasts this update."""
+    plan: str
+    """Per bucket "1" when it goes as one message (pipeline_rl/weight_sync/__init__.py)."""
     kind: str = Kind.WEIGHT_UPDATE
 
 

@@ -8,9 +8,11 @@ receivers are the actors, or with tensor-parallel engines every worker of every 
 
 One update: the sender publishes its version under the store key "latest" (and, when it
 changes, the plan below under "plan"; the sender hosts the store, so both are local sets),
-announces a WeightUpdate record (names, shapes, dtypes, tensors per bucket), then broadcasts
-the bytes of each bucket. Receivers read the announcement from the "weights" stream, read
-"latest", "group" and "plan" in one store round trip, and take part in the broadcast.
+announces a WeightUpdate record (names, shapes, dtypes, tensors per bucket, its group and
+plan), then broadcasts the bytes of each bucket. Receivers read the announcement from the
+"weights" stream and take part in the broadcast. A receiver asks the store ("latest",
+"group" and "plan", one round trip) only when the announcement is not of its group or not
+newer than the last update it received there (WeightReceiver._join says why that is safe).
 
 Within a bucket, each run of small tensors goes as one packed message and each large tensor
 (>= 1 MiB) as a message of its own, sent from the sender's tensor without a copy. A packed

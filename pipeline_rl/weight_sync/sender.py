@@ -65,19 +65,20 @@ class WeightSender(Endpoint):
         most the timeout), or when the tensors differ from `specs` (name, shape or dtype); the
         next send then builds a fresh group."""
         start = time.perf_counter()
+        check = specs is not None  # specs made here from the tensors need no check against them
         if specs is None:
             named_tensors = list(named_tensors)
             specs = [(name, list(t.shape), t.dtype) for name, t in named_tensors]
-        update = self._announcement(version, specs, bucket_mb)
         if self._store is None:
             raise RuntimeError("WeightSender.send after close()")
-        plan = self._plan
         started = time.monotonic()
         try:
-            layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
             if self._group is None:
                 self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
                 self._store.set("group", self._group_name)
+            update = self._announcement(version, specs, bucket_mb)
+            plan = update.plan
+            layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
             self._store.set("latest", str(version))
             if self._published != plan:
                 self._store.set("plan", f"{version}:{plan}")
@@ -86,7 +87,7 @@ class WeightSender(Endpoint):
             if self._group is None:
                 assert self._group_name is not None
                 self._group = new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
-            self._send_messages(update, layout, iter(named_tensors))
+            self._send_messages(update, layout, iter(named_tensors), check)
         except ValueError:  # the tensors differ from the announcement: the sender's own fault
             self._drop_group()
             raise
@@ -98,9 +99,9 @@ class WeightSender(Endpoint):
     def _announcement(
         self, version: int, specs: list[tuple[str, list[int], torch.dtype]], bucket_mb: int
     ) -> WeightUpdate:
-        """The WeightUpdate of `version`; its lists are computed again only when the specs or the
-        bucket size change (one list comparison otherwise). They are shared between updates:
-        nobody may modify them."""
+        """The WeightUpdate of `version`, in the current group, with the current plan; its lists
+        are computed again only when the specs or the bucket size change (one list comparison
+        otherwise). They are shared between updates: nobody may modify them."""
         if self._specs is None or self._specs[1] != bucket_mb or self._specs[0] != specs:
             self._plan = ""  # observed on other buckets
             self._announced = (
@@ -111,7 +112,16 @@ class WeightSender(Endpoint):
             )
             self._specs = ([(name, list(shape), dtype) for name, shape, dtype in specs], bucket_mb)
         names, shapes, dtypes, buckets = self._announced
-        return WeightUpdate(version=version, names=names, shapes=shapes, dtypes=dtypes, bucket_sizes=buckets)
+        assert self._group_name is not None
+        return WeightUpdate(
+            version=version,
+            names=names,
+            shapes=shapes,
+            dtypes=dtypes,
+            bucket_sizes=buckets,
+            group=self._group_name,
+            plan=self._plan,
+        )
 
     def _allocate(self, layout: Layout) -> None:
         pass  # the pack area waits for a message to pack (_packed)
@@ -135,12 +145,14 @@ class WeightSender(Endpoint):
         self._pack_views = {}
         self._pack_parts = {}
 
-    def _send_messages(self, update: WeightUpdate, layout: Layout, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _send_messages(
+        self, update: WeightUpdate, layout: Layout, named: Iterator[tuple[str, torch.Tensor]], check: bool
+    ) -> None:
         """Start each message of a bucket: a packed run from its tensors' own storage when they
         are flat there (flat_span), else packed into the reused pack area by one
         _foreach_copy_; a large tensor from its own storage. Wait for the bucket's messages
         before taking the next bucket's first tensor. Takes each tensor from `named` only when
-        its message is being built."""
+        its message is being built, and with `check` compares it with the announcement."""
         names, sizes, dtypes = update.names, layout.sizes, layout.dtypes
         taken = 0
         bucket_tensors: dict[int, torch.Tensor] = {}
@@ -151,15 +163,10 @@ class WeightSender(Endpoint):
             nonlocal taken
             while True:
                 name, tensor = next(named)
-                if name != names[taken] or tensor.shape != sizes[taken]:
+                if check and (name != names[taken] or tensor.shape != sizes[taken] or tensor.dtype != dtypes[taken]):
                     raise ValueError(
-                        f"weight tensor {taken} is {name} {list(tensor.shape)}, "
-                        f"announced as {names[taken]} {layout.shapes[taken]}"
-                    )
-                if tensor.dtype != dtypes[taken]:
-                    raise ValueError(
-                        f"weight tensor {taken} ({name}) is {dtype_name(tensor.dtype)}, "
-                        f"announced as {dtype_name(dtypes[taken])}"
+                        f"weight tensor {taken} is {name} {list(tensor.shape)} {dtype_name(tensor.dtype)}, "
+                        f"announced as {names[taken]} {layout.shapes[taken]} {dtype_name(dtypes[taken])}"
                     )
                 bucket_tensors[taken] = tensor
                 taken += 1

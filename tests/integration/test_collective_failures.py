@@ -93,9 +93,12 @@ def test_the_sender_names_a_receiver_that_was_killed():
     world = 3
     sender = WeightSender(addr, world, "gloo", TIMEOUT_S, member_names(2, 1))
     queues = [_SPAWN.Queue() for _ in range(world)]
-    results = _SPAWN.Queue()
+    # A queue per receiver: a process killed while its queue's feeder thread holds the queue's
+    # write lock would block every other writer of that queue for good (this test once failed
+    # so, the survivor done but its report stuck behind the dead process's lock).
+    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
     procs = [
-        _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results), daemon=True)
+        _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
         for rank in (1, 2)
     ]
     for p in procs:
@@ -108,9 +111,9 @@ def test_the_sender_names_a_receiver_that_was_killed():
 
         # A spawned receiver imports torch first: on a busy machine that alone can take longer
         # than the timeout the first update would be held to.
-        assert sorted(results.get(timeout=120) for _ in procs) == [(1, 0, "ready"), (2, 0, "ready")]
+        assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
         sender.send(1, _weights(1), announce, bucket_mb=1)
-        assert sorted(results.get(timeout=30) for _ in procs) == [(1, 1, "ok"), (2, 1, "ok")]
+        assert [results[rank].get(timeout=30) for rank in (1, 2)] == [(1, 1, "ok"), (2, 1, "ok")]
         procs[1].kill()  # actor1, weight-update rank 2
         procs[1].join(10)
         started = time.monotonic()
@@ -122,7 +125,7 @@ def test_the_sender_names_a_receiver_that_was_killed():
         assert "actor0" not in message, message
         assert took < TIMEOUT_S + DIAGNOSE_S + 2, took
         # The survivor reported its end of update 2 (done, or failed with the group).
-        assert results.get(timeout=TIMEOUT_S + DIAGNOSE_S + 5)[:2] == (1, 2)
+        assert results[1].get(timeout=TIMEOUT_S + DIAGNOSE_S + 5)[:2] == (1, 2)
     finally:
         for p in procs:
             p.kill()

@@ -325,7 +325,9 @@ def test_sender_takes_each_tensor_only_when_its_message_is_built():
     ], events
 
     wrong = [("other", weights[0][1]), *weights[1:]]
-    with pytest.raises(ValueError, match=r"weight tensor 0 is other \[300, 300\], announced as w0"):
+    with pytest.raises(
+        ValueError, match=r"weight tensor 0 is other \[300, 300\] float32, announced as w0 \[300, 300\] float32"
+    ):
         sender.send(2, generate(wrong), lambda update: None, bucket_mb=1, specs=specs)
     sender.close()
     receiver.close()

@@ -211,6 +211,26 @@ def test_a_stale_announcement_is_skipped_without_taking_part(ends):
     assert_exact(got, weights(3))
 
 
+def test_a_newer_update_of_the_receivers_group_needs_no_store_round_trip(ends):
+    """The sender takes each broadcast of a group to its end with every member, so an
+    announcement of the receiver's group newer than the last it received there is current:
+    only joining, and an announcement already received (re-delivered), ask the store."""
+    sender, receiver = ends
+    asked = []
+    store_get = receiver._store_get
+    receiver._store_get = lambda keys: (asked.append(keys), store_get(keys))[1]
+    _, first = transfer(sender, receiver, 1, weights(1))
+    assert len(asked) == 1 and first.group == receiver._group_name
+    for version in (2, 3):
+        got, update = transfer(sender, receiver, version, weights(version))
+        assert_exact(got, weights(version))
+        assert update.group == first.group
+    assert len(asked) == 1
+    with pytest.raises(StaleUpdate, match="older than the sender's latest 3"):
+        receiver.receive(first)
+    assert len(asked) == 2
+
+
 def test_after_a_failed_update_both_ends_rebuild_the_group(ends):
     """The sender fails after announcing (its first message never starts): it drops the group,
     the receiver's pending messages fail, and the next update goes through a new group on
