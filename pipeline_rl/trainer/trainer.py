@@ -13,7 +13,8 @@ each over its own consecutive share of the micro-batches, repeated for `epochs` 
 them; a step whose samples the gate dropped entirely advances the version without an update.
 Every `weight_update_interval` versions rank 0 gathers the full weights (all ranks take part
 under ZeRO-3) and broadcasts them to the actors; every `checkpoint_every` versions, at
-max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (pipeline_rl/trainer/checkpoint.py) and a restart resumes from it.
+max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (pipeline_rl/trainer/checkpoint.py)
+and a restart resumes from it.
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ class WeightReceiver(Endpoint):
             check_announcement(update)
         started = time.monotonic()
         try:
-            plan = self._join(update)
+            self._join(update)
+            plan = update.plan
             if self.keep is not None and update.names != self._names:
                 self._release()  # the kept blocks are laid out by name
                 self._names = list(update.names)
@@ -103,9 +104,8 @@ class WeightReceiver(Endpoint):
             raise failed from e
         return list(zip(update.names, self._views))
 
-    def _join(self, update: WeightUpdate) -> str:
-        """Make sure `update` is current and this receiver is in the group that broadcasts it;
-        returns the update's plan.
+    def _join(self, update: WeightUpdate) -> None:
+        """Make sure `update` is current and this receiver is in the group that broadcasts it.
 
         An update of this receiver's group newer than the last one it received there is
         current without asking: the sender broadcasts in announcement order, no broadcast of a
@@ -117,9 +117,9 @@ class WeightReceiver(Endpoint):
         when the sender has gone past it (a receiver that starts reads the announcements made
         before it), else the group is joined."""
         if self._group is not None and update.group == self._group_name and update.version > self._received:
-            return update.plan
+            return
         latest, name, planned = self._store_get(["latest", "group", "plan"])
-        plan_version, _, plan = planned.decode().partition(":")
+        plan_version = planned.decode().partition(":")[0]
         newest = max(int(latest), int(plan_version))  # "plan" is set before the announcement
         if update.version < newest:
             raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {newest}")
@@ -128,7 +128,6 @@ class WeightReceiver(Endpoint):
             self._group = new_group(self._store, name.decode(), self.rank, self.world_size, self.backend, self.timeout)
             self._group_name = name.decode()
             self._received = -1
-        return plan
 
     def receive_kept(self, update: WeightUpdate) -> dict[str, list[torch.Tensor]]:
         """`receive` for a receiver with `keep`: per name, its kept views as contiguous blocks,
