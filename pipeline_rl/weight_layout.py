@@ -74,8 +74,8 @@ class Layout:
     each at an aligned offset), and the messages that carry them: within each bucket, a run of
     consecutive small tensors is packed into one message, and every large tensor is a message
     of its own; a bucket the plan marks "1" is one message, all its tensors packed. Sender and
-    receivers derive it from the announcement and the plan alone, so the wire format needs no
-    more than the WeightUpdate record and the store's "plan". Built once per layout: `matches`
+    receivers derive it from the announcement alone (the plan travels in it), so the wire format
+    needs no more than the WeightUpdate record. Built once per layout: `matches`
     tells whether a later announcement and plan have the same one."""
 
     def __init__(self, update: WeightUpdate, plan: str = ""):
