@@ -401,7 +401,7 @@ class TrainerConfig:
     the same micro-batches (PPO's epochs), so a step makes `epochs x updates_per_step` updates.
     Later passes are off-policy by the updates before them (the ratio clip bounds them). Meant
     for trainers that wait for actors on devices of their own; on a shared 2-core CPU two
-    passes learned slower (README)."""
+    passes learned slower (docs/learning.md)."""
     weight_update_interval: int = 1
     """Publish weights to the actors every this many optimizer steps."""
     max_steps: int = 1000
