@@ -284,14 +284,13 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         # Agent runs: the actor's tool calls per training rollout, per metrics window.
         "tool_calls": series(records, t0, "agent/tool_calls_per_rollout"),
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
-        # Groups whose attempts all got the same reward (no advantage: the preprocessors drop them),
-        # of the groups the actors wrote, and the draws actor.skip_uniform skipped.
+        # Groups whose attempts all got the same reward (no advantage: the preprocessors drop
+        # them), of the groups the actors wrote.
         **{
             k: sum(v.get(key, 0) for p, v in latest.items() if p.startswith(prefix))
             for k, prefix, key in (
                 ("groups_filtered", "preprocessor", "preprocess/groups_filtered_total"),
                 ("groups_written", "actor", "groups_written_total"),
-                ("skipped_uniform", "actor", "skipped_uniform_total"),
             )
         },
         **{k: sum(r["values"].get(k, 0) for r in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
@@ -376,10 +375,7 @@ def report(results: list[dict], out: Path, conf: str) -> None:
                 f"        dropped samples {fmt(r['dropped_samples'])} of {r['samples']:.0f}, masked tokens {r['masked_tokens']:.0f}, "
                 f"trained tokens {r['trained_tokens']:.0f}"
             )
-            print(
-                f"        groups without advantage {r['groups_filtered']:.0f} of {r['groups_written']:.0f} written; "
-                f"draws skipped as uniform {r['skipped_uniform']:.0f}"
-            )
+            print(f"        groups without advantage {r['groups_filtered']:.0f} of {r['groups_written']:.0f} written")
         if r.get("tool_calls"):
             calls = [v for _, v in r["tool_calls"]]
             third = max(1, len(calls) // 3)
