@@ -43,6 +43,7 @@ import asyncio
 import copy
 import logging
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -52,7 +53,6 @@ from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.actor.agent.stats import AgentStats
 from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.actor.domains import load_domain
-from pipeline_rl.actor.problems import ProblemOrder, UniformSkip
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.process import run_pool_process
@@ -69,6 +69,26 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
+
+
+class ProblemOrder:
+    """Actor `index`'s problems: every epoch a fresh shuffle (seeded by seed and epoch) of all
+    problems, of which this actor takes every `actors`-th one."""
+
+    def __init__(self, problems: list[dict], seed: int, index: int, actors: int):
+        self.problems, self.seed, self.index, self.actors = problems, seed, index, actors
+        self.per_epoch = len(range(index, len(problems), actors))
+        if self.per_epoch == 0:
+            raise ValueError(f"{len(problems)} problems are too few for {actors} actors")
+        self._epoch, self._order = -1, []
+
+    def __getitem__(self, n: int) -> dict:
+        epoch, i = divmod(n, self.per_epoch)
+        if epoch != self._epoch:
+            order = list(range(len(self.problems)))
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+            self._epoch, self._order = epoch, order[self.index :: self.actors]
+        return self.problems[self._order[i]]
 
 
 def oldest_version(versions: list[int]) -> int | None:
@@ -97,7 +117,6 @@ class Actor:
         run_dir = Path(cfg.run_dir)
         data = cfg.actor.dataset
         self.order = ProblemOrder(load_problems(data.loader, data.train), cfg.seed, index, cfg.world.actors)
-        self.skip = UniformSkip(cfg.actor.skip_uniform, f"{cfg.seed}/skip/{index}")
         self.eval_problems: list[dict] = []
         if index == 0 and cfg.actor.eval_every_s > 0:
             self.eval_problems = load_problems(data.loader, data.test)[: cfg.actor.eval_problems]
@@ -163,7 +182,7 @@ class Actor:
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self, stop: Callable[[], bool]) -> None:
-        tasks: dict[asyncio.Task, tuple[int, str]] = {}  # the problem draw's number and id
+        tasks: dict[asyncio.Task, int] = {}
         eval_task: asyncio.Task | None = None
         next_eval = time.monotonic() if self.eval_problems else float("inf")
         next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
@@ -182,9 +201,9 @@ class Actor:
                         break
                     blocked_since = self._unblock(blocked_since)
                     self.admission.start()
-                    problem = self._draw()
-                    task = asyncio.create_task(self.rollout(problem, self.llm, self.cfg))
-                    tasks[task] = (self.drawn - 1, problem["id"])
+                    task = asyncio.create_task(self.rollout(self.order[self.drawn], self.llm, self.cfg))
+                    tasks[task] = self.drawn
+                    self.drawn += 1
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 else:
@@ -193,7 +212,7 @@ class Actor:
                     await asyncio.sleep(POLL_S)
                     self.idle_total_s += time.monotonic() - idle_from
                 for task in done:
-                    self._finish(task, *tasks.pop(task))
+                    self._finish(task, tasks.pop(task))
                 self._take_lost()
                 now = time.monotonic()
                 if now >= next_eval and (eval_task is None or eval_task.done()):
@@ -247,15 +266,7 @@ class Actor:
         self.blocked_total_s += now - since
         return now if reopen else None
 
-    def _draw(self) -> dict:
-        """The next training problem, past those `self.skip` skips (every draw is numbered)."""
-        while True:
-            problem = self.order[self.drawn]
-            self.drawn += 1
-            if not self.skip.skip(problem["id"]):
-                return problem
-
-    def _finish(self, task: asyncio.Task, number: int, problem_id: str) -> None:
+    def _finish(self, task: asyncio.Task, number: int) -> None:
         """Write a finished group; `number` is its problem draw, unique over the run."""
         try:
             group = task.result()
@@ -281,7 +292,6 @@ class Actor:
             return
         self.consecutive_failures = 0
         self.written += 1
-        self.skip.record(problem_id, group)
         w, version = self.window, self.llm.version
         w.groups += 1
         for rollout in group.rollouts:
@@ -346,7 +356,6 @@ class Actor:
             "idle_total_s": self.idle_total_s,
             "groups_started_total": self.admission.started,
             "groups_written_total": self.written,
-            "skipped_uniform_total": self.skip.skipped,
             "groups_in_flight": in_flight,
             "waiting_on": self._waiting_on(in_flight),
             "swaps": new_swaps,

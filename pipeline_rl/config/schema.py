@@ -271,13 +271,6 @@ class ActorConfig:
     """Longest completion."""
     max_groups_in_flight: int = 64
     """Most groups one actor generates at once (continuous batching fills the engine)."""
-    skip_uniform: float = 0.0
-    """Probability of skipping a training problem whose last group gave every attempt the same
-    reward (and no per-token rewards): such a group has no advantage, so no gradient, and
-    generating it again is wasted while the policy has not changed much. A skipped problem's
-    draw goes to the next problem; it comes back after 1/(1-p) epochs on average, and each skip
-    is counted (`skipped_uniform`). Judged on the actor's own rewards, so refused with
-    `preprocess.scorers` (they may change rewards). 0: off."""
     admission_lag: int | None = None
     """How many versions behind the trainer a group may land and still be started
     (pipeline_rl/actor/admission.py); null: trainer.max_lag, so the lag gate rarely has anything

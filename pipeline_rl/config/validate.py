@@ -56,13 +56,6 @@ def validate(cfg: RunConfig) -> None:
     ]:
         if _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
-    if not 0.0 <= cfg.actor.skip_uniform < 1.0:
-        raise ConfigError(f"bad value for 'actor.skip_uniform': {cfg.actor.skip_uniform}, expected 0 <= p < 1")
-    if cfg.actor.skip_uniform > 0 and cfg.preprocess.scorers:
-        raise ConfigError(
-            "'actor.skip_uniform' judges groups by the actor's rewards, which 'preprocess.scorers' may change: "
-            "set it to 0 with scorers"
-        )
     if cfg.actor.admission_lag is not None and cfg.actor.admission_lag < 0:
         raise ConfigError(f"bad value for 'actor.admission_lag': {cfg.actor.admission_lag}, must be >= 0 or null")
     high = cfg.trainer.loss.ppo_clip_high

@@ -60,14 +60,6 @@ def test_extends_chain_and_overrides():
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
         (["trainer.epochs=0"], "'trainer.epochs': 0, must be >= 1"),
         (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),
-        (["actor.skip_uniform=1.0"], "'actor.skip_uniform': 1.0, expected 0 <= p < 1"),
-        (
-            [
-                "actor.skip_uniform=0.5",
-                "preprocess.scorers=[{cls: 'pipeline_rl.scorers.reference:ReferenceLogprobScorer'}]",
-            ],
-            "'actor.skip_uniform' judges groups by the actor's rewards, which 'preprocess.scorers' may change",
-        ),
         (["trainer.optimizer.decay=linear"], "bad value for 'trainer.optimizer.decay': Invalid value 'linear'"),
         (["trainer.optimizer.min_lr_ratio=1.5"], "'trainer.optimizer.min_lr_ratio': 1.5, expected 0-1"),
         (["trainer.lag_gate=tokens"], "bad value for 'trainer.lag_gate': Invalid value 'tokens'"),
