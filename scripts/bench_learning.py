@@ -286,13 +286,10 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         "dropped_samples": latest.get("trainer0", {}).get("dropped_total"),
         # Groups whose attempts all got the same reward (no advantage: the preprocessors drop
         # them), of the groups the actors wrote.
-        **{
-            k: sum(v.get(key, 0) for p, v in latest.items() if p.startswith(prefix))
-            for k, prefix, key in (
-                ("groups_filtered", "preprocessor", "preprocess/groups_filtered_total"),
-                ("groups_written", "actor", "groups_written_total"),
-            )
-        },
+        "groups_filtered": sum(
+            v.get("preprocess/groups_filtered_total", 0) for p, v in latest.items() if p.startswith("preprocessor")
+        ),
+        "groups_written": sum(v.get("groups_written_total", 0) for p, v in latest.items() if p.startswith("actor")),
         **{k: sum(r["values"].get(k, 0) for r in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
     }
 
