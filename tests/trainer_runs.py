@@ -251,3 +251,100 @@ def start_ranks_with_receiver(
     receiver.start()
     procs = start_ranks(Path(cfg.run_dir), ranks, env={WEIGHT_SYNC_ADDR_ENV: sync_addr})
     return procs, receiver, received, errors
+
+
+def _probe_main(env: dict[str, str], config_path: str, probe: Callable, out) -> None:
+    os.environ.pop(WEIGHT_SYNC_ADDR_ENV, None)
+    os.environ.update(env)
+    try:
+        from pipeline_rl.config import load_saved_config
+        from pipeline_rl.trainer.trainer import Trainer, _init_distributed
+
+        cfg = load_saved_config(Path(config_path))
+        _init_distributed(cfg)
+        trainer = Trainer(cfg, 0, 1)
+        batch = trainer.collector.next_step(0, lambda: False, lambda what: None)
+        out.put(("ok", probe(trainer, batch)))
+    except BaseException as e:  # the test shows the child's error instead of waiting for a value
+        out.put(("error", repr(e)))
+    out.close()
+    out.join_thread()  # the queue's feeder thread must deliver before the process ends
+    os._exit(0)
+
+
+def probe_trainer(cfg: RunConfig, probe: Callable, timeout: float = 120):
+    """`probe(trainer, batch)` (picklable) run in a forked one-rank trainer process: a real
+    `Trainer` built from `cfg` (DeepSpeed on gloo), `batch` its first step's micro-batches from
+    the stream. Returns what the probe returns."""
+    assert os.environ.get("OMP_NUM_THREADS") == "1", "forking trainers needs OMP_NUM_THREADS=1 (tests/conftest.py)"
+    out = _RANKS.Queue()
+    proc = _RANKS.Process(
+        target=_probe_main, args=(rank_env(0, 1, free_port()), str(Path(cfg.run_dir) / "config.yaml"), probe, out)
+    )
+    proc.start()
+    try:
+        status, value = out.get(timeout=timeout)
+    finally:
+        proc.join(10)
+        if proc.exitcode is None:
+            proc.kill()
+    assert status == "ok", f"trainer probe failed: {value}"
+    return value
+
+
+def saved_for_backward(trainer, batch) -> dict[str, int]:
+    """A probe (probe_trainer): bytes of the distinct storages that autograd keeps for backward
+    from the trainer's own forward of its first micro-batch (`Trainer._micro_batch_loss`),
+    parameters left out; the micro-batch's tokens; and whether the model is in train mode."""
+    from pipeline_rl.trainer.lag_gate import apply_lag_gate
+
+    mb = batch[0]
+    gate = apply_lag_gate(mb, trainer.version, trainer.cfg.trainer.max_lag, trainer.cfg.trainer.lag_gate)
+    storages: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        trainer._micro_batch_loss(mb, gate.loss_mask, sum(gate.loss_mask), gate.samples)
+    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    return {
+        "saved_bytes": sum(n for ptr, n in storages.items() if ptr not in params),
+        "tokens": len(mb.input_ids),
+        "training": int(trainer.model.training),
+    }
+
+
+def repeated_logprobs(trainer, batch) -> dict[str, list[float]]:
+    """A probe (probe_trainer): the trained tokens' logprobs of the first micro-batch from the
+    trainer's training forward, twice, and from the same weights in eval mode, twice (LoRA
+    adapters get random B matrices first)."""
+    from pipeline_rl.trainer.lag_gate import apply_lag_gate
+
+    mb = batch[0]
+    gate = apply_lag_gate(mb, trainer.version, trainer.cfg.trainer.max_lag, trainer.cfg.trainer.lag_gate)
+    trained = [t for t, m in enumerate(gate.loss_mask) if m]
+    # LoRA's B starts at zero, where dropout on the adapter's input changes nothing: give it values.
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def logprobs() -> list[float]:
+        with torch.no_grad():
+            lp = packed_logprobs(
+                trainer.engine,
+                torch.tensor([mb.input_ids]),
+                torch.tensor([mb.position_ids]),
+                trainer.cfg.actor.temperature,
+                mb.seq_lengths,
+                wanted=trained,
+            )[0]
+        return lp[trained].tolist()
+
+    out = {"train_a": logprobs(), "train_b": logprobs()}
+    trainer.engine.eval()
+    out.update(eval_a=logprobs(), eval_b=logprobs())
+    return out

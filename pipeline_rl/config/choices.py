@@ -66,10 +66,15 @@ class Attention(StrEnum):
     position_ids restarting at 0)."""
 
     auto = "auto"
-    """flash_attention_2 on GPU when the flash-attn package is installed and prompts are not
-    shared; sdpa otherwise."""
+    """On GPU, unless prompts are shared: flash_attention_2 when the flash-attn package is
+    installed, else varlen. On CPU, and with shared prompts: sdpa."""
     flash_attention_2 = "flash_attention_2"
     """Varlen flash-attention: sequence boundaries come from position_ids, no [T, T] mask."""
+    varlen = "varlen"
+    """Each packed sequence attends only to itself (pipeline_rl/trainer/packed_attention.py):
+    torch's varlen flash-attention kernel on GPU (bf16/fp16), per-sequence sdpa elsewhere. Work
+    grows with the sum of the squared sequence lengths, not the squared row, and no [T, T] mask
+    is made. Needs no package beyond torch."""
     flex_attention = "flex_attention"
     """torch's flex_attention with a block mask built from position_ids: no [T, T] mask per layer
     (sdpa's grows with the square of the row: 48 GiB over 24 layers at 32k tokens), but it

@@ -73,7 +73,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.trainer.optimizer.offload and cfg.trainer.zero_stage == 0:
         raise ConfigError("'trainer.optimizer.offload' needs 'trainer.zero_stage' >= 1 (ZeRO-Offload)")
     if (
-        cfg.trainer.attention in (Attention.flash_attention_2, Attention.flex_attention)
+        cfg.trainer.attention in (Attention.flash_attention_2, Attention.flex_attention, Attention.varlen)
         and cfg.preprocess.share_prompts
     ):
         raise ConfigError(

@@ -29,6 +29,7 @@ LM head does more than the output layer (`LOGIT_TRANSFORMS`) take the full logit
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from typing import Any
 
 import torch
@@ -37,14 +38,17 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.config.choices import Attention
+from pipeline_rl.trainer import packed_attention
 
 
 def attention_kernel(cfg: RunConfig, cuda: bool) -> str:
     """transformers' attn_implementation for trainer.attention (see config.schema.Attention)."""
     if cfg.trainer.attention != Attention.auto:
         return str(cfg.trainer.attention)
-    flash = cuda and not cfg.preprocess.share_prompts and importlib.util.find_spec("flash_attn") is not None
-    return str(Attention.flash_attention_2 if flash else Attention.sdpa)
+    if not cuda or cfg.preprocess.share_prompts:
+        return str(Attention.sdpa)
+    flash = importlib.util.find_spec("flash_attn") is not None
+    return str(Attention.flash_attention_2 if flash else Attention.varlen)
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -100,43 +104,80 @@ def _rows_logprobs(
     return token_logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """For a chunk of logits [rows, V] (the output layer's dtype, as the engine computes them):
+    the scaled float32 logits z, their log-sum-exp, each target's logprob and the entropy."""
+    z = logits.float().mul_(1.0 / temperature)
+    del logits
+    lse = torch.logsumexp(z, -1)
+    p = torch.sub(z, lse[:, None]).exp_()
+    # H = lse - sum(p * z): one reduction over the rows, no [rows, V] product kept.
+    entropy = lse - torch.linalg.vecdot(p, z)
+    return z, p, lse, z.gather(-1, targets[:, None])[:, 0] - lse, entropy
+
+
 class _ChunkedHead(torch.autograd.Function):
-    """The output layer and the float32 log-softmax, `chunk` rows at a time: forward keeps no
-    [rows, V] tensor, backward recomputes each chunk's logits and accumulates the layer's weight
-    gradient in float32 (as one matmul over every row would)."""
+    """The output layer and the float32 log-softmax, `chunk` rows at a time, with the gradient
+    written out: forward keeps the rows' hidden states and two floats per row (log-sum-exp and
+    entropy), no [rows, V] tensor; backward recomputes each chunk's logits once and forms their
+    gradient in place,
+
+        d logp[y] / dz = (onehot(y) - p) / T,    d H / dz = -p * (log p + H) / T,
+
+    (z the logits, T the temperature), then the layer's two products. The weight gradient is
+    summed over the chunks in float32, as one product over every row would."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int):
-        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.set_materialize_grads(False)
+        logp, entropy, lse = [], [], []
+        for i in range(0, max(hidden.shape[0], 1), chunk):  # a one-token padding row has none
+            rows = slice(i, i + chunk)
+            z, p, row_lse, row_logp, row_entropy = _chunk_stats(
+                F.linear(hidden[rows], weight, bias), targets[rows], temperature
+            )
+            del z, p
+            logp.append(row_logp)
+            entropy.append(row_entropy)
+            lse.append(row_lse)
+        logp_all, entropy_all = torch.cat(logp), torch.cat(entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lse), entropy_all)
         ctx.temperature, ctx.chunk = temperature, chunk
-        parts = [
-            _rows_logprobs(F.linear(hidden[i : i + chunk], weight, bias), targets[i : i + chunk], temperature)
-            for i in range(0, max(hidden.shape[0], 1), chunk)  # a one-token padding row has none
-        ]
-        return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+        return logp_all, entropy_all
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        w = weight.detach().requires_grad_(need_w)
-        b = None if bias is None else bias.detach().requires_grad_(need_b)
+        if grad_logp is None and grad_entropy is None:
+            return (None if grad_h is None else grad_h.zero_(), grad_w, grad_b, None, None, None)
+        scale = 1.0 / ctx.temperature
         for i in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(i, i + ctx.chunk)
-            h = hidden[rows].detach().requires_grad_(need_h)
-            with torch.enable_grad():
-                logp, entropy = _rows_logprobs(F.linear(h, w, b), targets[rows], ctx.temperature)
-                wanted = [t for t, need in ((h, need_h), (w, need_w), (b, need_b)) if need and t is not None]
-                grads = iter(torch.autograd.grad((logp, entropy), wanted, (grad_logp[rows], grad_entropy[rows])))
+            h = hidden[rows]
+            z = F.linear(h, weight, bias).float().mul_(scale)
+            p = torch.sub(z, lse[rows, None]).exp_()
+            # grad_z * T = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(y), built in z's storage.
+            if grad_entropy is not None:
+                z.sub_((lse[rows] - entropy[rows])[:, None]).mul_(grad_entropy[rows, None])
+                if grad_logp is not None:
+                    z.add_(grad_logp[rows, None])
+            else:
+                z.copy_(grad_logp[rows, None].expand_as(z))
+            g = z.mul_(p).neg_()
+            del p
+            if grad_logp is not None:
+                g.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
+            g = g.mul_(scale).to(hidden.dtype)
             if grad_h is not None:
-                grad_h[rows] = next(grads)
+                grad_h[rows] = g @ weight
             if grad_w is not None:
-                grad_w += next(grads)
+                grad_w += (g.t() @ h).float()
             if grad_b is not None:
-                grad_b += next(grads)
+                grad_b += g.float().sum(0)
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
@@ -226,43 +267,65 @@ def packed_logprobs(
     seq_lengths: list[int] | None = None,
     prefix_lengths: list[int] | None = None,
     chunk_tokens: int = 0,
+    wanted: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs[t] = log p(input_ids[t] | earlier tokens of its sequence) at `temperature`, and
     entropy[t] of the distribution that token was drawn from; both 0 at each sequence's first
     token. Inputs are [1, T]; outputs are float32 [T] and carry gradients. With prefix lengths
     (any > 0), the shared-prompt layout of the module docstring; `chunk_tokens` as in
-    `token_logprobs`."""
+    `token_logprobs`. `wanted` (token indices, from the host): the output layer runs on the
+    rows that predict those tokens only, and every other token's logprob and entropy is 0 (the
+    trainer asks for the tokens its loss trains). A model loaded with the `varlen` attention
+    needs `seq_lengths` (its sequence boundaries)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape != position_ids.shape:
         raise ValueError(
             f"expected input_ids and position_ids of shape [1, T], got {tuple(input_ids.shape)} "
             f"and {tuple(position_ids.shape)}"
         )
-    if prefix_lengths and any(prefix_lengths):
-        return _shared_prefix_logprobs(
-            model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths, chunk_tokens
+    inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
+    shared = bool(prefix_lengths and any(prefix_lengths))
+    if getattr(getattr(_causal_lm(model), "config", None), "_attn_implementation", None) == packed_attention.NAME:
+        if shared or seq_lengths is None:
+            raise ValueError("the varlen attention needs seq_lengths and cannot take shared prompts")
+        inputs.update(packed_attention.varlen_kwargs(seq_lengths, input_ids.device))
+    if shared:
+        allowed, source = shared_prefix_layout(seq_lengths or [], prefix_lengths or [], position_ids)
+        allowed, source = allowed.to(input_ids.device), source.to(input_ids.device)
+        dtype = next(model.parameters()).dtype
+        # Additive form: the eager kernel adds the mask to the scores, sdpa accepts it too.
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        inputs["attention_mask"] = mask[None, None]
+    hidden, head, anchor = final_hidden(model, **inputs)
+    total = input_ids.shape[1]
+    if wanted is not None:
+        if shared:
+            index = _to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
+            rows = source[index]  # the trainer asks only for tokens that something predicts
+        else:
+            starts = set(itertools.accumulate([0, *(seq_lengths or [])[:-1]])) if seq_lengths else {0}
+            if starts.intersection(wanted):
+                raise ValueError(f"wanted tokens {sorted(starts.intersection(wanted))} begin a sequence: nothing predicts them")
+            index = _to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
+            rows = index - 1
+        lp, ent = token_logprobs(hidden[rows], head, input_ids[0, index], temperature, chunk_tokens)
+        zero = torch.zeros(total, dtype=torch.float32, device=input_ids.device)
+        return zero.index_add(0, index, lp) + anchor.float(), zero.index_add(0, index, ent)
+    if shared:
+        has = source >= 0
+        token_logp, token_entropy = token_logprobs(
+            hidden[source.clamp(min=0)], head, input_ids[0], temperature, chunk_tokens
         )
-    hidden, head, anchor = final_hidden(model, input_ids=input_ids, position_ids=position_ids)
+        return token_logp * has + anchor.float(), token_entropy * has
     # Hidden states at t-1 predict token t; the last position predicts nothing.
     token_logp, token_entropy = token_logprobs(hidden[:-1], head, input_ids[0, 1:], temperature, chunk_tokens)
     keep = ~sequence_starts(position_ids)[1:]
     zero = anchor.reshape(1).float()
-    logprobs = torch.cat([zero, token_logp * keep])
-    entropy = torch.cat([zero, token_entropy * keep])
-    return logprobs, entropy
+    return torch.cat([zero, token_logp * keep]), torch.cat([zero, token_entropy * keep])
 
 
-def _shared_prefix_logprobs(model, input_ids, position_ids, temperature, seq_lengths, prefix_lengths, chunk_tokens):
-    allowed, source = shared_prefix_layout(seq_lengths, prefix_lengths, position_ids)
-    allowed, source = allowed.to(input_ids.device), source.to(input_ids.device)
-    dtype = next(model.parameters()).dtype
-    # Additive form: the eager kernel adds the mask to the scores, sdpa accepts it too.
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    hidden, head, anchor = final_hidden(
-        model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask[None, None]
-    )
-    has = source >= 0
-    token_logp, token_entropy = token_logprobs(
-        hidden[source.clamp(min=0)], head, input_ids[0], temperature, chunk_tokens
-    )
-    return token_logp * has + anchor.float(), token_entropy * has
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device (pinned, asynchronous copy)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

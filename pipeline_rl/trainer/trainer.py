@@ -68,6 +68,9 @@ class Trainer:
             sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters()),  # ZeRO-3: its partition
             sum(math.prod(shape) for _, shape, _ in parameter_specs(list(model.named_parameters()))),
         )
+        # from_pretrained leaves the model in eval mode, where transformers neither checkpoints
+        # layers nor applies dropout (LoRA's included).
+        model.train()
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if cfg.model.lora is not None:  # the frozen embeddings' output must carry grad into the checkpoints
@@ -93,6 +96,9 @@ class Trainer:
         if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
             log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
         self.device = self.engine.device
+        # The stop agreement travels on the host: over NCCL it would make every micro-batch
+        # wait for the device to finish the one before.
+        self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self.streams = open_streams(cfg)
         self.metrics = MetricsLogger(cfg, f"trainer{rank}", self.streams) if rank == 0 else None
         self.version = 0
@@ -212,7 +218,11 @@ class Trainer:
     def _stopping(self, stop: Callable[[], bool]) -> bool:
         """Whether any rank was asked to stop (one collective: every rank must leave the step
         at the same micro-batch, or the next gradient reduction would wait for the others)."""
-        return self._all_reduce({"stop": float(stop())}, op=dist.ReduceOp.MAX)["stop"] > 0
+        flag = torch.tensor([float(stop())])
+        if self.host_group is None:
+            return self._all_reduce({"stop": flag.item()}, op=dist.ReduceOp.MAX)["stop"] > 0
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
+        return flag.item() > 0
 
     def _step(self, batch: list[MicroBatch], gates: list[GateResult], stop: Callable[[], bool]) -> dict | None:
         """Forward/backward over the step's micro-batches, split into `updates_per_step`
@@ -324,37 +334,34 @@ class Trainer:
         self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """The loss plug-in's (loss, stats) and the consistency sums of `_mismatch`."""
-        dev = self.device
-        input_ids = torch.tensor([mb.input_ids], device=dev)
-        position_ids = torch.tensor([mb.position_ids], device=dev)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(mb.seq_lengths), device=dev), torch.tensor(mb.seq_lengths, device=dev)
-        )
+        host = _host_tensors(mb, loss_mask)
+        # One pinned copy, asynchronous: the device never waits for the host to build a micro-batch.
+        dev = {k: _on_device(t, self.device) for k, t in host.items()}
+        wanted = [t for t, m in enumerate(loss_mask) if m > 0]
         logprobs, entropy = packed_logprobs(
             self.engine,
-            input_ids,
-            position_ids,
+            dev["input_ids"][None],
+            dev["position_ids"][None],
             self.cfg.actor.temperature,
             mb.seq_lengths,
             mb.prefix_lengths,
             self.cfg.model.logprob_chunk_tokens,
+            wanted=wanted,
         )
-        ref = None if mb.ref_logprobs is None else torch.tensor(mb.ref_logprobs, device=dev)
-        old = torch.tensor(mb.old_logprobs, device=dev)
-        mask = torch.tensor(loss_mask, device=dev)
         loss, stats = self.loss_fn(
             logprobs,
             entropy,
-            old,
-            torch.tensor(mb.advantages, device=dev),
-            mask,
-            seq_index,
+            dev["old_logprobs"],
+            dev["advantages"],
+            dev["loss_mask"],
+            dev["seq_index"],
             self.cfg.trainer.loss,
             step_tokens,
             step_samples,
-            ref,
+            dev.get("ref_logprobs"),
         )
-        return loss, stats, self._mismatch(logprobs.detach(), old, mask, torch.tensor(mb.versions, device=dev))
+        mismatch = self._mismatch(logprobs.detach(), dev["old_logprobs"], dev["loss_mask"], dev["versions"])
+        return loss, stats, mismatch
 
     def _mismatch(self, logprobs, old, mask, versions) -> torch.Tensor:
         """Sums named by CONSISTENCY_KEYS: over the trained tokens sampled by the current version,
@@ -364,8 +371,15 @@ class Trainer:
         lag0 = trained & (versions == self.version)
         d = (logprobs - old).double()
         k3 = d.exp() - 1 - d
+        # torch.where, not boolean indexing: indexing would wait for the device to count the tokens.
         return torch.stack(
-            [lag0.sum().double(), d[lag0].abs().sum(), k3[lag0].sum(), trained.sum().double(), k3[trained].sum()]
+            [
+                lag0.sum().double(),
+                torch.where(lag0, d.abs(), 0).sum(),
+                torch.where(lag0, k3, 0).sum(),
+                trained.sum().double(),
+                torch.where(trained, k3, 0).sum(),
+            ]
         )
 
     def _publish_weights(self) -> dict:
@@ -430,6 +444,28 @@ class Trainer:
         if self.sender is not None:
             self.sender.close()
         self.streams.close()
+
+
+def _host_tensors(mb: MicroBatch, loss_mask: list[int]) -> dict[str, torch.Tensor]:
+    """The micro-batch's per-token inputs as host tensors ([T] each)."""
+    out = {
+        "input_ids": torch.tensor(mb.input_ids),
+        "position_ids": torch.tensor(mb.position_ids),
+        "seq_index": torch.repeat_interleave(torch.arange(len(mb.seq_lengths)), torch.tensor(mb.seq_lengths)),
+        "old_logprobs": torch.tensor(mb.old_logprobs, dtype=torch.float32),
+        "advantages": torch.tensor(mb.advantages, dtype=torch.float32),
+        "loss_mask": torch.tensor(loss_mask),
+        "versions": torch.tensor(mb.versions),
+    }
+    if mb.ref_logprobs is not None:
+        out["ref_logprobs"] = torch.tensor(mb.ref_logprobs, dtype=torch.float32)
+    return out
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _init_distributed(cfg: RunConfig) -> None:

@@ -1,0 +1,120 @@
+"""Attention over packed rows, one sequence at a time (`trainer.attention: varlen`).
+
+A packed row holds many sequences; attending over the whole row with a block-diagonal mask
+costs the square of the row's length, whatever the sequences. Here each sequence attends only
+to itself, so the work grows with the sum of the squared sequence lengths, and no [T, T] mask
+exists. The boundaries come from the host (`varlen_kwargs`, from the micro-batch's sequence
+lengths): nothing is read back from the device to find them.
+
+- CUDA, bf16/fp16: torch's varlen flash-attention (`torch.nn.attention.varlen.varlen_attn`),
+  forward and backward.
+- Elsewhere (CPU, float32): sdpa with a causal mask on each sequence, the sequences of one
+  length batched together.
+
+Registered with transformers under the name `varlen` (attention function, and a mask function
+that builds no mask), so `attn_implementation="varlen"` selects it on any model whose attention
+goes through transformers' attention interface (Llama, Qwen2/3, Mistral...).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+NAME = "varlen"
+
+
+def varlen_kwargs(seq_lengths: list[int], device: torch.device | str) -> dict:
+    """The model call's keyword arguments that carry the sequence boundaries of one packed row
+    (transformers' flash-attention names: they reach every attention layer). The cumulative
+    lengths travel to the device without a synchronization; their host copy stays for the
+    CPU kernel."""
+    cu = torch.zeros(len(seq_lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lengths, dtype=torch.int32), 0)
+    if torch.device(device).type == "cuda":
+        cu = cu.pin_memory().to(device, non_blocking=True)
+    longest = max(seq_lengths, default=0)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None) -> torch.Tensor:
+    """[T, H, D] attention of each sequence over itself with sdpa; sequences of one length go
+    in one batched call."""
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for start, end in zip(cu[:-1], cu[1:]):
+        by_length[end - start].append(start)
+    out = torch.empty_like(q)
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(length)[None]).to(q.device)  # [n, L]
+        # [n, L, H, D] -> [n, H, L, D]
+        part = F.scaled_dot_product_attention(
+            q[rows].transpose(1, 2),
+            k[rows].transpose(1, 2),
+            v[rows].transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        out[rows] = part.transpose(1, 2)
+    return out
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict = {"scale": scale}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # older torch: each query head needs its own key/value head
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [1, H, T, D], key/value [1, Hkv, T, D];
+    returns ([1, T, H, D], None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise ValueError(
+            "trainer.attention=varlen needs the packed row's sequence boundaries: call the model with "
+            "pipeline_rl.trainer.packed_attention.varlen_kwargs(seq_lengths, device)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention takes one packed row, got a batch of {query.shape[0]}")
+    if dropout:
+        raise ValueError("varlen attention has no attention dropout (the model config's attention_dropout > 0)")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out = _flash(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+    else:
+        out = _per_sequence(q, k, v, cu.tolist(), scaling)
+    return out[None], None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+AttentionInterface.register(NAME, varlen_attention)
+AttentionMaskInterface.register(NAME, _no_mask)
