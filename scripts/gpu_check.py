@@ -1,27 +1,42 @@
-"""The trainer on one device: DeepSpeed ZeRO-3 steps of real packed RL micro-batches through the
-real loss, on a locally built Qwen2-shaped model with random weights.
+"""The trainer on one device: DeepSpeed ZeRO steps of real packed RL micro-batches through the
+real loss, on a locally built Qwen2-shaped model with random weights, against a bare PyTorch
+loop doing the same work.
 
-    python scripts/gpu_check.py                 # GPU: ~0.5 B parameters, bf16, NCCL
+    python scripts/gpu_check.py                 # GPU: ~0.5 B parameters, bf16, NCCL, ZeRO-3
     python scripts/gpu_check.py --reduced       # CPU: a tiny model, fp32, gloo (the test suite runs this)
     python scripts/gpu_check.py --lora 16       # the same with LoRA adapters of rank 16 on the frozen base
+    python scripts/gpu_check.py --bare          # the bare loop alone on the same shapes and tokens
+    python scripts/gpu_check.py --suite         # the whole comparison (GPU, about 7 minutes on an H200)
     python scripts/gpu_check.py model.logprob_chunk_tokens=512   # any config override
 
-Prints throughput, MFU (GPU only: model FLOPs over the device's dense bf16 peak) and peak
-device memory, and writes them as JSON to OUT/gpu_check.json. The micro-batches go through
-the trainer stream (JSONL) and `pipeline_rl.trainer.trainer.run`, exactly as in a run.
+The bare loop: the same model in bf16 without DeepSpeed, each micro-batch's sequences as one
+[sequences, length] batch with causal sdpa (exactly the packed row's block-diagonal attention,
+sequences of equal length), logprobs of the second half of each sequence, fused AdamW on the
+bf16 weights, gradient clipping. Prints throughput, MFU (GPU only: model FLOPs over the device's
+dense bf16 peak), peak device memory against the `--dry-run` memory plan, and writes them as JSON
+to OUT/gpu_check.json. The trainer's micro-batches go through the trainer stream (JSONL) and
+`pipeline_rl.trainer.trainer.run`, exactly as in a run. `--suite` runs the bare loop and the
+trainer at 8k, 16k and 32k tokens, ZeRO-2, ZeRO-3 (also with TORCH_NCCL_BLOCKING_WAIT=1), LoRA,
+with and without gradient checkpointing, each in its own process, then a profile of each loop's
+steps (attention's share of device time) and the varlen attention's logprobs against sdpa's,
+and prints one table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -58,11 +73,14 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12
 
 
 def build_model(path: Path, shapes: dict, max_len: int) -> tuple[Qwen2Config, int]:
-    torch.manual_seed(0)
+    """The model's config and parameter count; written to `path` unless it is already there."""
     config = Qwen2Config(**shapes, max_position_embeddings=max_len)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path)
-    return config, sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).save_pretrained(path)
+    return Qwen2Config.from_pretrained(path), params
 
 
 def random_step(vocab: int, total_tokens: int, sequences: int, version: int, rng: random.Random) -> list[Sequence]:
@@ -104,6 +122,158 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ATTENTION_KERNELS = ("flash", "fmha", "sdpa", "attention")
+"""Substrings of the device kernels that compute attention (cuDNN's, flash's, PyTorch's)."""
+
+
+def attention_share(prof: torch.profiler.profile) -> dict:
+    """Attention kernels' share of the device's compute time (copies and memsets left out, so
+    that loading and the checkpoint do not count), and the five longest kernels."""
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset", "aten::", "cuda"))
+    ]
+    total = sum(e.self_device_time_total for e in kernels)
+    attention = sum(e.self_device_time_total for e in kernels if any(k in e.key.lower() for k in ATTENTION_KERNELS))
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:5]
+    return {
+        "attention_share": round(attention / total, 3) if total else None,
+        "kernel_s": round(total / 1e6, 3),
+        "top_kernels": [(e.key[:70], round(e.self_device_time_total / 1e6, 3)) for e in top],
+    }
+
+
+def bare_loop(
+    config: Qwen2Config, seq_length: int, rows: int, micro_batches: int, steps: int, gpu: bool
+) -> list[float]:
+    """The bare PyTorch loop of the module docstring; returns each step's seconds."""
+    dev = "cuda" if gpu else "cpu"
+    torch.manual_seed(0)
+    config._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM(config).to(device=dev, dtype=torch.bfloat16 if gpu else torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)
+    length = seq_length // rows
+    times = []
+    for _ in range(steps):
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(micro_batches):
+            ids = torch.randint(0, config.vocab_size, (rows, length), device=dev)
+            logits = model(input_ids=ids).logits[:, length // 2 - 1 : -1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, length // 2 :, None]).squeeze(-1)
+            (-(logp * torch.randn(rows, 1, device=dev)).mean()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def varlen_against_sdpa(model_dir: Path, seq_length: int, rows: int) -> dict:
+    """On the GPU in bf16: logprobs of one packed row under the varlen attention and under sdpa
+    with the block-diagonal mask, and the gradient through varlen."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline_rl.trainer.logprobs import packed_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    length = seq_length // rows
+    ids = torch.randint(0, 1000, (1, seq_length), generator=g).cuda()
+    pos = torch.arange(length).repeat(rows)[None].cuda()
+    out = {}
+    for attn in ("sdpa", "varlen"):
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
+        model.to("cuda")
+        lp, _ = packed_logprobs(model, ids, pos, 1.0, [length] * rows, chunk_tokens=2048)
+        lp.sum().backward()
+        out[attn] = (lp.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
+        del model
+    d = (out["varlen"][0] - out["sdpa"][0]).abs()
+    g_rel = (out["varlen"][1] - out["sdpa"][1]).norm() / out["sdpa"][1].norm()
+    return {
+        "logprob_max_abs_diff": round(d.max().item(), 4),
+        "logprob_mean_abs_diff": round(d.mean().item(), 5),
+        "grad_rel_diff_layer0_q": round(g_rel.item(), 4),
+    }
+
+
+def plan_gib(cfg) -> float:
+    from pipeline_rl.launch.memory_plan import ModelShape, trainer_bytes
+
+    return sum(trainer_bytes(cfg, ModelShape.read(cfg.model.path), cuda=True).values()) / 2**30
+
+
+SUITE: list[tuple[str, list[str], dict[str, str]]] = [
+    ("bare 8k", ["--bare", "--seq-length", "8192"], {}),
+    ("ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192"], {}),
+    ("ZeRO-3 8k", ["--zero-stage", "3", "--seq-length", "8192"], {}),
+    ("ZeRO-3 8k, blocking wait", ["--zero-stage", "3", "--seq-length", "8192"], {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
+    ("ZeRO-2 LoRA r16 8k", ["--zero-stage", "2", "--lora", "16", "--seq-length", "8192"], {}),
+    ("ZeRO-3 LoRA r16 8k", ["--zero-stage", "3", "--lora", "16", "--seq-length", "8192"], {}),
+    ("bare 16k", ["--bare", "--seq-length", "16384"], {}),
+    ("ZeRO-2 16k", ["--zero-stage", "2", "--seq-length", "16384"], {}),
+    (
+        "ZeRO-2 16k, checkpointing",
+        ["--zero-stage", "2", "--seq-length", "16384", "trainer.gradient_checkpointing=true"],
+        {},
+    ),
+    ("bare 32k", ["--bare", "--seq-length", "32768"], {}),
+    ("ZeRO-2 32k", ["--zero-stage", "2", "--seq-length", "32768"], {}),
+    (
+        "ZeRO-2 32k, checkpointing",
+        ["--zero-stage", "2", "--seq-length", "32768", "trainer.gradient_checkpointing=true"],
+        {},
+    ),
+    ("profile: bare 8k", ["--bare", "--seq-length", "8192", "--profile"], {}),
+    ("profile: ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192", "--profile"], {}),
+]
+
+
+def suite(out: Path, steps: int) -> int:
+    """Every SUITE entry in its own process on one model, then one table."""
+    model_dir = out / "model"
+    build_model(model_dir, FULL, 32768)
+    results = {}
+    for name, args, env in SUITE:
+        run_out = out / name.replace(" ", "_").replace(",", "").replace(":", "")
+        t = time.perf_counter()
+        cmd = [sys.executable, __file__, "--model-dir", str(model_dir), "--out", str(run_out), "--steps", str(steps)]
+        proc = subprocess.run([*cmd, *args], env={**os.environ, **env}, capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        if proc.returncode == 0:
+            results[name] = json.loads((run_out / "gpu_check.json").read_text())
+            copied = re.findall(r"checkpoint weights: .*", log)
+            if copied:
+                results[name]["checkpoint_copy"] = copied[-1]
+        else:
+            results[name] = {"error": log.strip().splitlines()[-1][:200] if log.strip() else f"exit {proc.returncode}"}
+        results[name]["seconds"] = round(time.perf_counter() - t, 1)
+        print(name, json.dumps(results[name]), flush=True)
+    results["varlen against sdpa"] = varlen_against_sdpa(model_dir, 8192, 16)
+    print("varlen against sdpa", json.dumps(results["varlen against sdpa"]), flush=True)
+    (out / "suite.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{'run':<28} {'tokens/s':>9} {'of bare':>8} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>9}")
+    for name, r in results.items():
+        if "tokens_per_s" not in r:
+            continue
+        bare = results.get(f"bare {r['seq_length'] // 1024}k", {}).get("tokens_per_s")
+        peak = r["peak_gpu_gib"] + r.get("outside_allocator_gib", 0)
+        plan = r.get("plan_gib")
+        print(
+            f"{name:<28} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / bare if bare else float('nan'):>8.2f} "
+            f"{r.get('mfu') or 0:>6.3f} {peak:>9.2f} {plan or float('nan'):>9.2f} "
+            f"{peak / plan if plan else float('nan'):>9.3f}"
+        )
+    for name, r in results.items():
+        if "error" in r or "attention_share" in r or "checkpoint_copy" in r:
+            print(name, {k: r[k] for k in ("error", "attention_share", "top_kernels", "checkpoint_copy") if k in r})
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reduced", action="store_true", help="tiny model, fp32, CPU")
@@ -112,87 +282,109 @@ def main() -> int:
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--sequences-per-row", type=int, default=16, help="packed sequences per micro-batch")
     parser.add_argument("--out", default=None, help="directory for the run and gpu_check.json")
+    parser.add_argument("--model-dir", default=None, help="use (or build) the model here instead of OUT/model")
     parser.add_argument("--zero-stage", type=int, default=3, choices=(2, 3))
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank")
-    parser.add_argument("--profile", action="store_true", help="print the operators that take the most device time")
+    parser.add_argument("--bare", action="store_true", help="run the bare PyTorch loop instead of the trainer")
+    parser.add_argument("--suite", action="store_true", help="the whole comparison (module docstring)")
+    parser.add_argument("--profile", action="store_true", help="profile the run: attention's share of device time")
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.logprob_chunk_tokens=512")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.reduced
     seq_length = args.seq_length or (8192 if gpu else 256)
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
-    config, params = build_model(out / "model", REDUCED if args.reduced else FULL, seq_length)
-
-    cfg = load_config(
-        "base",
-        [
-            f"run_dir={out / 'run'}",
-            f"model.path={out / 'model'}",
-            f"model.dtype={'bfloat16' if gpu else 'float32'}",
-            f"trainer.zero_stage={args.zero_stage}",
-            f"trainer.max_steps={args.steps}",
-            "trainer.checkpoint_every=0",
-            f"preprocess.seq_length={seq_length}",
-            "metrics.tensorboard=false",
-            f"world.gpus_per_node={1 if gpu else 0}",
-            *([f"model.lora.rank={args.lora}"] if args.lora else []),
-            *args.overrides,
-        ],
-    )
-    save_config(cfg, Path(cfg.run_dir) / "config.yaml")
-    rng = random.Random(0)
-    streams = open_streams(cfg)
-    writer = streams.writer(Topic.TRAINER)
+    if args.suite:
+        return suite(out, args.steps)
+    model_dir = Path(args.model_dir) if args.model_dir else out / "model"
+    config, params = build_model(model_dir, REDUCED if args.reduced else FULL, seq_length)
     sequences_per_row = args.sequences_per_row
-    for step in range(args.steps):
-        sequences = sequences_per_row * args.micro_batches
-        seqs = random_step(config.vocab_size, seq_length // sequences_per_row * sequences, sequences, step, rng)
-        for mb in pack_step(seqs, step, 1, seq_length)[0]:
-            writer.write(mb)
-    streams.close()
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from pipeline_rl.trainer.trainer import run
-
-    start = time.perf_counter()
-    if args.profile:
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
-        with torch.profiler.profile(activities=activities) as prof:
-            version = run(cfg, 0)
-        sort = "cuda_time_total" if gpu else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
-    else:
-        version = run(cfg, 0)
-    wall = time.perf_counter() - start
-    steps = [r["values"] for r in read_metrics(Path(cfg.run_dir)) if "compute_tokens_per_s" in r["values"]]
-    timed = steps[2:] if len(steps) > 3 else steps  # the first steps include allocator and kernel warm-up
-    tokens_per_s = sum(s["tokens"] for s in timed) / sum(s["compute_s"] for s in timed)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    profile = torch.profiler.profile(activities=activities) if args.profile else contextlib.nullcontext()
     result: dict = {
         "device": torch.cuda.get_device_name() if gpu else "cpu",
-        "version": version,
         "seq_length": seq_length,
-        "zero_stage": args.zero_stage,
-        "lora_rank": args.lora or None,
         "micro_batches_per_step": args.micro_batches,
         "sequences_per_row": sequences_per_row,
         "parameters": params,
-        "tokens_per_s": round(tokens_per_s, 1),
-        "wall_s": round(wall, 1),
-        "loss_first_last": [steps[0].get("loss"), steps[-1].get("loss")],
     }
+    if args.bare:
+        with profile:
+            times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu)
+        timed = times[2:] if len(times) > 3 else times
+        tokens_per_s = seq_length * args.micro_batches * len(timed) / sum(timed)
+        result.update(loop="bare", tokens_per_s=round(tokens_per_s, 1), wall_s=round(sum(times), 1))
+        version = args.steps
+    else:
+        cfg = load_config(
+            "base",
+            [
+                f"run_dir={out / 'run'}",
+                f"model.path={model_dir}",
+                f"model.dtype={'bfloat16' if gpu else 'float32'}",
+                f"trainer.zero_stage={args.zero_stage}",
+                f"trainer.max_steps={args.steps}",
+                "trainer.checkpoint_every=0",
+                f"preprocess.seq_length={seq_length}",
+                "metrics.tensorboard=false",
+                f"world.gpus_per_node={1 if gpu else 0}",
+                *([f"model.lora.rank={args.lora}"] if args.lora else []),
+                *args.overrides,
+            ],
+        )
+        save_config(cfg, Path(cfg.run_dir) / "config.yaml")
+        rng = random.Random(0)
+        streams = open_streams(cfg)
+        writer = streams.writer(Topic.TRAINER)
+        for step in range(args.steps):
+            sequences = sequences_per_row * args.micro_batches
+            seqs = random_step(config.vocab_size, seq_length // sequences_per_row * sequences, sequences, step, rng)
+            for mb in pack_step(seqs, step, 1, seq_length)[0]:
+                writer.write(mb)
+        streams.close()
+
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
+        from pipeline_rl.trainer.trainer import run
+
+        start = time.perf_counter()
+        with profile:
+            version = run(cfg, 0)
+        wall = time.perf_counter() - start
+        steps = [r["values"] for r in read_metrics(Path(cfg.run_dir)) if "compute_tokens_per_s" in r["values"]]
+        timed = steps[2:] if len(steps) > 3 else steps  # the first steps include allocator and kernel warm-up
+        tokens_per_s = sum(s["tokens"] for s in timed) / sum(s["compute_s"] for s in timed)
+        result.update(
+            loop="trainer",
+            version=version,
+            zero_stage=args.zero_stage,
+            lora_rank=args.lora or None,
+            gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+            attention=cfg.trainer.attention.value,
+            tokens_per_s=round(tokens_per_s, 1),
+            wall_s=round(wall, 1),
+            loss_first_last=[steps[0].get("loss"), steps[-1].get("loss")],
+        )
+        if gpu:
+            result["plan_gib"] = round(plan_gib(cfg), 2)
+    if args.profile and isinstance(profile, torch.profiler.profile):
+        if gpu:
+            result.update(attention_share(profile))
+        sort = "cuda_time_total" if gpu else "cpu_time_total"
+        print(profile.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
     if gpu:
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-        flops = model_flops_per_token(config, seq_length // sequences_per_row) * tokens_per_s
+        flops = model_flops_per_token(config, seq_length // sequences_per_row) * result["tokens_per_s"]
+        free, total = torch.cuda.mem_get_info()
         result.update(
             model_tflops=round(flops / 1e12, 1),
             mfu=round(flops / peak, 3) if peak else None,
             peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
             peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
             # What the device holds beyond PyTorch's allocator: CUDA context, cuBLAS and NCCL.
-            outside_allocator_gib=round(
-                (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()) / 2**30, 2
-            ),
+            outside_allocator_gib=round((total - free - torch.cuda.memory_reserved()) / 2**30, 2),
         )
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from pipeline_rl.config import LoraConfig
 from pipeline_rl.lora import write_adapter
 from pipeline_rl.streams import PositionStore
+from pipeline_rl.trainer.host_staging import host_chunks
 
 log = logging.getLogger(__name__)
 
@@ -132,22 +133,22 @@ def copy_tokenizer_files(model_path: str | os.PathLike, hf_dir: Path) -> None:
             shutil.copy2(src, hf_dir / src.name)
 
 
-def write_hf_weights(chunks: Iterable[list[tuple[str, torch.Tensor]]], hf_dir: Path) -> None:
+def write_hf_weights(chunks: Iterable[list[tuple[str, torch.Tensor]]], hf_dir: Path) -> dict[str, float]:
     """One safetensors shard per chunk, written as it comes, and the index Hugging Face loaders
-    read (a single chunk is `model.safetensors`, with no index)."""
+    read (a single chunk is `model.safetensors`, with no index). Each chunk reaches the host
+    through pinned buffers while the chunk before it is written (host_staging.py). Returns the
+    bytes written, the device's copy seconds and the seconds spent waiting for copies."""
     parts: list[tuple[Path, list[str]]] = []
     total = 0
-    for i, chunk in enumerate(chunks):
-        if not chunk:
-            continue
+    stats: dict[str, float] = {}
+    for i, tensors in enumerate(host_chunks(chunks, stats)):
         part = hf_dir / f".part-{i:05d}.safetensors"
-        tensors = {name: t.detach().cpu().contiguous() for name, t in chunk}
         save_file(tensors, str(part), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         parts.append((part, list(tensors)))
     if len(parts) == 1:
         os.rename(parts[0][0], hf_dir / "model.safetensors")
-        return
+        return stats
     weight_map = {}
     for k, (part, names) in enumerate(parts):
         name = f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
@@ -155,6 +156,7 @@ def write_hf_weights(chunks: Iterable[list[tuple[str, torch.Tensor]]], hf_dir: P
         weight_map.update(dict.fromkeys(names, name))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return stats
 
 
 def save(
@@ -194,7 +196,14 @@ def save(
         engine.module.config.save_pretrained(hf_dir)
         if getattr(engine.module, "generation_config", None) is not None:
             engine.module.generation_config.save_pretrained(hf_dir)
-        write_hf_weights(weights, hf_dir)
+        copied = write_hf_weights(weights, hf_dir)
+        if copied.get("copy_s"):
+            log.info(
+                "checkpoint weights: %.2f GB to host at %.1f GB/s (device copy time), %.2f s waited for copies",
+                copied["bytes"] / 1e9,
+                copied["bytes"] / copied["copy_s"] / 1e9,
+                copied["wait_s"],
+            )
         copy_tokenizer_files(model_path, hf_dir)
     else:
         for _ in weights:  # the gathers are collective

@@ -166,6 +166,7 @@ class _ChunkedHead(torch.autograd.Function):
                 if grad_logp is not None:
                     z.add_(grad_logp[rows, None])
             else:
+                assert grad_logp is not None  # both None returned above
                 z.copy_(grad_logp[rows, None].expand_as(z))
             g = z.mul_(p).neg_()
             del p
@@ -305,7 +306,9 @@ def packed_logprobs(
         else:
             starts = set(itertools.accumulate([0, *(seq_lengths or [])[:-1]])) if seq_lengths else {0}
             if starts.intersection(wanted):
-                raise ValueError(f"wanted tokens {sorted(starts.intersection(wanted))} begin a sequence: nothing predicts them")
+                raise ValueError(
+                    f"wanted tokens {sorted(starts.intersection(wanted))} begin a sequence: nothing predicts them"
+                )
             index = _to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
             rows = index - 1
         lp, ent = token_logprobs(hidden[rows], head, input_ids[0, index], temperature, chunk_tokens)

@@ -19,6 +19,7 @@ goes through transformers' attention interface (Llama, Qwen2/3, Mistral...).
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import defaultdict
 
 import torch
@@ -42,11 +43,13 @@ def varlen_kwargs(seq_lengths: list[int], device: torch.device | str) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None) -> torch.Tensor:
+def _per_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None
+) -> torch.Tensor:
     """[T, H, D] attention of each sequence over itself with sdpa; sequences of one length go
     in one batched call."""
     by_length: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip(cu[:-1], cu[1:]):
+    for start, end in itertools.pairwise(cu):
         by_length[end - start].append(start)
     out = torch.empty_like(q)
     for length, starts in by_length.items():
@@ -79,7 +82,9 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, 
         kwargs["window_size"] = (-1, 0)  # causal
     else:
         kwargs["is_causal"] = True
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
+    assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
+    return out
 
 
 def varlen_attention(
