@@ -151,7 +151,8 @@ def bare_loop(
     dev = "cuda" if gpu else "cpu"
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(config).to(device=dev, dtype=torch.bfloat16 if gpu else torch.float32)
+    model: Any = Qwen2ForCausalLM(config)
+    model.to(device=dev, dtype=torch.bfloat16 if gpu else torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)
     length = seq_length // rows
     times = []

@@ -95,7 +95,7 @@ class Trainer:
         log.info("optimizer %s%s", type(optimizer).__name__, offload)
         if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
             log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
-        self.device = torch.device(self.engine.device)
+        self.device = torch.device(self.engine.device or "cpu")
         # The stop agreement travels on the host: over NCCL it would make every micro-batch
         # wait for the device to finish the one before.
         self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
