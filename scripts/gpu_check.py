@@ -202,6 +202,43 @@ def varlen_against_sdpa(model_dir: Path, seq_length: int, rows: int) -> dict:
     }
 
 
+def staging_check(gib: float = 4.0, chunk_mib: int = 256) -> dict:
+    """The checkpoint's host copies (trainer/host_staging.py) on the GPU: `gib` of bf16 tensors in
+    chunks of `chunk_mib`, each host chunk compared with a plain copy of its device tensors; the
+    device's copy rate, the whole pass's rate (the comparison is the overlapped host work), and a
+    plain pageable `.cpu()` of the same tensors for scale."""
+    from pipeline_rl.trainer.host_staging import host_chunks
+
+    per_chunk = chunk_mib * 2**20 // 2 // 4  # four tensors a chunk
+    count = int(gib * 2**30 // (chunk_mib * 2**20))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    chunks = [
+        [(f"c{c}.t{i}", torch.randn(per_chunk, device="cuda", generator=g, dtype=torch.bfloat16)) for i in range(4)]
+        for c in range(count)
+    ]
+    torch.cuda.synchronize()
+    result = {}
+    for attempt in ("first (allocates the pinned buffers)", "second"):
+        stats: dict[str, float] = {}
+        mismatches = 0
+        start = time.perf_counter()
+        for c, host in enumerate(host_chunks(iter(chunks), stats)):
+            mismatches += sum(not torch.equal(host[n], t.cpu()) for n, t in chunks[c])
+        wall = time.perf_counter() - start
+        result[attempt] = {
+            "gb": round(stats["bytes"] / 1e9, 2),
+            "device_copy_gb_per_s": round(stats["bytes"] / stats["copy_s"] / 1e9, 1),
+            "pass_gb_per_s_with_check": round(stats["bytes"] / wall / 1e9, 1),
+            "mismatched_tensors": mismatches,
+        }
+    start = time.perf_counter()
+    for chunk in chunks:
+        for _, t in chunk:
+            t.cpu()
+    result["pageable .cpu() gb_per_s"] = round(count * chunk_mib * 2**20 / (time.perf_counter() - start) / 1e9, 1)
+    return result
+
+
 def plan_gib(cfg) -> float:
     from pipeline_rl.launch.memory_plan import ModelShape, trainer_bytes
 
@@ -213,6 +250,8 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
     ("ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192"], {}),
     ("ZeRO-3 8k", ["--zero-stage", "3", "--seq-length", "8192"], {}),
     ("ZeRO-3 8k, blocking wait", ["--zero-stage", "3", "--seq-length", "8192"], {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
+    ("profile: bare 8k", ["--bare", "--seq-length", "8192", "--profile"], {}),
+    ("profile: ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192", "--profile"], {}),
     ("ZeRO-2 LoRA r16 8k", ["--zero-stage", "2", "--lora", "16", "--seq-length", "8192"], {}),
     ("ZeRO-3 LoRA r16 8k", ["--zero-stage", "3", "--lora", "16", "--seq-length", "8192"], {}),
     ("bare 16k", ["--bare", "--seq-length", "16384"], {}),
@@ -229,8 +268,6 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
         ["--zero-stage", "2", "--seq-length", "32768", "trainer.gradient_checkpointing=true"],
         {},
     ),
-    ("profile: bare 8k", ["--bare", "--seq-length", "8192", "--profile"], {}),
-    ("profile: ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192", "--profile"], {}),
 ]
 
 
@@ -238,7 +275,14 @@ def suite(out: Path, steps: int) -> int:
     """Every SUITE entry in its own process on one model, then one table."""
     model_dir = out / "model"
     build_model(model_dir, FULL, 32768)
-    results = {}
+    results: dict[str, dict] = {}
+    for name, check in (
+        ("varlen against sdpa", lambda: varlen_against_sdpa(model_dir, 8192, 16)),
+        ("checkpoint host copies", staging_check),
+    ):
+        results[name] = check()
+        print(name, json.dumps(results[name]), flush=True)
+        torch.cuda.empty_cache()
     for name, args, env in SUITE:
         run_out = out / name.replace(" ", "_").replace(",", "").replace(":", "")
         t = time.perf_counter()
@@ -254,8 +298,6 @@ def suite(out: Path, steps: int) -> int:
             results[name] = {"error": log.strip().splitlines()[-1][:200] if log.strip() else f"exit {proc.returncode}"}
         results[name]["seconds"] = round(time.perf_counter() - t, 1)
         print(name, json.dumps(results[name]), flush=True)
-    results["varlen against sdpa"] = varlen_against_sdpa(model_dir, 8192, 16)
-    print("varlen against sdpa", json.dumps(results["varlen against sdpa"]), flush=True)
     (out / "suite.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'run':<28} {'tokens/s':>9} {'of bare':>8} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>9}")
     for name, r in results.items():

@@ -10,14 +10,17 @@ from pipeline_rl.config.loader import (
     parse_overrides,
     save_config,
 )
+from pipeline_rl.config.resolve import MASK_FREE_ATTENTION, attention_kernel
 from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses)
 from pipeline_rl.config.schema import RunConfig
 from pipeline_rl.config.validate import ConfigError, validate
 
 __all__ = [
+    "MASK_FREE_ATTENTION",
     "SHIPPED_CONF_DIR",
     "ConfigError",
     "RunConfig",
+    "attention_kernel",
     "conf_dirs",
     "find_config",
     "load_config",

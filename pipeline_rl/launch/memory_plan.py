@@ -14,10 +14,10 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
   trainer.optimizer.offload they are in host memory); under ZeRO-3 the gathered layers and
   DeepSpeed's prefetch bucket; what autograd saves per token and layer
   (`activation_bytes_per_token`), for every layer or, with gradient checkpointing, one layer
-  plus each layer's input; sdpa's [T, T] mask of a packed row, in the model's dtype, once per
-  layer (the one term that grows with the square of preprocess.seq_length); the output layer's
-  chunk of logits with its float32 log-softmax and their gradients (20 bytes per row and
-  vocabulary entry); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
+  plus each layer's input; with sdpa, its [T, T] mask of a packed row, in the model's dtype,
+  once per layer (the one term that grows with the square of preprocess.seq_length; the varlen
+  and flash kernels make none); the output layer's chunk of logits with its float32 log-softmax
+  and their gradients (LOGITS_CHUNK_BYTES_PER_ENTRY per row and vocabulary entry); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
   PyTorch's allocator.
 - with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
   and the 16 bytes per parameter above for the adapter's parameters only; the actor holds the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_rl.actor.adapter_slot import engine_max_rank
-from pipeline_rl.config import LoraConfig, RunConfig
+from pipeline_rl.config import MASK_FREE_ATTENTION, LoraConfig, RunConfig, attention_kernel
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -177,11 +177,11 @@ holds beyond PyTorch's allocator (gpu_check.py on an H100, torch 2.11, CUDA 13: 
 ZeRO-3, 1.68 GiB at ZeRO-2)."""
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed's default stage3_prefetch_bucket_size (parameters fetched ahead of use)."""
-LOGITS_CHUNK_BYTES_PER_ENTRY = 20
-"""Bytes per row and vocabulary entry while a chunk of logits is live: the output layer's logits
-in bf16, their float32 log-softmax, exp and product, and in backward their gradients (the
-shipped _ChunkedHead's peak grows by 20.1 and 19.7 bytes per added entry from chunks of 512 to
-2048 and 2048 to 8192 rows, gpu_check.py's model on an H200)."""
+LOGITS_CHUNK_BYTES_PER_ENTRY = 10
+"""Bytes per row and vocabulary entry while a chunk of logits is live (trainer/logprobs.py
+_ChunkedHead, in a bf16 model): in forward the output layer's bf16 logits, their float32 copy and
+the float32 probabilities; in backward the float32 logits turned in place into their gradient,
+the probabilities, and the gradient in bf16."""
 
 
 def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) -> int:
@@ -214,12 +214,15 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
         gathered = (2 * layer + ZERO3_PREFETCH_ELEMENTS + shape.vocab * shape.hidden) * size
     tokens = cfg.preprocess.seq_length
     per_token = activation_bytes_per_token(shape, size, cuda)
+    # Checkpointed, each layer keeps its input, and backward recomputes one layer at a time.
     if t.gradient_checkpointing:
         activations = tokens * (shape.layers * shape.hidden * size + per_token)
         masks = size * tokens**2
     else:
         activations = tokens * shape.layers * per_token
         masks = shape.layers * size * tokens**2
+    if attention_kernel(cfg, cuda) in MASK_FREE_ATTENTION:
+        masks = 0
     chunk = min(cfg.model.logprob_chunk_tokens or tokens, tokens)
     return {
         "model and optimizer state": int(state),

@@ -15,7 +15,7 @@ which holds the prompt) and to itself, its positions continue from p, and its fi
 predicted by the logits at the prompt's last token. Position ids cannot express that, so this
 layout passes an explicit [T, T] mask (sdpa and eager take it; flash-attention varlen does
 not): meant for short rows, where it saves recomputing the prompt for every rollout.
-`attention_kernel` picks the kernel from trainer.attention.
+The kernel comes from trainer.attention (config/resolve.py `attention_kernel`).
 
 Memory: the model runs up to its output layer only (`final_hidden`: a pre-hook on the output
 layer takes the final hidden states and leaves the layer no rows), so full-vocabulary logits
@@ -28,7 +28,6 @@ LM head does more than the output layer (`LOGIT_TRANSFORMS`) take the full logit
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from typing import Any
 
@@ -36,19 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pipeline_rl.config import RunConfig
-from pipeline_rl.config.choices import Attention
 from pipeline_rl.trainer import packed_attention
-
-
-def attention_kernel(cfg: RunConfig, cuda: bool) -> str:
-    """transformers' attn_implementation for trainer.attention (see config.schema.Attention)."""
-    if cfg.trainer.attention != Attention.auto:
-        return str(cfg.trainer.attention)
-    if not cuda or cfg.preprocess.share_prompts:
-        return str(Attention.sdpa)
-    flash = importlib.util.find_spec("flash_attn") is not None
-    return str(Attention.flash_attention_2 if flash else Attention.varlen)
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -168,11 +155,12 @@ class _ChunkedHead(torch.autograd.Function):
             else:
                 assert grad_logp is not None  # both None returned above
                 z.copy_(grad_logp[rows, None].expand_as(z))
-            g = z.mul_(p).neg_()
+            z.mul_(p).neg_()
             del p
             if grad_logp is not None:
-                g.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
-            g = g.mul_(scale).to(hidden.dtype)
+                z.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
+            g = z.mul_(scale).to(hidden.dtype)
+            del z
             if grad_h is not None:
                 grad_h[rows] = g @ weight
             if grad_w is not None:

@@ -14,8 +14,8 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from pipeline_rl import lora
-from pipeline_rl.config import LrDecay, RunConfig
-from pipeline_rl.trainer.logprobs import attention_kernel
+from pipeline_rl.config import LrDecay, RunConfig, attention_kernel
+from pipeline_rl.trainer import packed_attention  # noqa: F401  (registers the varlen attention with transformers)
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:
@@ -50,7 +50,7 @@ def load_model(cfg: RunConfig) -> Any:
 
 def _load_base(cfg: RunConfig) -> PreTrainedModel:
     kwargs: dict[str, Any] = dict(
-        dtype=torch.float32, attn_implementation=attention_kernel(cfg, torch.cuda.is_available())
+        dtype=torch.float32, attn_implementation=str(attention_kernel(cfg, torch.cuda.is_available()))
     )
     if cfg.trainer.zero_stage != 3:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)

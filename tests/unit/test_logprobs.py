@@ -6,8 +6,8 @@ import helpers
 import pytest
 import torch
 
-from pipeline_rl.config import ConfigError, load_config
-from pipeline_rl.trainer.logprobs import attention_kernel, packed_logprobs, sequence_starts
+from pipeline_rl.config import ConfigError, attention_kernel, load_config
+from pipeline_rl.trainer.logprobs import packed_logprobs, sequence_starts
 
 
 def random_qwen2(attn: str) -> torch.nn.Module:
@@ -264,3 +264,121 @@ def test_a_one_token_row_has_a_zero_logprob_and_a_gradient_path():
     lp, ent = packed_logprobs(model, torch.tensor([[5]]), torch.tensor([[0]]), 1.0, chunk_tokens=4)
     assert lp.tolist() == [0.0] and ent.tolist() == [0.0]
     (lp.sum() + ent.sum()).backward()
+
+
+def test_auto_attention_on_gpu_is_varlen_without_flash_attn(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else found(name))
+    cfg = load_config("tiny", ["preprocess.share_prompts=false"])
+    assert attention_kernel(cfg, cuda=True) == "varlen"
+    assert attention_kernel(cfg, cuda=False) == "sdpa"
+    with pytest.raises(ConfigError, match=r"'trainer\.attention' varlen cannot run 'preprocess\.share_prompts'"):
+        load_config("tiny", ["trainer.attention=varlen", "preprocess.share_prompts=true"])
+
+
+def _packed_batch(lengths: list[int], seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=g)
+    return ids, torch.tensor([[p for n in lengths for p in range(n)]])
+
+
+def test_varlen_attention_gives_the_logprobs_and_gradients_of_the_masked_row():
+    """trainer.attention=varlen (each sequence attended alone) against sdpa over the whole row
+    with transformers' block-diagonal mask: same values and parameter gradients (float32; the
+    tolerance covers summation order inside the kernels)."""
+    lengths = [6, 1, 9, 4, 9, 3]
+    ids, pos = _packed_batch(lengths)
+    results = []
+    for attn in ("sdpa", "varlen"):
+        model = random_qwen2(attn)
+        lp, ent = packed_logprobs(model, ids, pos, 0.8, lengths)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad for p in model.parameters()]))
+    (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_varlen_attention_needs_the_sequence_lengths():
+    ids, pos = _packed_batch([4, 4])
+    with pytest.raises(ValueError, match="varlen attention needs seq_lengths"):
+        packed_logprobs(random_qwen2("varlen"), ids, pos, 1.0)
+
+
+class _AttentionWork(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums batch x heads x query length x key length x head size over every forward call of an
+    sdpa kernel, whichever one the dispatcher picks: the attention's multiply-adds as called
+    (torch's flop counter has no formula for the CPU kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.work = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if "scaled_dot_product" in name and "backward" not in name:
+            q, k = args[0], args[1]
+            self.work += q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_flops(attn: str, lengths: list[int]) -> int:
+    model = random_qwen2(attn)
+    ids, pos = _packed_batch(lengths)
+    with torch.no_grad(), _AttentionWork() as counter:
+        packed_logprobs(model, ids, pos, 1.0, lengths)
+    return counter.work
+
+
+def test_varlen_attention_work_follows_the_sequences_not_the_row():
+    """Attention work of one 64-token row: as 16 sequences of 4 under varlen it is 1/16 of the
+    row as one sequence (sum of squared lengths: 16 x 4^2 against 64^2); sdpa with the
+    block-diagonal mask does the whole row's work either way."""
+    packed, single = [4] * 16, [64]
+    varlen_packed, varlen_single = _attention_flops("varlen", packed), _attention_flops("varlen", single)
+    assert varlen_single > 0 and varlen_packed * 16 == varlen_single
+    assert _attention_flops("sdpa", packed) == _attention_flops("sdpa", single) == varlen_single
+
+
+@pytest.mark.parametrize("weights", [(1.0, 0.0), (0.0, 1.0), (1.0, 0.5)], ids=["logprob", "entropy", "both"])
+def test_output_layer_gradient_is_autograds(weights):
+    """The chunked output layer's hand-written gradient against autograd through the plain
+    log-softmax of the model's own logits (LOGIT_TRANSFORMS route), for a loss on the logprobs,
+    on the entropies and on both, with chunks that do not divide the rows."""
+    ids, pos = _packed_batch([7, 5, 9])
+    grads = []
+    for via_logits in (False, True):
+        model = random_qwen2("sdpa")
+        if via_logits:
+            model.config.final_logit_softcapping = 1.0  # listed, so the logits route; a no-op here
+        lp, ent = packed_logprobs(model, ids, pos, 0.7, chunk_tokens=4)
+        (weights[0] * (lp * torch.linspace(-1, 1, lp.numel())).sum() + weights[1] * ent.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for ours, reference in zip(*grads):
+        torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_wanted_tokens_get_the_same_values_and_gradients():
+    """`wanted`: the output layer runs only for those tokens; their logprobs and entropies, and
+    the gradients of a loss on them, are those of the full computation; other tokens get 0."""
+    lengths = [6, 4, 9]
+    ids, pos = _packed_batch(lengths)
+    wanted = [2, 3, 5, 8, 9, 12, 18]
+    keep = torch.zeros(ids.shape[1])
+    keep[wanted] = 1.0
+    results = []
+    for subset in (None, wanted):
+        model = random_qwen2("sdpa")
+        lp, ent = packed_logprobs(model, ids, pos, 0.9, lengths, chunk_tokens=3, wanted=subset)
+        ((lp + 0.2 * ent) * keep).sum().backward()
+        results.append((lp.detach() * keep, ent.detach() * keep, lp.detach(), [p.grad for p in model.parameters()]))
+    (lp_all, ent_all, _, grads_all), (lp_some, ent_some, raw_some, grads_some) = results
+    torch.testing.assert_close(lp_some, lp_all, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent_some, ent_all, atol=1e-6, rtol=1e-6)
+    assert (raw_some[keep == 0] == 0).all()
+    for a, b in zip(grads_all, grads_some):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"wanted tokens \[6\] begin a sequence"):
+        packed_logprobs(random_qwen2("sdpa"), ids, pos, 1.0, lengths, wanted=[5, 6])

@@ -1,0 +1,22 @@
+"""Config choices that depend on the machine a process runs on: `auto` values made concrete."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from pipeline_rl.config.choices import Attention
+from pipeline_rl.config.schema import RunConfig
+
+MASK_FREE_ATTENTION = (Attention.varlen, Attention.flash_attention_2, Attention.flex_attention)
+"""Kernels that find the packed sequences' boundaries without a [T, T] mask."""
+
+
+def attention_kernel(cfg: RunConfig, cuda: bool) -> Attention:
+    """The trainer's attention kernel (transformers' attn_implementation) for
+    trainer.attention (see config.choices.Attention)."""
+    if cfg.trainer.attention != Attention.auto:
+        return cfg.trainer.attention
+    if not cuda or cfg.preprocess.share_prompts:
+        return Attention.sdpa
+    flash = importlib.util.find_spec("flash_attn") is not None
+    return Attention.flash_attention_2 if flash else Attention.varlen
