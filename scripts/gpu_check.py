@@ -263,6 +263,7 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
         {},
     ),
     ("bare 32k", ["--bare", "--seq-length", "32768"], {}),
+    ("ZeRO-2 8k, 4 micro-batches", ["--zero-stage", "2", "--seq-length", "8192", "--micro-batches", "4"], {}),
     ("ZeRO-2 32k", ["--zero-stage", "2", "--seq-length", "32768"], {}),
     (
         "ZeRO-2 32k, checkpointing",
@@ -272,12 +273,15 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
 ]
 
 
-def suite(out: Path, steps: int) -> int:
-    """Every SUITE entry in its own process on one model, then one table."""
+def suite(out: Path, steps: int, only: list[str]) -> int:
+    """Every SUITE entry (or those whose names contain one of `only`) in its own process on one
+    model, then one table."""
     model_dir = out / "model"
     build_model(model_dir, FULL, 32768)
     results: dict[str, dict] = {}
     for name, args, env in SUITE:
+        if only and not any(o in name for o in only):
+            continue
         run_out = out / name.replace(" ", "_").replace(",", "").replace(":", "")
         t = time.perf_counter()
         cmd = [sys.executable, __file__, "--model-dir", str(model_dir), "--out", str(run_out), "--steps", str(steps)]
@@ -336,7 +340,7 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
     if args.suite:
-        return suite(out, args.steps)
+        return suite(out, args.steps, args.only)
     model_dir = Path(args.model_dir) if args.model_dir else out / "model"
     config, params = build_model(model_dir, REDUCED if args.reduced else FULL, seq_length)
     if args.checks:
