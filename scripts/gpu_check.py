@@ -274,13 +274,13 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
 
 
 def suite(out: Path, steps: int, only: list[str]) -> int:
-    """Every SUITE entry (or those whose names contain one of `only`) in its own process on one
+    """Every SUITE entry (or those whose names start with one of `only`) in its own process on one
     model, then one table."""
     model_dir = out / "model"
     build_model(model_dir, FULL, 32768)
     results: dict[str, dict] = {}
     for name, args, env in SUITE:
-        if only and not any(o in name for o in only):
+        if only and not any(name.startswith(o) for o in only):
             continue
         run_out = out / name.replace(" ", "_").replace(",", "").replace(":", "")
         t = time.perf_counter()
