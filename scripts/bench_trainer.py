@@ -176,7 +176,7 @@ def real_trainer(cfg, run_dir: Path) -> tuple[float, float, int, float]:
     if code != 0:
         raise SystemExit(f"trainer failed ({code}); see {run_dir / 'trainer0.log'}")
     records = [json.loads(line)["values"] for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
-    timed = records[1:]
+    timed = [r for r in records if "compute_s" in r][1:]  # steps, not the heartbeats of a wait
     return (
         sum(r["wait_s"] + r["compute_s"] for r in timed),
         sum(r["step_cpu_s"] for r in timed),

@@ -330,6 +330,9 @@ def main() -> int:
     parser.add_argument("--bare", action="store_true", help="run the bare PyTorch loop instead of the trainer")
     parser.add_argument("--suite", action="store_true", help="the whole comparison (module docstring)")
     parser.add_argument(
+        "--only", action="append", default=[], help="with --suite: the runs whose names start with this"
+    )
+    parser.add_argument(
         "--checks", action="store_true", help="GPU: varlen against sdpa, and the checkpoint's host copies"
     )
     parser.add_argument("--profile", action="store_true", help="profile the run: attention's share of device time")

@@ -13,8 +13,9 @@ heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
   moments), divided by r under ZeRO-3 (only the 12 optimizer bytes under ZeRO-2; with
   trainer.optimizer.offload they are in host memory); under ZeRO-3 the gathered layers and
   DeepSpeed's prefetch bucket; what autograd saves per token and layer
-  (`activation_bytes_per_token`), for every layer or, with gradient checkpointing, one layer
-  plus each layer's input; with sdpa, its [T, T] mask of a packed row, in the model's dtype,
+  (`activation_bytes_per_token`), for every layer or, with gradient checkpointing, each layer's
+  input plus what the one recomputed layer holds beyond the logits chunk (the two are not live
+  together); with sdpa, its [T, T] mask of a packed row, in the model's dtype,
   once per layer (the one term that grows with the square of preprocess.seq_length; the varlen
   and flash kernels make none); the output layer's chunk of logits with its float32 log-softmax
   and their gradients (LOGITS_CHUNK_BYTES_PER_ENTRY per row and vocabulary entry); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
@@ -214,23 +215,24 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
         gathered = (2 * layer + ZERO3_PREFETCH_ELEMENTS + shape.vocab * shape.hidden) * size
     tokens = cfg.preprocess.seq_length
     per_token = activation_bytes_per_token(shape, size, cuda)
-    # Checkpointed, each layer keeps its input, and backward recomputes one layer at a time.
+    chunk = min(cfg.model.logprob_chunk_tokens or tokens, tokens)
+    logits = LOGITS_CHUNK_BYTES_PER_ENTRY * chunk * shape.vocab
     if t.gradient_checkpointing:
-        activations = tokens * (shape.layers * shape.hidden * size + per_token)
+        # Each layer keeps its input. The one layer backward recomputes at a time is live only
+        # after the output layer's chunks are gone: the larger of the two sets the peak.
+        activations = tokens * shape.layers * shape.hidden * size + max(0, tokens * per_token - logits)
         masks = size * tokens**2
     else:
         activations = tokens * shape.layers * per_token
         masks = shape.layers * size * tokens**2
     if attention_kernel(cfg, cuda) in MASK_FREE_ATTENTION:
         masks = 0
-    chunk = min(cfg.model.logprob_chunk_tokens or tokens, tokens)
     return {
         "model and optimizer state": int(state),
         "gathered parameters": int(gathered),
         "activations": int(activations),
         "attention masks": int(masks),
         # The output layer's weight gradient is summed over the chunks in float32 (full fine-tuning).
-        "logits chunk": int(LOGITS_CHUNK_BYTES_PER_ENTRY * chunk * shape.vocab)
-        + (4 * shape.vocab * shape.hidden if lora is None else 0),
+        "logits chunk": int(logits) + (4 * shape.vocab * shape.hidden if lora is None else 0),
         "CUDA context": CUDA_OUTSIDE_ALLOCATOR if cuda else 0,
     }

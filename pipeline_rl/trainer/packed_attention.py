@@ -11,8 +11,7 @@ lengths): nothing is read back from the device to find them.
 - Elsewhere (CPU, float32): sdpa with a causal mask on each sequence, the sequences of one
   length batched together.
 
-Registered with transformers under the name `varlen` (attention function, and a mask function
-that builds no mask), so `attn_implementation="varlen"` selects it on any model whose attention
+Registered with transformers under the name `varlen`, so `attn_implementation="varlen"` selects it on any model whose attention
 goes through transformers' attention interface (Llama, Qwen2/3, Mistral...).
 """
 
@@ -25,7 +24,6 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 NAME = "varlen"
 
@@ -117,9 +115,6 @@ def varlen_attention(
     return out[None], None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None
-
-
+# No mask function is registered for the name: transformers then builds no mask at all and skips
+# its search of position_ids for packed sequences (a read of the device per forward pass).
 AttentionInterface.register(NAME, varlen_attention)
-AttentionMaskInterface.register(NAME, _no_mask)
