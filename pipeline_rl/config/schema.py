@@ -36,8 +36,9 @@ class LoraConfig:
     alpha: int = 32
     """Scale of the adapter's output: alpha / rank (PEFT's lora_alpha)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input while training. The engine samples without it, so above 0
-    the trainer's logprobs differ from the behaviour policy's even at lag 0."""
+    """Dropout on the adapter's input in the trainer's training pass (the scorers and the engine
+    run without it). Above 0 the trainer's logprobs, and so the importance ratios and the lag-0
+    consistency metrics, differ from the behaviour policy's even at lag 0."""
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -52,11 +53,11 @@ class ModelConfig:
     dtype: DType = DType.float32
     """Parameter dtype everywhere: float32 or bfloat16."""
     logprob_chunk_tokens: int = 2048
-    """Tokens whose float32 log-softmax and entropy over the vocabulary are computed at once, in
-    the trainer and the logprob scorers; backward recomputes them chunk by chunk. The float32
-    intermediates then exist for one chunk at a time (about 4 x chunk x vocabulary x 4 bytes:
-    5 GB for a 152k vocabulary) instead of being kept for every token (about 3 x tokens x
-    vocabulary x 4 bytes: 36 GB for 20k tokens). 0: all tokens at once."""
+    """Tokens whose logits, float32 log-softmax and entropy over the vocabulary are computed at
+    once, in the trainer (only for the tokens it trains) and the logprob scorers; backward
+    recomputes each chunk's logits once. The intermediates then exist for one chunk at a time
+    (about 10 bytes per row and vocabulary entry in a bf16 model: 3 GB for 2048 rows of a 152k
+    vocabulary) instead of for every token. 0: all tokens at once."""
     lora: LoraConfig | None = None
     """Train low-rank adapters instead of all weights (null: full fine-tuning). The trainer trains
     and publishes only the adapter; the actor's engine serves it in one LoRA slot, written in
@@ -419,7 +420,9 @@ class TrainerConfig:
     weight_bucket_mb: int = 256
     """Size of one weight-broadcast bucket."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    """Each decoder layer keeps only its input for backward and runs again there: activations of
+    one hidden state per token and layer (plus one layer's at a time) for about a third more
+    forward work. Long micro-batches of large models need it (`--dry-run` shows the plan)."""
     attention: Attention = Attention.auto
     """Attention kernel for packed rows; works with gradient checkpointing either way."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
