@@ -25,6 +25,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +97,9 @@ class Trainer:
         if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
             log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
         self.device = torch.device(self.engine.device or "cpu")
-        # The stop agreement travels on the host: over NCCL it would make every micro-batch
-        # wait for the device to finish the one before.
-        self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        # The stop agreement travels on the host (gloo): over NCCL it would make every
+        # micro-batch wait for the device to finish the one before.
+        self.host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.world.collective_timeout_s))
         self.streams = open_streams(cfg)
         self.metrics = MetricsLogger(cfg, f"trainer{rank}", self.streams) if rank == 0 else None
         self.version = 0
@@ -219,8 +220,6 @@ class Trainer:
         """Whether any rank was asked to stop (one collective: every rank must leave the step
         at the same micro-batch, or the next gradient reduction would wait for the others)."""
         flag = torch.tensor([float(stop())])
-        if self.host_group is None:
-            return self._all_reduce({"stop": flag.item()}, op=dist.ReduceOp.MAX)["stop"] > 0
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
         return flag.item() > 0
 
