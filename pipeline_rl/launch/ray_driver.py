@@ -10,8 +10,10 @@ trainer rank 0's bundle, and every process as an actor (process_host.py) that ru
 
 Supervision is Ray's: each actor's `run` returns its child's exit code, and a node that dies
 takes its workers with it, so their `run` calls fail at once when the worker's sockets close.
-A node that vanishes without closing them (a power cut) is found by the driver's own probe of
-every node's raylet (NODE_PROBE_EVERY_S) long before Ray's health check gives up on it. Either
+A node that vanishes without closing them (a power cut, a partition) or freezes with its sockets
+open (a hung kernel: connections are still accepted, nothing answers) is found by the driver's
+own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that must be answered
+within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. Either
 stops the run; the report names the process, its node (Ray node id and address) and, for a
 lost node, every process it held. The watch loop, the watchdog and how a stop proceeds are the
 one-node launcher's (run_loop.py).
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -46,7 +49,12 @@ from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
 PLACEMENT_REPORT_S = 30.0
 """While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
 RAYLET_PROBE_S = 2.0
-"""How long a node's raylet may take to accept a connection before the node counts as gone."""
+"""How long a node's raylet may take to answer a health check before the probe counts a miss."""
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+"""The standard gRPC health service, which every raylet serves (Ray's own GCS checks raylets
+through it). The request for the whole server is an empty message; the reply b"\x08\x01" is
+status SERVING."""
+SERVING = b"\x08\x01"
 NODE_PROBE_EVERY_S = 5.0
 """How often the driver checks that every node of the run still answers. Ray's own health check
 gives up on a node that vanished without closing its connections (a power cut) only after some
@@ -114,17 +122,20 @@ def _bundle_nodes(pg: PlacementGroup, count: int) -> list[RayNode]:
 
 
 def node_alive(node: RayNode, cluster: dict[str, dict[str, Any]]) -> bool:
-    """Ray (`cluster`: its nodes by id) still counts the node alive and its raylet accepts
-    connections (a raylet that died is noticed here at once, before Ray's own health check
-    marks the node dead)."""
+    """Ray (`cluster`: its nodes by id) still counts the node alive and its raylet answers a
+    health check within RAYLET_PROBE_S. A raylet that died refuses the connection at once; a
+    frozen or cut-off one accepts it (the kernel does) or lets it hang, and does not answer."""
     info = cluster.get(node.id)
     if info is None or not info["Alive"]:
         return False
+    channel = grpc.insecure_channel(f"{node.ip}:{node.raylet_port}")
     try:
-        socket.create_connection((node.ip, node.raylet_port), timeout=RAYLET_PROBE_S).close()
-        return True
-    except OSError:
+        check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)
+        return check(b"", timeout=RAYLET_PROBE_S) == SERVING
+    except grpc.RpcError:
         return False
+    finally:
+        channel.close()
 
 
 @dataclass
@@ -152,6 +163,8 @@ class RayRun(RunLoop):
         self.redis: Hosted | None = None
         self.misses: dict[str, int] = {}
         self.probed_at = 0.0
+        self.lost: set[str] = set()
+        """Ids of the nodes found gone: their processes are neither signalled nor waited for."""
 
     def _start(
         self, name: str, pool: str, bundle: int, argv: list[str], env: dict[str, str], gpus: float = 0.0
@@ -227,6 +240,7 @@ class RayRun(RunLoop):
         return None
 
     def _lost_node_summary(self, node: RayNode) -> str:
+        self.lost.add(node.id)
         held = [h.name for h in self._everyone() if h.node.id == node.id]
         return f"{node} is gone (its raylet does not answer or Ray marked it dead): it ran {', '.join(held)}"
 
@@ -261,12 +275,14 @@ class RayRun(RunLoop):
 
     def _signal(self, targets: list[Hosted], sig: int) -> None:
         for h in targets:
-            if h.result is None:
+            if h.result is None and h.node.id not in self.lost:
                 h.actor.signal.remote(sig)
 
     def _wait(self, targets: list[Hosted], timeout: float) -> None:
+        """Until every target on a node still there has ended, at most `timeout` (a frozen node's
+        processes would never say so)."""
         deadline = time.time() + timeout
-        while any(h.result is None for h in targets) and time.time() < deadline:
+        while any(h.result is None and h.node.id not in self.lost for h in targets) and time.time() < deadline:
             self._collect(timeout=min(0.5, max(0.0, deadline - time.time())))
 
     def stop_all(self, graceful: bool) -> None:

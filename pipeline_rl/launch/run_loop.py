@@ -9,8 +9,10 @@ failed, 3 when the watchdog found no progress, 130 on a signal.
 
 from __future__ import annotations
 
+import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +25,7 @@ from pipeline_rl.streams.records import Metrics
 from pipeline_rl.wire import Topic
 
 if TYPE_CHECKING:
+    from pipeline_rl.launch.status import StatusLine
     from pipeline_rl.streams.api import Streams
 
 
@@ -44,6 +47,49 @@ def end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:
     while reader.read(timeout=0.0, max_count=4096):
         pass
     return reader.position()
+
+
+class StatusFeed:
+    """The status line's reads of the metrics stream, on a thread of their own: a stream that
+    stops answering (Redis on a frozen node) must not hold up the polling of the processes and
+    nodes, which is what finds the cause."""
+
+    def __init__(self, status: StatusLine):
+        self.status = status
+        self.records: queue.Queue[Metrics] = queue.Queue()
+        self.stopping = threading.Event()
+        self.error: Exception | None = None
+        """What ended the thread, raised again in the watch loop."""
+        self.thread = threading.Thread(target=self._run, name="status-feed", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                for record in self.status.update(timeout=0.5):
+                    self.records.put(record)
+            except Exception as e:
+                if not self.stopping.is_set():  # else the stream was closed under a read
+                    self.error = e
+                return
+
+    def drain(self, timeout: float) -> list[Metrics]:
+        """The records read since the last call, waiting up to `timeout` for the first."""
+        if self.error is not None:
+            raise self.error
+        try:
+            out = [self.records.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.records.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=1.0)  # a read blocked on a frozen server is left behind
 
 
 class RunLoop:
@@ -77,6 +123,7 @@ class RunLoop:
             streams.reader(Topic.METRICS, Metrics, position=end_of(streams, Topic.METRICS, Metrics)),
             self.cfg.max_time_s,
         )
+        feed = StatusFeed(status)
         watchdog = Watchdog(self.cfg.watchdog_s, self.watchdog_startup_s)
         start = time.time()
         # The first failure caused by a peer: reported with the peer's own failure, or alone when
@@ -104,7 +151,7 @@ class RunLoop:
                     return self.finish(self.stop_reason, code=130)
                 if self.cfg.max_time_s and time.time() - start > self.cfg.max_time_s:
                     return self.finish(f"max_time_s={self.cfg.max_time_s:g} reached", code=0)
-                for record in status.update(timeout=0.5):
+                for record in feed.drain(timeout=0.5):
                     watchdog.observe(record)
                 stall = watchdog.stalled()
                 if stall is not None:
@@ -112,6 +159,7 @@ class RunLoop:
                     self.stop_all(graceful=True)
                     return 3
         finally:
+            feed.stop()
             status.close()
 
     def fail(self, failure: Failure, noticed: Failure | None = None) -> int:

@@ -171,6 +171,25 @@ def kill_node(cluster, driver: Driver, run_dir: Path, process: str):
     return node_id, held, killed_at
 
 
+def freeze_node(cluster, driver: Driver, process: str):
+    """Freeze the node that holds `process` as a hung kernel would: its raylet and every process
+    under it (its Ray workers, the run's processes they started, a redis-server among them)
+    stopped with SIGSTOP, their sockets left open. Returns the node, its id, the names of the
+    run's processes it held, the frozen processes and the time of the freeze."""
+    placed = driver.placed()
+    node_id = placed[process]
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    held = sorted(name for name, on in placed.items() if on == node_id)
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    frozen = [raylet, *raylet.children(recursive=True)]
+    commands = " | ".join(" ".join(p.cmdline()) for p in frozen)
+    assert all(f"--index {name[-1]}" in commands for name in held), (held, commands)
+    frozen_at = time.time()
+    for p in frozen:
+        p.suspend()
+    return node, node_id, held, frozen, frozen_at
+
+
 def aof_commands(path: Path):
     """The commands of one of Redis's append-only files (RESP arrays of bulk strings)."""
     data, i = path.read_bytes(), 0
@@ -294,6 +313,60 @@ def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_
     assert run_processes(run_dir, driver.redis_port) == {}
     print(f"\nnode of trainer0 and redis lost -> run stopped in {stopped_in:.1f} s; the driver said:")
     print("\n".join(line for line in out.splitlines() if "is gone" in line))
+
+
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("process", ["actor0", "trainer0"])
+def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_model, process):
+    """A node that freezes instead of dying (raylet and processes stopped, sockets open: what a
+    hung kernel or a partition looks like from the other nodes) stops the run within 45 s of the
+    freeze, naming the node and what it held: the actor's node, and the node of trainer rank 0
+    and Redis (the driver's status reads from that Redis must not hold up the probe). Running
+    again, on a replacement node, resumes from the checkpoint."""
+    run_dir = tmp_path / "run"
+    redis_port = free_port()
+    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    frozen = []
+    try:
+        run_until(driver, run_dir, versions=2, timeout=300)
+        node, node_id, held, frozen, frozen_at = freeze_node(cluster, driver, process)
+        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
+        stopped_in = time.time() - frozen_at
+        left = set(run_processes(run_dir, redis_port))
+    finally:
+        driver.stop()
+        for p in frozen:  # the node "comes back" only to be taken out
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if frozen:
+            cluster.remove_node(node, allow_graceful=False)
+    out = driver.out
+    assert code == 1, out[-4000:]
+    assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the freeze:\n{out[-3000:]}"
+    assert held == [process]
+    named = "trainer0, redis" if process == "trainer0" else "actor0"
+    assert f"node {node_id} (" in out and "is gone" in out and f"it ran {named}" in out, out[-3000:]
+    assert left <= {p.pid for p in frozen}, "processes on the other nodes outlived the run"
+    print(f"\nnode of {named} frozen -> run stopped in {stopped_in:.1f} s; the driver said:")
+    print("\n".join(line for line in out.splitlines() if "is gone" in line))
+
+    assert latest_checkpoint(run_dir) is not None
+    trained = len(trainer_versions(run_dir))
+    cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    cluster.wait_for_nodes()
+    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    try:
+        deadline = time.time() + 240
+        while len(trainer_versions(run_dir)) <= trained:
+            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+            time.sleep(1)
+    finally:
+        driver.stop()
+    assert "resuming" in driver.out, driver.out[-3000:]
 
 
 def test_a_process_that_does_not_see_the_run_directory_is_refused(tmp_path):

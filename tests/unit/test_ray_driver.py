@@ -1,10 +1,15 @@
 """The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py): a node is gone
-when Ray says so or when its raylet stops accepting connections, twice in a row."""
+when Ray says so or when its raylet does not answer a gRPC health check in time (closed,
+frozen or cut off), twice in a row."""
 
 from __future__ import annotations
 
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import grpc
 import pytest
 from helpers import free_port
 
@@ -16,28 +21,54 @@ from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, Hosted, RayNode, Ra
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
 
 
+@dataclass
+class Raylet:
+    server: grpc.Server
+    port: int
+
+
 @pytest.fixture
 def raylet():
-    """A listening socket standing in for a raylet's port."""
+    """A real gRPC server with the standard health service, standing in for a raylet."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    serving = grpc.unary_unary_rpc_method_handler(
+        lambda request, context: b"\x08\x01", request_deserializer=bytes, response_serializer=bytes
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": serving}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield Raylet(server, port)
+    server.stop(None)
+
+
+def test_a_frozen_raylet_is_not_alive():
+    """A frozen node's kernel still accepts connections (the listening socket's backlog) but
+    nothing answers: the health check times out."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        yield s
+        node = RayNode("n1", "127.0.0.1", s.getsockname()[1])
+        socket.create_connection(("127.0.0.1", node.raylet_port), timeout=1).close()  # accepted
+        start = time.monotonic()
+        assert not node_alive(node, {"n1": {"Alive": True}})
+        assert time.monotonic() - start < ray_driver.RAYLET_PROBE_S + 1.0
 
 
 def test_a_node_is_alive_while_ray_says_so_and_its_raylet_answers(raylet):
-    node = RayNode("n1", "127.0.0.1", raylet.getsockname()[1])
+    node = RayNode("n1", "127.0.0.1", raylet.port)
     assert node_alive(node, {"n1": {"Alive": True}})
     assert not node_alive(node, {"n1": {"Alive": False}})
     assert not node_alive(node, {})
-    raylet.close()
+    raylet.server.stop(None)
     assert not node_alive(node, {"n1": {"Alive": True}})
 
 
 def test_a_node_that_stops_answering_is_reported_after_consecutive_misses(raylet, monkeypatch, tmp_path):
     cfg = load_config("tiny", [f"run_dir={tmp_path}", "world.nodes=3", "streams.backend=redis"])
     found = bundles(cfg, plan(cfg))
-    up = RayNode("up", "127.0.0.1", raylet.getsockname()[1])
+    up = RayNode("up", "127.0.0.1", raylet.port)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         down = RayNode("down", "127.0.0.1", s.getsockname()[1])  # bound, not listening: refused
@@ -64,7 +95,7 @@ def test_a_failure_caused_by_a_gone_peer_is_reported_after_its_cause(raylet, mon
     """Across nodes as on one (test_failure_report.py): the trainer that noticed a dead actor's
     weight-update ranks first is not the cause when the actor's own failure has come too."""
     cfg = load_config("tiny", [f"run_dir={tmp_path}", "world.nodes=3", "streams.backend=redis"])
-    node = RayNode("up", "127.0.0.1", raylet.getsockname()[1])
+    node = RayNode("up", "127.0.0.1", raylet.port)
     run = RayRun(cfg, None, bundles(cfg, plan(cfg)), [node] * 3, nonce="x")  # type: ignore[arg-type]
     monkeypatch.setattr(run, "_collect", lambda timeout: None)
     monkeypatch.setattr(ray_driver, "_cluster_nodes", lambda: {"up": {"Alive": True}})
