@@ -324,7 +324,7 @@ def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_
     hung kernel or a partition looks like from the other nodes) stops the run within 45 s of the
     freeze, naming the node and what it held: the actor's node, and the node of trainer rank 0
     and Redis (the driver's status reads from that Redis must not hold up the probe). Running
-    again, on a replacement node, resumes from the checkpoint."""
+    again after the loss of trainer rank 0's node and Redis, on a replacement node, resumes."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
     driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
@@ -354,6 +354,8 @@ def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_
     print(f"\nnode of {named} frozen -> run stopped in {stopped_in:.1f} s; the driver said:")
     print("\n".join(line for line in out.splitlines() if "is gone" in line))
 
+    if process == "actor0":  # the rerun after an actor's node is lost: the test above
+        return
     assert latest_checkpoint(run_dir) is not None
     trained = len(trainer_versions(run_dir))
     cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
