@@ -10,7 +10,7 @@ from pipeline_rl.config.loader import (
     parse_overrides,
     save_config,
 )
-from pipeline_rl.config.resolve import MASK_FREE_ATTENTION, attention_kernel
+from pipeline_rl.config.resolve import MASK_FREE_ATTENTION, attention_kernel, on_ray
 from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses)
 from pipeline_rl.config.schema import RunConfig
 from pipeline_rl.config.validate import ConfigError, validate
@@ -25,6 +25,7 @@ __all__ = [
     "find_config",
     "load_config",
     "load_saved_config",
+    "on_ray",
     "parse_overrides",
     "save_config",
     "validate",

@@ -1,4 +1,5 @@
-"""Config choices that depend on the machine a process runs on: `auto` values made concrete."""
+"""Config choices that depend on where the run goes: `auto` values made concrete, and whether
+the run is the Ray driver's."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def attention_kernel(cfg: RunConfig, cuda: bool) -> Attention:
         return Attention.sdpa
     flash = importlib.util.find_spec("flash_attn") is not None
     return Attention.flash_attention_2 if flash else Attention.varlen
+
+
+def on_ray(cfg: RunConfig) -> bool:
+    """Several nodes, or a Ray cluster named: the run is the Ray driver's."""
+    return cfg.world.nodes > 1 or cfg.world.ray_address is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline_rl.config.choices import Attention
+from pipeline_rl.config.resolve import on_ray
 from pipeline_rl.config.schema import RunConfig
 
 
@@ -118,9 +119,30 @@ def validate(cfg: RunConfig) -> None:
     for key in ["trainer.stop_grace_s", "watchdog_startup_s"]:
         if _get(cfg, key) is not None and _get(cfg, key) < 0:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0 or null")
-    if (cfg.world.nodes > 1 or cfg.world.ray_address is not None) and cfg.streams.backend != "redis":
+    if on_ray(cfg) and cfg.streams.backend != "redis":
         key = "world.nodes' > 1" if cfg.world.nodes > 1 else "world.ray_address' is set"
         raise ConfigError(f"'streams.backend' must be redis when '{key} (JSONL files are one node only)")
+    if on_ray(cfg):
+        lo, hi = RAY_WORKER_PORTS
+        for key, port in run_ports(cfg).items():
+            if lo <= port <= hi:
+                raise ConfigError(
+                    f"'{key}' {port} is inside Ray's worker port range {lo}-{hi}, where a Ray worker can take it "
+                    "before the run binds it: pick a port outside it"
+                )
+
+
+RAY_WORKER_PORTS = (10002, 19999)
+"""Ray's default worker ports (`ray start --min-worker-port/--max-worker-port`)."""
+
+
+def run_ports(cfg: RunConfig) -> dict[str, int]:
+    """The ports the run itself listens on, by key: the trainers' rendezvous, the weight-update
+    store and the run's own redis-server."""
+    ports = {"world.trainer_port": cfg.world.trainer_port, "world.weight_sync_port": cfg.world.weight_sync_port}
+    if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:
+        ports["streams.redis.port"] = cfg.streams.redis.port
+    return ports
 
 
 def _validate_redis(cfg: RunConfig) -> None:

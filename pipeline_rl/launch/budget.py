@@ -9,6 +9,10 @@ GPU memory plan, and the limits the launcher stops and watches by.
   and the gathers) plus MARGIN x the checkpoint write.
 - Start-up watchdog (`watchdog_startup_s` unless given): STARTUP_BASE_S (engines compiling and
   profiling, the first step's rollouts) plus MARGIN x (model load + checkpoint read).
+- Collective timeout: trainer ranks wait inside collectives (DeepSpeed's and the checkpoint's
+  barriers) while a checkpoint is written, so `world.collective_timeout_s` below MARGIN x the
+  checkpoint write would stop every trainer at its first checkpoint on a slow file system: the
+  launcher raises it to that, and says so.
 - Redis: the trainer topic holds the steps not yet trained: the one being trained and those the
   preprocessor may be ahead by (admission control bounds it by the admission lag), admission
   lag + 1 steps; each trained step goes to the trainer's replay log on disk (trainer/replay.py),
@@ -18,6 +22,7 @@ GPU memory plan, and the limits the launcher stops and watches by.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +88,25 @@ def run_limits(cfg: RunConfig) -> tuple[float, float]:
     )
 
 
+def checkpoint_timeout(cfg: RunConfig) -> tuple[float, str]:
+    """(the collective timeout the run uses, a line saying why): world.collective_timeout_s, or
+    MARGIN x the checkpoint write when that is longer (module docstring)."""
+    given = cfg.world.collective_timeout_s
+    if not (Path(cfg.model.path) / "config.json").exists():
+        return given, f"time: world.collective_timeout_s={given:g} (no checkpoint estimate to check it against)"
+    needed = math.ceil(MARGIN * time_plan(cfg, ModelShape.read(cfg.model.path)).checkpoint_s)
+    if given >= needed:
+        return given, (
+            f"time: world.collective_timeout_s={given:g} is at least {MARGIN:g} x the checkpoint write "
+            f"({needed} s): accepted"
+        )
+    return float(needed), (
+        f"time: world.collective_timeout_s={given:g} is below {MARGIN:g} x the checkpoint write at "
+        f"world.disk_gib_per_s={cfg.world.disk_gib_per_s:g}: raised to {needed} s (trainer ranks wait inside "
+        "collectives while a checkpoint is written)"
+    )
+
+
 def trainer_topic_steps(cfg: RunConfig) -> int:
     """Most steps of micro-batches the trainer topic holds: the one in training and those ahead."""
     return admission_lag(cfg) + 1
@@ -121,11 +145,7 @@ def budget_lines(cfg: RunConfig) -> list[str]:
             f"({'trainer.stop_grace_s' if cfg.trainer.stop_grace_s is not None else grace}); start-up watchdog "
             f"{plan.watchdog_startup_s:.0f} s ({'watchdog_startup_s' if cfg.watchdog_startup_s is not None else startup})",
         ]
-        if cfg.world.collective_timeout_s < plan.checkpoint_s:
-            lines.append(
-                f"time: WARNING world.collective_timeout_s={cfg.world.collective_timeout_s:g} is below the checkpoint "
-                "write: trainer ranks waiting at its barrier would time out"
-            )
+        lines.append(checkpoint_timeout(cfg)[1])
     else:
         grace, startup = run_limits(cfg)
         lines.append(

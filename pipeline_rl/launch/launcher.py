@@ -13,8 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline_rl.config import ConfigError, RunConfig, load_config, parse_overrides
-from pipeline_rl.launch.budget import budget_lines
+from pipeline_rl.config import ConfigError, RunConfig, load_config, on_ray, parse_overrides
+from pipeline_rl.config.validate import RAY_WORKER_PORTS, run_ports
+from pipeline_rl.launch.budget import budget_lines, checkpoint_timeout
 from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.memory_plan import memory_plan
 from pipeline_rl.launch.placement import Node, child_env, describe, plan
@@ -128,11 +129,6 @@ def check_plugins(cfg: RunConfig) -> None:
         load_environment(cfg.actor.verifiers)
 
 
-def on_ray(cfg: RunConfig) -> bool:
-    """Several nodes, or a Ray cluster named: the run is the Ray driver's."""
-    return cfg.world.nodes > 1 or cfg.world.ray_address is not None
-
-
 def main(argv: list[str]) -> int:
     args, rest = _parse(argv)
     try:
@@ -144,6 +140,9 @@ def main(argv: list[str]) -> int:
             print("\n".join(describe(cfg, specs)))
             if on_ray(cfg):
                 print("\n".join(describe_bundles(cfg, bundles(cfg, specs))))
+                lo, hi = RAY_WORKER_PORTS
+                ports = ", ".join(f"{key}={port}" for key, port in run_ports(cfg).items())
+                print(f"ports: {ports} (outside Ray's worker ports {lo}-{hi})")
             print("\n".join(budget_lines(cfg)))
             if cfg.world.gpus_per_node:
                 lines = memory_plan(cfg)
@@ -152,6 +151,10 @@ def main(argv: list[str]) -> int:
                     print("config error: the memory plan does not fit (world.gpu_memory_gib)", file=sys.stderr)
                     return 2
             return 0
+        timeout, margin = checkpoint_timeout(cfg)
+        if timeout != cfg.world.collective_timeout_s:
+            print(margin, flush=True)
+            cfg.world.collective_timeout_s = timeout
         if on_ray(cfg):
             try:
                 from pipeline_rl.launch.ray_driver import run_on_ray

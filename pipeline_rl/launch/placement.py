@@ -45,6 +45,8 @@ class Node:
     nodes: int
     master_addr: str
     """Address of node 0, reachable from every node."""
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """CPU cores of the node (this machine's unless the cluster says otherwise)."""
 
 
 _GPU_KEYS = {
@@ -125,6 +127,10 @@ def child_env(
     if cfg.world.gpus_per_node:
         visible = visible_gpus(cfg, env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[g] for g in spec.gpus)
+        # The node's cores shared among its processes: OpenMP's default (every core in every
+        # process) oversubscribes a node of 8 GPU processes 8 times.
+        sharing = sum(1 for s in specs if s.node == spec.node)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, node.cpus // sharing)))
     else:
         # Two OpenMP threads in one process are much slower than one on small CPU VMs.
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -72,6 +72,8 @@ class RayNode:
     """Ray's node id (hex), as `ray list nodes` shows it."""
     ip: str
     raylet_port: int
+    cpus: int = 1
+    """The node's CPU cores, as Ray counts them."""
 
     def __str__(self) -> str:
         return f"node {self.id} ({self.ip})"
@@ -117,7 +119,8 @@ def _bundle_nodes(pg: PlacementGroup, count: int) -> list[RayNode]:
     out = []
     for i in range(count):
         info = nodes[where[i]]
-        out.append(RayNode(where[i], info["NodeManagerAddress"], int(info["NodeManagerPort"])))
+        cpus = int(info.get("Resources", {}).get("CPU", 1))
+        out.append(RayNode(where[i], info["NodeManagerAddress"], int(info["NodeManagerPort"]), cpus))
     return out
 
 
@@ -193,7 +196,8 @@ class RayRun(RunLoop):
         placed = [replace(b.spec, node=distinct.index(n.id)) for b, n in zip(self.found, self.nodes)]
         for i, (spec, node) in enumerate(zip(placed, self.nodes)):
             driver_env = {k: os.environ[k] for k in RAY_WORKER_ONLY if k in os.environ}
-            env = child_env(self.cfg, Node(spec.node, len(distinct), self.nodes[0].ip), spec, placed, env=driver_env)
+            where = Node(spec.node, len(distinct), self.nodes[0].ip, node.cpus)
+            env = child_env(self.cfg, where, spec, placed, env=driver_env)
             if spec.gpus:
                 del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
             env[RUN_NONCE_ENV] = self.nonce

@@ -203,3 +203,16 @@ def test_make_tiny_if_missing_names_the_models_it_can_build(tmp_path):
     cfg = load_config("tiny", [f"model.path={tmp_path / 'my_model'}"])
     with pytest.raises(ConfigError, match=r"model\.path=.*my_model does not exist.*tiny_model, tiny_learner"):
         ensure_tiny_model(cfg)
+
+
+@pytest.mark.parametrize(
+    "key", ["streams.redis.port", "world.trainer_port", "world.weight_sync_port"], ids=lambda k: k.split(".")[-1]
+)
+def test_a_run_port_inside_rays_worker_ports_is_refused_on_ray(key):
+    """On Ray a port of the run in Ray's worker port range can be taken by a worker first (the
+    run then fails with "not reachable"); on one node there is no Ray to take it."""
+    ray = ["world.nodes=2", "streams.backend=redis", "streams.redis.start_server=true"]
+    with pytest.raises(ConfigError, match=rf"'{key}' 11000 is inside Ray's worker port range 10002-19999"):
+        load_config("tiny", [*ray, f"{key}=11000"])
+    assert load_config("tiny", [*ray, f"{key}=9000"]) is not None
+    assert load_config("tiny", ["streams.backend=redis", f"{key}=11000"]) is not None

@@ -116,3 +116,19 @@ def test_cpu_tensor_parallel_workers_get_disjoint_cores():
     assert cpu_thread_binds(1, [4, 5, 6]) == "4-6"
     with pytest.raises(ValueError, match="tensor_parallel_size=3 needs at least 3 CPU cores"):
         cpu_thread_binds(3, [0, 1])
+
+
+def test_gpu_processes_share_their_nodes_cores():
+    """On GPU nodes each pool process gets OMP_NUM_THREADS = the node's cores / its processes
+    (OpenMP would give every process every core); a value the user set is kept."""
+    cfg = load_config(
+        "tiny", ["world.gpus_per_node=8", "world.actors=4", "world.trainers=4", "actor.llm.tensor_parallel_size=1"]
+    )
+    specs = plan(cfg)
+    on_node0 = [s for s in specs if s.node == 0]
+    envs = [child_env(cfg, Node(0, cfg.world.nodes, "h", cpus=96), s, specs, {}) for s in on_node0]
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {str(96 // len(on_node0))}
+    kept = child_env(cfg, Node(0, cfg.world.nodes, "h", cpus=96), on_node0[0], specs, {"OMP_NUM_THREADS": "3"})
+    assert kept["OMP_NUM_THREADS"] == "3"
+    few = child_env(cfg, Node(0, cfg.world.nodes, "h", cpus=2), on_node0[0], specs, {})
+    assert few["OMP_NUM_THREADS"] == "1"
