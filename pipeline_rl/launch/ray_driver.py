@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 import ray
+import redis
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,6 +62,8 @@ gives up on a node that vanished without closing its connections (a power cut) o
 5 x (10 s timeout + 3 s period), and until then the calls to its actors just wait."""
 NODE_PROBE_MISSES = 2
 """Consecutive probes a node must miss to count as gone."""
+REDIS_START_S = 30.0
+"""How long the run's redis-server may take to answer its first PING."""
 RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
 """Variables Ray sets in its workers (OMP_NUM_THREADS to the actor's CPU count, 1 here) that
 the processes must not inherit: they get the driver's, as on one node (child_env)."""
@@ -184,11 +187,41 @@ class RayRun(RunLoop):
         return Hosted(name, pool, self.nodes[bundle], actor, actor.run.remote(), log_path)
 
     def start_redis(self) -> None:
-        from pipeline_rl.launch.redis_server import redis_command, wait_port
+        """Check trainer rank 0's node first (binary, port), start the server there, and wait for
+        its answer to a PING, or for its exit: errors name the node, the port and the cause."""
+        from pipeline_rl.launch.redis_server import cannot_start, redis_command
+        from pipeline_rl.streams import open_streams
+        from pipeline_rl.streams.redis_backend import RedisStreams
 
-        r = self.cfg.streams.redis
+        r, node = self.cfg.streams.redis, self.nodes[0]
+        where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
+        check = ray.remote(cannot_start).options(num_cpus=0, scheduling_strategy=where)
+        problem = ray.get(check.remote(r.host, r.port), timeout=REDIS_START_S)
+        if problem is not None:
+            raise ConfigError(f"the run's redis-server cannot start on {node} (trainer rank 0's node): {problem}")
         self.redis = self._start("redis", "redis", 0, redis_command(self.cfg), {})
-        wait_port(r.host, r.port, what=f"redis-server on {self.redis.node}")
+        streams = open_streams(self.cfg)
+        assert isinstance(streams, RedisStreams)
+        deadline = time.monotonic() + REDIS_START_S
+        try:
+            while True:
+                self._collect(timeout=0.0)
+                if self.redis.result is not None:
+                    code, tail = self.redis.result
+                    what = tail if code is None else f"{describe_exit(code)}; its last lines:\n{tail}"
+                    raise RuntimeError(f"the run's redis-server on {node}, port {r.port}, ended at start: {what}")
+                try:
+                    streams.client.ping()
+                    return
+                except redis.RedisError as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"the run's redis-server on {node}, port {r.port}, does not answer after "
+                            f"{REDIS_START_S:.0f} s: {type(e).__name__}: {e}"
+                        ) from None
+                    time.sleep(0.2)
+        finally:
+            streams.close()
 
     def start(self) -> None:
         distinct = list(dict.fromkeys(n.id for n in self.nodes))

@@ -18,10 +18,25 @@ from pipeline_rl.launch.supervisor import Child, Supervisor
 from pipeline_rl.streams.redis_secret import ensure_password, write_server_config
 
 
+def cannot_start(host: str, port: int) -> str | None:
+    """Why the run's redis-server cannot start on this machine, or None: run where it is to
+    listen (on Ray, trainer rank 0's node, as a task there)."""
+    if shutil.which("redis-server") is None:
+        return "redis-server is not on PATH (streams.redis.start_server)"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"port {port} on {host} is taken or not this node's ({e.strerror}; streams.redis.port, streams.redis.host)"
+    return None
+
+
 def start_redis(cfg: RunConfig, services: Supervisor) -> Child:
     """Start the run's redis-server under `services` and wait until it accepts connections."""
-    if shutil.which("redis-server") is None:
-        raise ConfigError("streams.redis.start_server is true but redis-server is not on PATH")
+    problem = cannot_start(cfg.streams.redis.host, cfg.streams.redis.port)
+    if problem is not None:
+        raise ConfigError(f"the run's redis-server cannot start: {problem}")
     child = services.spawn("redis", redis_command(cfg), dict(os.environ))
     wait_port(cfg.streams.redis.host, cfg.streams.redis.port, what="redis-server")
     return child
