@@ -4,8 +4,9 @@ straight into the engine's parameters by a plan made once.
 vLLM's general reload (`model_runner.reload_weights`) walks the modules, runs the weight
 loaders and, on CPU, repacks every linear layer for oneDNN at every update: over 200x a
 memcpy of the update's bytes. Instead, when the engine starts, `LoadPlan.capture` runs the
-model's own `load_weights` once on the checkpoint and records every copy its weight loaders
-make: for each checkpoint name, which slice of the incoming tensor lands in which view of
+model's own `load_weights` once on unfilled placeholders of the checkpoint's tensors (names,
+shapes and dtypes from the safetensors headers: nothing is read, nothing copied) and records
+every copy its weight loaders would make: for each checkpoint name, which slice of the incoming tensor lands in which view of
 which parameter (a fused qkv or gate_up shard, this worker's tensor-parallel slice, a tied
 weight once). An update is then one copy per recorded pair into storage the engine
 computes from: no module walk, no loader, no allocation. On the CPU these copies are memmoves
@@ -63,12 +64,21 @@ def checkpoint_shapes(model_path: str | Path) -> tuple[dict[str, list[int]], set
     return shapes, optional
 
 
-def checkpoint_tensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, one file at a time."""
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def checkpoint_placeholders(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A tensor of each checkpoint tensor's name, shape and dtype, from the safetensors headers
+    alone, one at a time and never filled: what a copy plan is captured from (a TP worker of a
+    32B model would otherwise read the whole checkpoint, 61 GiB, to learn where its shard goes)."""
     for file in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                info = f.get_slice(name)
+                dtype = _DTYPES.get(info.get_dtype())
+                if dtype is None:
+                    raise PlanRefused(f"{file.name}: {name} has dtype {info.get_dtype()}, not a float type")
+                yield name, torch.empty(info.get_shape(), dtype=dtype)
 
 
 def keep_cpu_linear_weights() -> None:
@@ -114,12 +124,15 @@ copy made from it."""
 class CopyRecorder(TorchFunctionMode):
     """Records each `dst.copy_(src)` whose src is a view of one of the tensors being loaded
     (`incoming`, by key); any other in-place write while tensors are being loaded refuses the
-    plan. Also used for the LoRA slot's plan (actor/adapter_slot.py)."""
+    plan. With `perform=False` the recorded copies are not made (the incoming tensors are
+    placeholders, and the parameters hold the checkpoint already). Also used for the LoRA
+    slot's plan (actor/adapter_slot.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, perform: bool = True) -> None:
         super().__init__()
         self.incoming: dict[Any, torch.Tensor] = {}
         self.copies: Copies = {}
+        self.perform = perform
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,6 +161,8 @@ class CopyRecorder(TorchFunctionMode):
                 raise PlanRefused(f"loading {loading} copies a transformed tensor, not a view of it")
             offset = int(src.storage_offset()) - int(self.incoming[key].storage_offset())
             self.copies.setdefault(key, []).append((dst, tuple(src.shape), tuple(src.stride()), offset))
+            if not self.perform:
+                return dst
         return func(*args, **kwargs)
 
 
@@ -169,11 +184,16 @@ class LoadPlan:
 
     @classmethod
     def capture(
-        cls, model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], required: Iterable[str]
+        cls,
+        model: torch.nn.Module,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        required: Iterable[str],
+        perform: bool = True,
     ) -> LoadPlan:
         """Load `tensors` (the checkpoint the engine already serves) through the model's own
-        `load_weights`, recording where every byte goes. Raises PlanRefused."""
-        recorder = CopyRecorder()
+        `load_weights`, recording where every byte goes; with `perform=False` (placeholders of
+        the checkpoint's tensors, checkpoint_placeholders) only recording. Raises PlanRefused."""
+        recorder = CopyRecorder(perform)
 
         def feed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in tensors:
@@ -291,6 +311,7 @@ class EngineWeights:
         expected_shapes: dict[str, list[int]],
         optional_names: Iterable[str] = (),
         checkpoint: Iterable[tuple[str, torch.Tensor]] | None = None,
+        placeholders: bool = False,
     ):
         self._runner = model_runner
         self._expected = expected_shapes
@@ -300,7 +321,8 @@ class EngineWeights:
         self.plan_refused: str | None = "no checkpoint to plan from"
         if checkpoint is not None:
             try:
-                self.plan = LoadPlan.capture(model, checkpoint, set(expected_shapes) - self._optional)
+                required = set(expected_shapes) - self._optional
+                self.plan = LoadPlan.capture(model, checkpoint, required, perform=not placeholders)
                 self.plan_refused = None
             except PlanRefused as e:
                 self.plan_refused = str(e)
@@ -313,7 +335,7 @@ class EngineWeights:
     @classmethod
     def of(cls, model_runner, model_path: str | Path) -> EngineWeights:
         shapes, optional = checkpoint_shapes(model_path)
-        return cls(model_runner, shapes, optional, checkpoint_tensors(model_path))
+        return cls(model_runner, shapes, optional, checkpoint_placeholders(model_path), placeholders=True)
 
     def check(self, named_tensors: Named) -> None:
         """Raise ValueError unless the update has every parameter of the engine's model with

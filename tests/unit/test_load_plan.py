@@ -108,3 +108,30 @@ def test_a_gpu_plan_synchronizes_once_after_its_copies(monkeypatch):
     plan.copy(plan.bind([("w", torch.full((2, 3), 2.0))]))
     assert len(calls) == 1 and calls[0][0] == torch.device("cuda", 0)
     assert torch.equal(calls[0][1], torch.full((2, 3), 2.0))  # every copy was issued before it
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2)])
+def test_a_plan_from_the_checkpoints_headers_alone_copies_the_same(tmp_path, rank, world):
+    """`checkpoint_placeholders` gives each tensor's name, shape and dtype from the safetensors
+    headers, unfilled; a plan captured from them without performing its copies leaves the
+    parameters as they were and then loads an update exactly as the loader does."""
+    from safetensors.torch import save_file
+
+    from pipeline_rl.actor.engine_weights import checkpoint_placeholders
+
+    hidden = 8
+    save_file(dict(tensors(hidden, 0)), str(tmp_path / "model.safetensors"))
+    placeholders = list(checkpoint_placeholders(tmp_path))
+    assert [(n, tuple(t.shape), t.dtype) for n, t in placeholders] == sorted(
+        (n, tuple(t.shape), t.dtype) for n, t in tensors(hidden, 0)
+    )
+    planned, loaded = FusedShard(hidden, rank, world), FusedShard(hidden, rank, world)
+    for p in planned.parameters():
+        p.data.fill_(5.0)  # what the engine serves: left alone by the capture
+    plan = LoadPlan.capture(planned, placeholders, planned.names(), perform=False)
+    assert all(bool((p == 5.0).all()) for p in planned.parameters())
+    update = tensors(hidden, 1)
+    plan.copy(plan.bind(update))
+    loaded.load_weights(update)
+    for (name, p), q in zip(planned.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
