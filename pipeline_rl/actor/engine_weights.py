@@ -221,14 +221,15 @@ class LoadPlan:
         the checkpoint's shapes): the per-update work done before the lock is taken."""
         return [pair for name, tensor in named_tensors for pair in bind(self.copies, name, tensor)]
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], synchronize: bool = True) -> None:
         """Copy bound pairs into the parameters: all a swap does under the lock. One call for
         all of them: torch lets go of the GIL around every op, and a copy per tensor gave a
-        busy thread of the actor the GIL between each two (measured: 6.7 ms held instead of
-        0.2 ms of copying, for 50 tensors)."""
+        busy thread of the actor the GIL between each two. On CUDA the copies are queued on
+        the current stream; `synchronize` waits for them (a caller that queues them on the
+        stream of the next forward pass, actor/swap_streams.py, needs not)."""
         with torch.no_grad():
             torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs], non_blocking=True)
-        if self.device.type == "cuda":
+        if synchronize and self.device.type == "cuda":
             # The next forward pass may run on another stream: the copies must be done first.
             torch.cuda.synchronize(self.device)
 
@@ -370,15 +371,15 @@ class EngineWeights:
             [(dst, block) for name, pairs in self.plan.copies.items() for (dst, *_), block in zip(pairs, kept[name])]
         )
 
-    def load(self, update: Prepared) -> None:
+    def load(self, update: Prepared, synchronize: bool = True) -> None:
         """Load a prepared update in place (each tensor-parallel worker its own shard); the
-        caller makes sure no forward pass runs meanwhile."""
+        caller makes sure no forward pass runs meanwhile (`synchronize`: LoadPlan.copy)."""
         if update.host is not None:
             update.host.copy()
             return
         if update.pairs is not None:
             assert self.plan is not None  # prepare bound it
-            self.plan.copy(update.pairs)
+            self.plan.copy(update.pairs, synchronize)
             return
         self._runner.reload_weights(weights_iterator=iter(update.named or ()))
         for module in self._tied:

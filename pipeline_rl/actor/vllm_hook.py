@@ -27,8 +27,10 @@ new weights from the next decode step.
 A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
 another forward pass before the swap has run.
 
-On GPU the copies end with a device synchronize, inside the lock hold: the next forward pass,
-on whatever stream, reads the new weights.
+On GPU (TP = 1) the broadcast is received on a stream of its own and the load is queued on the
+engine's stream, after the forward pass in flight and before the next one (actor/swap_streams.py):
+the engine keeps generating while an update is transferred, and the lock is held only while the
+copies are queued.
 
 All of this relies on vLLM internals (the in-process engine core and its scheduler,
 `driver_worker`, the model's `load_weights` and weight loaders, the CPU linear dispatch), checked on
@@ -53,6 +55,7 @@ import torch
 
 from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter
 from pipeline_rl.actor.engine_weights import EngineWeights, Prepared
+from pipeline_rl.actor.swap_streams import SwapStreams
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import WeightReceiver
 
@@ -168,6 +171,7 @@ class SwapGate:
                     self.on_new_version(self.version)
                 self._forward_version = self.version
             self.forward_passes += 1
+            self._before_call()
             began = time.perf_counter()
             try:
                 result = self._call(*args, **kwargs)
@@ -179,6 +183,9 @@ class SwapGate:
     def _refuse_if_broken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"engine weights are partially loaded ({self._broken}); restart the actor")
+
+    def _before_call(self) -> None:
+        """Runs under the lock before each engine call, in the engine's thread."""
 
     def _after_call(self) -> None:
         """Runs under the lock after each engine call; raising discards the call's result."""
@@ -261,6 +268,8 @@ class WeightSwapHook(SwapGate):
     def __init__(self, model_runner, version: int, weights: EngineWeights | AdapterSlot, history: int = 10000):
         super().__init__(model_runner, "execute_model", version, history)
         self.weights = weights
+        device = next(model_runner.get_model().parameters()).device
+        self.streams = SwapStreams(device)
 
     @classmethod
     def install(
@@ -297,9 +306,17 @@ class WeightSwapHook(SwapGate):
         if staged.update is None:
             raise ValueError(f"update {staged.ticket} was staged by another engine's hook")
 
+    def _before_call(self) -> None:
+        self.streams.note_engine_stream()
+
     def _load(self, staged: Staged) -> None:
         assert staged.update is not None  # _check passed
-        self.weights.load(staged.update)  # pyright: ignore[reportArgumentType] (prepared by self.weights)
+        with self.streams.loading():
+            if isinstance(self.weights, EngineWeights):
+                # Ordered on the engine's stream: no synchronize.
+                self.weights.load(staged.update, synchronize=False)  # pyright: ignore[reportArgumentType]
+            else:
+                self.weights.load(staged.update)  # pyright: ignore[reportArgumentType] (prepared by self.weights)
 
 
 class LocalReceiver:
@@ -310,7 +327,9 @@ class LocalReceiver:
         self.hook, self.endpoint = hook, endpoint
 
     def receive(self, update: WeightUpdate) -> Staged:
-        return self.hook.stage(self.endpoint.receive(update), ticket=str(update.version))
+        with self.hook.streams.receiving():
+            tensors = self.endpoint.receive(update)
+        return self.hook.stage(tensors, ticket=str(update.version))
 
     def close(self) -> None:
         self.endpoint.close()

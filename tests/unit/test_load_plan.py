@@ -94,10 +94,11 @@ def test_plan_refuses_a_loader_that_fails():
 
 
 def test_a_gpu_plan_synchronizes_once_after_its_copies(monkeypatch):
-    """The TP = 1 swap's ordering: on CUDA the engine's next forward pass may run on another
-    stream, so LoadPlan.copy ends with one device synchronize, issued after every copy, inside
-    the lock hold (scripts/gpu_swap_check.py shows stale reads on an H100 without it). A CPU
-    plan does not synchronize."""
+    """A caller that does not order the copies itself (a TP worker's load): on CUDA the next
+    forward pass may run on another stream, so LoadPlan.copy ends with one device synchronize,
+    issued after every copy (scripts/gpu_swap_check.py shows stale reads without any ordering).
+    A CPU plan does not synchronize, nor one asked not to (the TP = 1 swap queues its copies on
+    the engine's stream: tests/unit/test_swap_streams.py)."""
     dst = torch.zeros(2, 3)
     plan = LoadPlan({"w": [(dst, (2, 3), (3, 1), 0)]})
     calls: list[tuple[object, torch.Tensor]] = []
@@ -108,6 +109,8 @@ def test_a_gpu_plan_synchronizes_once_after_its_copies(monkeypatch):
     plan.copy(plan.bind([("w", torch.full((2, 3), 2.0))]))
     assert len(calls) == 1 and calls[0][0] == torch.device("cuda", 0)
     assert torch.equal(calls[0][1], torch.full((2, 3), 2.0))  # every copy was issued before it
+    plan.copy(plan.bind([("w", torch.full((2, 3), 3.0))]), synchronize=False)
+    assert len(calls) == 1 and torch.equal(dst, torch.full((2, 3), 3.0))
 
 
 @pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2)])
