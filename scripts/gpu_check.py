@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import random
 import re
 import socket
@@ -239,6 +241,23 @@ def staging_check(gib: float = 4.0, chunk_mib: int = 256) -> dict:
     return result
 
 
+def _profile_steps_after(warmup: int, host: cProfile.Profile) -> None:
+    """Have `host` profile every trainer step from version `warmup` on."""
+    from pipeline_rl.trainer.trainer import Trainer
+
+    step = Trainer._step
+
+    def profiled(self, *args, **kwargs):
+        if self.version >= warmup:
+            host.enable()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            host.disable()
+
+    Trainer._step = profiled
+
+
 def plan_gib(cfg) -> float:
     from pipeline_rl.launch.memory_plan import ModelShape, trainer_bytes
 
@@ -336,6 +355,13 @@ def main() -> int:
         "--checks", action="store_true", help="GPU: varlen against sdpa, and the checkpoint's host copies"
     )
     parser.add_argument("--profile", action="store_true", help="profile the run: attention's share of device time")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="the host's time in the trainer's steps after the second, by function (cProfile): with "
+        "--reduced --layers 24, where compute is small, what the host does per step",
+    )
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.logprob_chunk_tokens=512")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.reduced
@@ -345,7 +371,10 @@ def main() -> int:
     if args.suite:
         return suite(out, args.steps, args.only)
     model_dir = Path(args.model_dir) if args.model_dir else out / "model"
-    config, params = build_model(model_dir, REDUCED if args.reduced else FULL, seq_length)
+    shapes = REDUCED if args.reduced else FULL
+    if args.layers:
+        shapes = {**shapes, "num_hidden_layers": args.layers}
+    config, params = build_model(model_dir, shapes, seq_length)
     if args.checks:
         checks = {
             "varlen against sdpa": varlen_against_sdpa(model_dir, 8192, 16),
@@ -405,8 +434,13 @@ def main() -> int:
         from pipeline_rl.trainer.trainer import run
 
         start = time.perf_counter()
+        host = cProfile.Profile() if args.host_profile else None
+        if host is not None:
+            _profile_steps_after(2, host)
         with profile:
             version = run(cfg, 0)
+        if host is not None:
+            pstats.Stats(host).sort_stats("cumulative").print_stats(r"deepspeed|pipeline_rl", 20)
         wall = time.perf_counter() - start
         steps = [r["values"] for r in read_metrics(Path(cfg.run_dir)) if "compute_tokens_per_s" in r["values"]]
         timed = steps[2:] if len(steps) > 3 else steps  # the first steps include allocator and kernel warm-up
