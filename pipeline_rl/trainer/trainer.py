@@ -44,6 +44,7 @@ from pipeline_rl.streams.api import Writer
 from pipeline_rl.streams.records import MicroBatch, WeightUpdate
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
+from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
@@ -54,7 +55,6 @@ from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, memb
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
-CONSISTENCY_KEYS = ("lag0_tokens", "lag0_abs_diff", "lag0_kl", "behaviour_tokens", "behaviour_kl")
 
 
 class Trainer:
@@ -332,10 +332,8 @@ class Trainer:
     def _micro_batch_loss(
         self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The loss plug-in's (loss, stats) and the consistency sums of `_mismatch`."""
-        host = _host_tensors(mb, loss_mask)
-        # One pinned copy, asynchronous: the device never waits for the host to build a micro-batch.
-        dev = {k: _on_device(t, self.device) for k, t in host.items()}
+        """The loss plug-in's (loss, stats) and the micro-batch's `consistency_sums`."""
+        dev = micro_batch_inputs(mb, loss_mask, self.device)
         wanted = [t for t, m in enumerate(loss_mask) if m > 0]
         logprobs, entropy = packed_logprobs(
             self.engine,
@@ -359,27 +357,10 @@ class Trainer:
             step_samples,
             dev.get("ref_logprobs"),
         )
-        mismatch = self._mismatch(logprobs.detach(), dev["old_logprobs"], dev["loss_mask"], dev["versions"])
-        return loss, stats, mismatch
-
-    def _mismatch(self, logprobs, old, mask, versions) -> torch.Tensor:
-        """Sums named by CONSISTENCY_KEYS: over the trained tokens sampled by the current version,
-        their count, sum |logprob - behaviour logprob| and the k3 estimate of KL(behaviour ||
-        trainer); then the count and k3 sum over all trained tokens, whatever their lag."""
-        trained = mask > 0
-        lag0 = trained & (versions == self.version)
-        d = (logprobs - old).double()
-        k3 = d.exp() - 1 - d
-        # torch.where, not boolean indexing: indexing would wait for the device to count the tokens.
-        return torch.stack(
-            [
-                lag0.sum().double(),
-                torch.where(lag0, d.abs(), 0).sum(),
-                torch.where(lag0, k3, 0).sum(),
-                trained.sum().double(),
-                torch.where(trained, k3, 0).sum(),
-            ]
+        mismatch = consistency_sums(
+            logprobs.detach(), dev["old_logprobs"], dev["loss_mask"], dev["versions"], self.version
         )
+        return loss, stats, mismatch
 
     def _publish_weights(self) -> dict:
         """Rank 0 broadcasts the current weights to the actors; under ZeRO-3 every rank takes part
@@ -443,28 +424,6 @@ class Trainer:
         if self.sender is not None:
             self.sender.close()
         self.streams.close()
-
-
-def _host_tensors(mb: MicroBatch, loss_mask: list[int]) -> dict[str, torch.Tensor]:
-    """The micro-batch's per-token inputs as host tensors ([T] each)."""
-    out = {
-        "input_ids": torch.tensor(mb.input_ids),
-        "position_ids": torch.tensor(mb.position_ids),
-        "seq_index": torch.repeat_interleave(torch.arange(len(mb.seq_lengths)), torch.tensor(mb.seq_lengths)),
-        "old_logprobs": torch.tensor(mb.old_logprobs, dtype=torch.float32),
-        "advantages": torch.tensor(mb.advantages, dtype=torch.float32),
-        "loss_mask": torch.tensor(loss_mask),
-        "versions": torch.tensor(mb.versions),
-    }
-    if mb.ref_logprobs is not None:
-        out["ref_logprobs"] = torch.tensor(mb.ref_logprobs, dtype=torch.float32)
-    return out
-
-
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _init_distributed(cfg: RunConfig) -> None:
