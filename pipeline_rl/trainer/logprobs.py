@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pipeline_rl.trainer import packed_attention
+from pipeline_rl.trainer.inputs import to_device
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -273,6 +274,12 @@ def packed_logprobs(
         )
     inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
     shared = bool(prefix_lengths and any(prefix_lengths))
+    if wanted is not None and not shared:
+        starts = set(itertools.accumulate([0, *(seq_lengths or [])[:-1]])) if seq_lengths else {0}
+        if starts.intersection(wanted):
+            raise ValueError(
+                f"wanted tokens {sorted(starts.intersection(wanted))} begin a sequence: nothing predicts them"
+            )
     if getattr(getattr(_causal_lm(model), "config", None), "_attn_implementation", None) == packed_attention.NAME:
         if shared or seq_lengths is None:
             raise ValueError("the varlen attention needs seq_lengths and cannot take shared prompts")
@@ -288,17 +295,9 @@ def packed_logprobs(
     hidden, head, anchor = final_hidden(model, **inputs)
     total = input_ids.shape[1]
     if wanted is not None:
-        if shared:
-            index = _to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
-            rows = source[index]  # the trainer asks only for tokens that something predicts
-        else:
-            starts = set(itertools.accumulate([0, *(seq_lengths or [])[:-1]])) if seq_lengths else {0}
-            if starts.intersection(wanted):
-                raise ValueError(
-                    f"wanted tokens {sorted(starts.intersection(wanted))} begin a sequence: nothing predicts them"
-                )
-            index = _to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
-            rows = index - 1
+        index = to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
+        # Shared prompts: the trainer asks only for tokens that something predicts.
+        rows = source[index] if shared else index - 1
         lp, ent = token_logprobs(hidden[rows], head, input_ids[0, index], temperature, chunk_tokens)
         zero = torch.zeros(total, dtype=torch.float32, device=input_ids.device)
         return zero.index_add(0, index, lp) + anchor.float(), zero.index_add(0, index, ent)
@@ -313,10 +312,3 @@ def packed_logprobs(
     keep = ~sequence_starts(position_ids)[1:]
     zero = anchor.reshape(1).float()
     return torch.cat([zero, token_logp * keep]), torch.cat([zero, token_entropy * keep])
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device (pinned, asynchronous copy)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from pipeline_rl.trainer.inputs import to_device
+
 NAME = "varlen"
 
 
@@ -35,8 +37,7 @@ def varlen_kwargs(seq_lengths: list[int], device: torch.device | str) -> dict:
     CPU kernel."""
     cu = torch.zeros(len(seq_lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seq_lengths, dtype=torch.int32), 0)
-    if torch.device(device).type == "cuda":
-        cu = cu.pin_memory().to(device, non_blocking=True)
+    cu = to_device(cu, device)
     longest = max(seq_lengths, default=0)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
