@@ -1,5 +1,5 @@
 """LoRA: the contract between the trainer, which trains low-rank adapters on a frozen base
-with peft, and the actors' engines, which serve them (actor/adapter_slot.py).
+with peft, and the actors' engines, which serve them (engine/adapter_slot.py).
 
 What crosses between them is an adapter in PEFT's saved form: tensors named as in
 `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, [rank, in], and

@@ -75,3 +75,9 @@ CACHE_ENV = "PIPELINE_RL_CACHE"
 def redis_namespace(run_name: str) -> str:
     """Prefix of every Redis key of a run, so runs can share one server."""
     return f"pipeline_rl:{run_name}"
+
+
+PEER_GONE_EXIT = 3
+"""Exit code of a pool process that failed because a peer it exchanges weights with is gone
+(weight_sync.PeerGone): the launcher then waits up to PEER_REPORT_WAIT_S for that peer's own
+failure and reports it as the cause (a worker that died, not the trainer that noticed first)."""

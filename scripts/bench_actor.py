@@ -195,10 +195,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from pipeline_rl.actor.adapter_slot import lora_request
-    from pipeline_rl.actor.llm_client import LLMClient, engine_args, set_engine_environment
-    from pipeline_rl.actor.tp_swap import TensorParallelSwapHook
-    from pipeline_rl.actor.vllm_hook import WeightSwapHook
+    from pipeline_rl.engine.adapter_slot import lora_request
+    from pipeline_rl.engine.llm_client import LLMClient, engine_args, set_engine_environment
+    from pipeline_rl.engine.tp_swap import TensorParallelSwapHook
+    from pipeline_rl.engine.vllm_hook import WeightSwapHook
     from pipeline_rl.lora import write_zero_adapter
     from pipeline_rl.streams import open_streams
     from pipeline_rl.streams.records import WeightUpdate

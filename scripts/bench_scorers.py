@@ -38,12 +38,12 @@ def main() -> None:
     from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
 
     from pipeline_rl.config import RunConfig
+    from pipeline_rl.core.logprobs import packed_logprobs
     from pipeline_rl.demo.multistep import make_problems
     from pipeline_rl.demo.tiny_model import make_tokenizer, qwen2_config
     from pipeline_rl.scorers import DistillationScorer, ProcessRewardScorer, RewardModelScorer
     from pipeline_rl.scorers.hf import pack_rows
     from pipeline_rl.streams.records import Rollout, RolloutGroup
-    from pipeline_rl.trainer.logprobs import packed_logprobs
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     tok = make_tokenizer()

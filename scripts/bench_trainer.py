@@ -51,10 +51,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from pipeline_rl.config import load_config, save_config  # noqa: E402
+from pipeline_rl.core.logprobs import packed_logprobs  # noqa: E402
 from pipeline_rl.preprocess.packing import pack_step, rollout_sequence  # noqa: E402
 from pipeline_rl.streams import open_streams  # noqa: E402
 from pipeline_rl.streams.records import Rollout, WeightUpdate, decode, encode  # noqa: E402
-from pipeline_rl.trainer.logprobs import packed_logprobs  # noqa: E402
 from pipeline_rl.trainer.loss import policy_loss  # noqa: E402
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV  # noqa: E402
 

@@ -181,7 +181,7 @@ def varlen_against_sdpa(model_dir: Path, seq_length: int, rows: int) -> dict:
     with the block-diagonal mask, and the gradient through varlen."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.trainer.logprobs import packed_logprobs
+    from pipeline_rl.core.logprobs import packed_logprobs
 
     g = torch.Generator().manual_seed(0)
     length = seq_length // rows

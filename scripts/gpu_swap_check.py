@@ -13,7 +13,7 @@ Prints JSON; exits 1 if an ordered round saw old weights. No vLLM needed.
 
     python scripts/gpu_swap_check.py --concurrent [--gib 1.0] [--rounds 10]
 
-The TP = 1 swap as the actor runs it (actor/swap_streams.py): an "engine" thread launches forward
+The TP = 1 swap as the actor runs it (engine/swap_streams.py): an "engine" thread launches forward
 passes (matrix products over every parameter, then each parameter's minimum and maximum) on its
 stream under the swap lock, and reads back after each one, as vLLM's sampler does; a receiver
 thread transfers each update from pinned host memory into staging buffers on its own stream (the
@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline_rl.actor.engine_weights import LoadPlan
-from pipeline_rl.actor.swap_streams import SwapStreams
+from pipeline_rl.engine.engine_weights import LoadPlan
+from pipeline_rl.engine.swap_streams import SwapStreams
 
 
 class Fused(torch.nn.Module):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pipeline_rl.actor.domains import load_domain
+from pipeline_rl.rollouts.domains import load_domain
 from pipeline_rl.streams.records import Rollout, RolloutGroup, decode, encode
 
 

@@ -6,7 +6,7 @@ the actor's stream."""
 
 from __future__ import annotations
 
-from pipeline_rl.actor.domains import arithmetic
+from pipeline_rl.rollouts.domains import arithmetic
 from pipeline_rl.streams import open_streams
 from pipeline_rl.wire import Topic
 

@@ -197,7 +197,7 @@ def start_tp_client(cfg, model_path, **kwargs):
     """LLMClient.create for a tensor-parallel CPU engine, with its workers' thread binding set in
     the environment only while it starts (the in-process engines of later tests must not inherit
     a binding for another number of workers: vLLM asserts they match)."""
-    from pipeline_rl.actor.llm_client import LLMClient, cpu_thread_binds
+    from pipeline_rl.engine.llm_client import LLMClient, cpu_thread_binds
 
     binding = cpu_thread_binds(cfg.actor.llm.tensor_parallel_size, sorted(os.sched_getaffinity(0)))
     with pytest.MonkeyPatch.context() as mp:

@@ -1,4 +1,4 @@
-"""A two-turn arithmetic domain: the example of a multi-turn rollout (see pipeline_rl/actor/domains).
+"""A two-turn arithmetic domain: the example of a multi-turn rollout (see pipeline_rl/rollouts/domains).
 
 Turn 1: the policy answers the problem ("Q: 37+48=" -> "85"). The environment then asks the
 same sum with the operands swapped ("\\nQ: 48+37=", mask 0), and turn 2 answers that. The
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from pipeline_rl.actor.domains.arithmetic import score
+from pipeline_rl.rollouts.domains.arithmetic import score
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 

@@ -22,12 +22,12 @@ from helpers import free_port, hf_model
 from safetensors.torch import load_file
 
 from pipeline_rl.config import RunConfig, load_config, save_config
+from pipeline_rl.core.checkpoint_layout import latest_checkpoint
+from pipeline_rl.core.logprobs import packed_logprobs
 from pipeline_rl.preprocess.advantages import sequence_advantages
 from pipeline_rl.preprocess.packing import Sequence, pack_step, rollout_sequence
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import Rollout, WeightUpdate
-from pipeline_rl.trainer.checkpoint import latest_checkpoint
-from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.weight_sync import WeightReceiver
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 

@@ -12,7 +12,7 @@ from agent_envs import operands, swapped
 from agent_tools import add
 from helpers import TESTS
 
-from pipeline_rl.actor.agent.vf_mcp import McpToolEnv
+from pipeline_rl.rollouts.agent.vf_mcp import McpToolEnv
 
 between_turns: Callable[[], Awaitable[None]] | None = None
 """Awaited by TwoQuestions before its second question (a test sets it to swap weights there)."""

@@ -1,7 +1,7 @@
 """The actor process: `python -m pipeline_rl.actor --run-dir RUN_DIR --index I`.
 
-One in-process vLLM engine (pipeline_rl/actor/llm_client.py) and an asyncio loop that runs the
-domain's rollout (pipeline_rl/actor/domains) for up to `actor.max_groups_in_flight` problems at
+One in-process vLLM engine (pipeline_rl/engine/llm_client.py) and an asyncio loop that runs the
+domain's rollout (pipeline_rl/rollouts/domains) for up to `actor.max_groups_in_flight` problems at
 once; continuous batching puts all their requests into the same forward passes. Each finished
 group goes to partition I of the "actor" stream. A group starts only when admission control
 (pipeline_rl/actor/admission.py) allows it, so a slow or stalled trainer slows the actor down instead
@@ -50,13 +50,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
-from pipeline_rl.actor.agent.stats import AgentStats
-from pipeline_rl.actor.datasets import load_problems
-from pipeline_rl.actor.domains import load_domain
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
-from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
+from pipeline_rl.rollouts.agent.stats import AgentStats
+from pipeline_rl.rollouts.datasets import load_problems
+from pipeline_rl.rollouts.domains import load_domain
 from pipeline_rl.streams import PositionStore, open_streams
 from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
@@ -109,8 +109,8 @@ class Window:
 
 class Actor:
     def __init__(self, cfg: RunConfig, index: int):
-        from pipeline_rl.actor.llm_client import LLMClient
-        from pipeline_rl.trainer.checkpoint import latest_checkpoint
+        from pipeline_rl.core.checkpoint_layout import latest_checkpoint
+        from pipeline_rl.engine.llm_client import LLMClient
 
         self.cfg, self.index = cfg, index
         self.name = f"actor{index}"

@@ -71,7 +71,7 @@ class Attention(StrEnum):
     flash_attention_2 = "flash_attention_2"
     """Varlen flash-attention: sequence boundaries come from position_ids, no [T, T] mask."""
     varlen = "varlen"
-    """Each packed sequence attends only to itself (pipeline_rl/trainer/packed_attention.py):
+    """Each packed sequence attends only to itself (pipeline_rl/core/packed_attention.py):
     torch's varlen flash-attention kernel on GPU (bf16/fp16), per-sequence sdpa elsewhere. Work
     grows with the sum of the squared sequence lengths, not the squared row, and no [T, T] mask
     is made. Needs no package beyond torch."""

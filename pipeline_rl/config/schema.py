@@ -176,7 +176,7 @@ class LLMConfig:
     tensor_parallel_size: int = 1
     """Shards of each actor's engine (vLLM's tensor parallelism): on GPU that many GPUs of one
     node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
-    engine steps and every shard swaps between the same two steps (pipeline_rl/actor/tp_swap.py)."""
+    engine steps and every shard swaps between the same two steps (pipeline_rl/engine/tp_swap.py)."""
 
 
 @dataclass
@@ -210,14 +210,14 @@ class McpServerConfig:
 @dataclass
 class AgentConfig:
     """Agent environments: `actor.domain: agent` runs `environment` against an OpenAI-style
-    client of the actor's engine (pipeline_rl/actor/agent/, README "Agent environments")."""
+    client of the actor's engine (pipeline_rl/rollouts/agent/, README "Agent environments")."""
 
     environment: str = ""
     """The environment as `module:function`: `async def run(client, problem) -> float`, one
     episode of one problem, returning its reward."""
     tools: list[str] = field(default_factory=list)
     """Tools the model may call, each a documented function `module:function`
-    (pipeline_rl/actor/agent/tools.py); `client.tools` are their OpenAI schemas."""
+    (pipeline_rl/rollouts/agent/tools.py); `client.tools` are their OpenAI schemas."""
     mcp_servers: list[McpServerConfig] = field(default_factory=list)
     """MCP tool servers (stdio) whose tools the model may call too; each actor starts its own
     at its first episode and stops them at exit."""
@@ -245,7 +245,7 @@ class AgentConfig:
 class VerifiersConfig:
     """Environments of the verifiers library (the `verifiers` extra): `actor.domain: verifiers`
     runs `environment`'s own rollout and rubric on the actor's engine
-    (pipeline_rl/actor/domains/verifiers_env.py). Its chat client is the agent domain's, so
+    (pipeline_rl/rollouts/domains/verifiers_env.py). Its chat client is the agent domain's, so
     actor.agent.chat_template, max_turns and error_reward apply to it too."""
 
     environment: str = ""
@@ -280,7 +280,7 @@ class ActorConfig:
     reward_timeout_s: float = 5.0
     """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
     reward_workers: int = 2
-    """Worker processes per actor that run reward checks under the time limit (pipeline_rl/actor/rewards.py)."""
+    """Worker processes per actor that run reward checks under the time limit (pipeline_rl/rollouts/rewards.py)."""
     math_reward: MathRewardConfig = field(default_factory=MathRewardConfig)
     """Reward table of the math domain."""
     eval_every_s: float = 30.0

@@ -5,7 +5,7 @@ few minutes on 2 cores.
 Task: "Q: 12+34+56=" answered in two steps, one per line: "12+34=46\\n46+56=102". Problems
 have a + b < 100, so each step is a 2-digit addition, the tiny model's own skill; what the
 policy must learn is the format and carrying the first result into the second step. The
-domain `multistep` (pipeline_rl/actor/domains/multistep.py) rewards a completion whose last
+domain `multistep` (pipeline_rl/rollouts/domains/multistep.py) rewards a completion whose last
 line ends in "=<answer>" and that stops by EOS.
 
 `build(cache_dir)` writes, under cache_dir:

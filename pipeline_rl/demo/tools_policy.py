@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline_rl.actor.agent.template import ChatTemplate
 from pipeline_rl.demo import multistep, tiny_model
 from pipeline_rl.demo.tool_task import TEMPLATE, call_text
+from pipeline_rl.rollouts.agent.template import ChatTemplate
 
 NAME = "tools_policy"
 TOOL_SHARE = 0.5

@@ -120,11 +120,11 @@ def check_plugins(cfg: RunConfig) -> None:
     check_scorers(cfg)
     load_loss(cfg.trainer.loss)
     if cfg.actor.domain == "agent":
-        from pipeline_rl.actor.domains.agent import load_agent
+        from pipeline_rl.rollouts.domains.agent import load_agent
 
         load_agent(cfg.actor.agent)
     if cfg.actor.domain == "verifiers":
-        from pipeline_rl.actor.domains.verifiers_env import load_environment
+        from pipeline_rl.rollouts.domains.verifiers_env import load_environment
 
         load_environment(cfg.actor.verifiers)
 

@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_rl.actor.adapter_slot import engine_max_rank
 from pipeline_rl.config import MASK_FREE_ATTENTION, LoraConfig, RunConfig, attention_kernel
+from pipeline_rl.engine.adapter_slot import engine_max_rank
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -179,7 +179,7 @@ ZeRO-3, 1.68 GiB at ZeRO-2)."""
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed's default stage3_prefetch_bucket_size (parameters fetched ahead of use)."""
 LOGITS_CHUNK_BYTES_PER_ENTRY = 10
-"""Bytes per row and vocabulary entry while a chunk of logits is live (trainer/logprobs.py
+"""Bytes per row and vocabulary entry while a chunk of logits is live (core/logprobs.py
 _ChunkedHead, in a bf16 model): in forward the output layer's bf16 logits, their float32 copy and
 the float32 probabilities; in backward the float32 logits turned in place into their gradient,
 the probabilities, and the gradient in bf16."""

@@ -1,5 +1,5 @@
 """The run directory: prepared by the launcher (one node) or the Ray driver alone, and checked by
-every pool process.
+every pool process (core/process.py checks it).
 
 Only one process ever prepares it (the `--fresh` wipe, `config.yaml`), so a node that starts
 late cannot delete or rewrite what another node's processes already use. `config.yaml` is
@@ -16,16 +16,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 from pipeline_rl.config import ConfigError, RunConfig, save_config
-from pipeline_rl.wire import RUN_NONCE_ENV, RUN_NONCE_FILE
-
-
-class RunDirNotShared(RuntimeError):
-    """A process does not see the run directory its launcher prepared."""
+from pipeline_rl.wire import RUN_NONCE_FILE
 
 
 def prepare_run_dir(cfg: RunConfig, fresh: bool) -> tuple[bool, str]:
@@ -49,23 +44,3 @@ def prepare_run_dir(cfg: RunConfig, fresh: bool) -> tuple[bool, str]:
     nonce = secrets.token_hex(16)
     (run_dir / RUN_NONCE_FILE).write_text(nonce)
     return resumed, nonce
-
-
-def check_run_dir(run_dir: Path, process: str, env: dict[str, str] | None = None) -> None:
-    """Raise RunDirNotShared unless `run_dir` holds the nonce the launcher put in RUN_NONCE_ENV.
-    A process started by hand (no RUN_NONCE_ENV) is not checked."""
-    expected = (os.environ if env is None else env).get(RUN_NONCE_ENV)
-    if expected is None:
-        return
-    try:
-        found = (run_dir / RUN_NONCE_FILE).read_text().strip()
-    except OSError as e:
-        seen = f"it cannot read {run_dir / RUN_NONCE_FILE} ({type(e).__name__})"
-    else:
-        if found == expected:
-            return
-        seen = f"{run_dir / RUN_NONCE_FILE} holds another run's nonce"
-    raise RunDirNotShared(
-        f"{process} on {socket.gethostname()} does not see the run directory the launcher prepared: {seen}. "
-        f"run_dir ({run_dir}) must be on a file system every node shares, at the same path"
-    )

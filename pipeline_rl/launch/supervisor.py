@@ -16,13 +16,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline_rl.wire import PEER_GONE_EXIT
+
 STOP_GRACE_S = 6.0
 """SIGTERM, then SIGKILL after this long: a stop completes well within 10 s."""
 
-PEER_GONE_EXIT = 3
-"""Exit code of a pool process that failed because a peer it exchanges weights with is gone
-(weight_sync.PeerGone): the launcher then waits up to PEER_REPORT_WAIT_S for that peer's own
-failure and reports it as the cause (a worker that died, not the trainer that noticed first)."""
 PEER_REPORT_WAIT_S = 20.0
 """Long enough for vLLM's worker monitor (up to 9 s) and the actor's exit that follows."""
 

@@ -7,7 +7,7 @@ dealt to ranks, largest first, each to the rank with the fewest tokens so far am
 that have fewer than ceil(micro-batches / ranks); ranks left short get padding micro-batches
 so that every rank runs the same number of forward/backward passes per step.
 
-With shared prompts (`share_prompt`, pipeline_rl/trainer/logprobs.py), a group's rollouts form
+With shared prompts (`share_prompt`, pipeline_rl/core/logprobs.py), a group's rollouts form
 blocks of one prompt followed by completions; a block is packed whole, like one sequence.
 
 A sequence longer than `seq_length` is truncated to its first `seq_length` tokens (the
@@ -25,11 +25,10 @@ import copy
 import math
 from dataclasses import dataclass
 
-from pipeline_rl.streams.records import MicroBatch, Rollout
+from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch, Rollout
 
 PAD_TOKEN_ID = 0
 """Any id the vocabulary has will do: the token is masked out and attends only to itself."""
-PAD_GROUP_ID = ""
 TOKEN_FIELDS = ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs")
 """Sequence fields with one value per token."""
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.preprocess.advantages import all_zero, group_advantages
 from pipeline_rl.preprocess.packing import is_padding, pack_step, rollout_sequence, share_prompt

@@ -28,7 +28,7 @@ from enum import StrEnum
 from typing import ClassVar
 
 from pipeline_rl.config import ConfigError, RunConfig
-from pipeline_rl.plugins import load_plugin
+from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.streams.records import RolloutGroup
 
 

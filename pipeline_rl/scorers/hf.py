@@ -4,7 +4,7 @@ runs, the policy's tokenizer, and packing sequences into rows of at most
 
 Packed rows restart position_ids at 0 for each sequence and pass no attention mask and no
 cache: transformers then attends within each sequence only (see
-pipeline_rl/trainer/logprobs.py), for causal LMs and the token-classification heads built on
+pipeline_rl/core/logprobs.py), for causal LMs and the token-classification heads built on
 them alike.
 """
 

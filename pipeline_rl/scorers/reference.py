@@ -26,7 +26,7 @@ class CompletionLogprobs:
         self.chunk_tokens = cfg.model.logprob_chunk_tokens
 
     def __call__(self, rollouts: list[Rollout]) -> list[list[float]]:
-        from pipeline_rl.trainer.logprobs import packed_logprobs
+        from pipeline_rl.core.logprobs import packed_logprobs
 
         sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
         out: list[list[float]] = [[] for _ in rollouts]

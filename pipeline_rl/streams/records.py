@@ -61,6 +61,10 @@ class RolloutGroup:
     kind: str = Kind.ROLLOUT_GROUP
 
 
+PAD_GROUP_ID = ""
+"""The group id of a padding sequence (packing's filler): it has no group and trains nothing."""
+
+
 @dataclass
 class MicroBatch:
     """Packed sequences for one trainer rank. Token-level lists all have len(input_ids)."""
@@ -95,7 +99,7 @@ class MicroBatch:
     """Reference-model logprobs per token, when a reference scorer ran."""
     prefix_lengths: list[int] | None = None
     """Per sequence, with shared prompts: tokens of its block's head it attends to first (0 for
-    a head; see pipeline_rl/trainer/logprobs.py). None: every sequence stands alone."""
+    a head; see pipeline_rl/core/logprobs.py). None: every sequence stands alone."""
     kind: str = Kind.MICRO_BATCH
 
 

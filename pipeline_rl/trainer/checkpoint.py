@@ -39,24 +39,25 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from pipeline_rl.config import LoraConfig
+
+# The read side of the layout (shared with the actors), re-exported: this module is the whole layout.
+from pipeline_rl.core.checkpoint_layout import ADAPTER_DIR as ADAPTER_DIR
+from pipeline_rl.core.checkpoint_layout import HF_DIR as HF_DIR
+from pipeline_rl.core.checkpoint_layout import LATEST as LATEST
+from pipeline_rl.core.checkpoint_layout import STATE as STATE
+from pipeline_rl.core.checkpoint_layout import checkpoints_root as checkpoints_root
+from pipeline_rl.core.checkpoint_layout import latest_checkpoint as latest_checkpoint
+from pipeline_rl.core.checkpoint_layout import latest_dir as latest_dir
 from pipeline_rl.lora import write_adapter
 from pipeline_rl.streams import PositionStore
 from pipeline_rl.trainer.host_staging import host_chunks
 
 log = logging.getLogger(__name__)
 
-LATEST = "latest"
-STATE = "state.json"
-HF_DIR = "hf"
-ADAPTER_DIR = "adapter"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
 _NAME = re.compile(r"^step_(\d+)$")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
-def checkpoints_root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -66,34 +67,6 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def latest_dir(run_dir: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete checkpoint directory and its state, or None if there is none."""
-    root = checkpoints_root(run_dir)
-    try:
-        name = (root / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
-    path = root / name
-    try:
-        state = json.loads((path / STATE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError) as e:
-        raise RuntimeError(
-            f"checkpoint pointer {root / LATEST} names {name!r}, which is not a complete checkpoint ({e})"
-        ) from None
-    return path, state
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, int] | None:
-    """(the policy's directory: the Hugging Face model, or with LoRA the PEFT adapter; policy
-    version) of the newest checkpoint, or None."""
-    found = latest_dir(run_dir)
-    if found is None:
-        return None
-    path, state = found
-    policy = path / ADAPTER_DIR if (path / ADAPTER_DIR).is_dir() else path / HF_DIR
-    return policy, int(state["version"])
 
 
 def _version_of(path: Path) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline_rl.core.device_copy import to_device
 from pipeline_rl.streams.records import MicroBatch
 
 
@@ -26,13 +27,6 @@ def micro_batch_inputs(mb: MicroBatch, loss_mask: list[int], device: torch.devic
     if mb.ref_logprobs is not None:
         host["ref_logprobs"] = torch.tensor(mb.ref_logprobs, dtype=torch.float32)
     return {k: to_device(t, device) for k, t in host.items()}
-
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device (pinned, asynchronous copy)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 CONSISTENCY_KEYS = ("lag0_tokens", "lag0_abs_diff", "lag0_kl", "behaviour_tokens", "behaviour_kl")

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from pipeline_rl.config import LossConfig, RatioLevel
-from pipeline_rl.plugins import load_plugin
+from pipeline_rl.core.plugins import load_plugin
 
 STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "adv", "adv_sq")
 

@@ -15,7 +15,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from pipeline_rl import lora
 from pipeline_rl.config import LrDecay, RunConfig, attention_kernel
-from pipeline_rl.trainer import packed_attention  # noqa: F401  (registers the varlen attention with transformers)
+from pipeline_rl.core import packed_attention  # noqa: F401  (registers the varlen attention with transformers)
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:

@@ -35,18 +35,17 @@ import torch.distributed as dist
 
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
-from pipeline_rl.launch.process import run_pool_process
+from pipeline_rl.core.logprobs import packed_logprobs
+from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.lora import trained_parameters
 from pipeline_rl.metrics import MetricsLogger
-from pipeline_rl.preprocess.packing import PAD_GROUP_ID
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.api import Writer
-from pipeline_rl.streams.records import MicroBatch, WeightUpdate
+from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch, WeightUpdate
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
-from pipeline_rl.trainer.logprobs import packed_logprobs
 from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
 from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path

@@ -55,7 +55,7 @@ class WeightGroupFailed(RuntimeError):
 
 class PeerGone(WeightGroupFailed):
     """A weight transfer failed because the members it names are gone: their own failure is the
-    cause, and their processes report it (the launcher waits for that report: launch/process.py)."""
+    cause, and their processes report it (the launcher waits for that report: core/process.py)."""
 
 
 def backend_for(gpus_per_node: int) -> str:

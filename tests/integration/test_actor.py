@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import CACHE, ROOT, TESTS
 
-from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.config import load_config, save_config
+from pipeline_rl.rollouts.datasets import load_problems
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import RolloutGroup
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV

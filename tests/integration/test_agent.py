@@ -1,4 +1,4 @@
-"""Agent environments on a real vLLM engine with the tiny model (pipeline_rl/actor/agent/):
+"""Agent environments on a real vLLM engine with the tiny model (pipeline_rl/rollouts/agent/):
 multi-turn and tool environments give rollouts whose model tokens, logprobs and versions are
 exactly the engine's outputs for each turn (whose prompt was everything before it) and whose
 mask covers exactly those tokens; a conversation across a weight swap carries both versions;
@@ -15,8 +15,8 @@ import pytest
 from agent_checks import check_engine_exact, model_turns, run_groups
 from helpers import CACHE, TESTS, perturbed
 
-from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.config import load_config
+from pipeline_rl.rollouts.datasets import load_problems
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import RolloutGroup
 
@@ -43,7 +43,7 @@ def agent_cfg(run_dir, tiny_model, environment: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def llm(tiny_model, tmp_path_factory):
-    from pipeline_rl.actor.llm_client import LLMClient
+    from pipeline_rl.engine.llm_client import LLMClient
 
     cfg = agent_cfg(tmp_path_factory.mktemp("run"), tiny_model, "agent_envs:two_questions")
     client = LLMClient.create(cfg, str(tiny_model), version=0)
@@ -155,7 +155,7 @@ def test_actor_loop_counts_tool_failures_and_goes_on(llm, tmp_path, tiny_model, 
     import agent_envs
 
     from pipeline_rl.actor import actor as actor_module
-    from pipeline_rl.actor.llm_client import LLMClient
+    from pipeline_rl.engine.llm_client import LLMClient
 
     cfg = agent_cfg(
         tmp_path,

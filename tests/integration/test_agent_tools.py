@@ -1,4 +1,4 @@
-"""Tools in real worker processes (pipeline_rl/actor/agent/tools.py): a working tool's result,
+"""Tools in real worker processes (pipeline_rl/rollouts/agent/tools.py): a working tool's result,
 its OpenAI schema from the docstring; a tool that raises, hangs past the limit or returns garbage,
 an unknown tool and bad arguments each give a ToolError naming the tool, and the pool goes on
 serving afterwards; a config that names a bad tool is refused naming its key."""
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pipeline_rl.actor.agent.tools import ToolError, Tools
 from pipeline_rl.config import ConfigError
+from pipeline_rl.rollouts.agent.tools import ToolError, Tools
 
 TIMEOUT_S = 2.0
 

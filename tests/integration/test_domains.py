@@ -10,9 +10,9 @@ import json
 import pytest
 from helpers import CACHE
 
-from pipeline_rl.actor.datasets import load_problems
-from pipeline_rl.actor.domains import load_domain
 from pipeline_rl.config import load_config
+from pipeline_rl.rollouts.datasets import load_problems
+from pipeline_rl.rollouts.domains import load_domain
 from pipeline_rl.streams.records import RolloutGroup, decode, encode
 
 pytestmark = pytest.mark.vllm
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def llm_and_cfg(tiny_model, tmp_path_factory):
-    from pipeline_rl.actor.llm_client import LLMClient
+    from pipeline_rl.engine.llm_client import LLMClient
 
     cfg = load_config(
         "tiny",

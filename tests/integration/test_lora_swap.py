@@ -24,9 +24,9 @@ import torch
 from helpers import free_port, peft_model, random_adapter, start_tp_client
 from swap_checks import swap_during_generation, worst_logprob_error
 
-from pipeline_rl.actor.adapter_slot import engine_max_rank
-from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
+from pipeline_rl.engine.adapter_slot import engine_max_rank
+from pipeline_rl.engine.llm_client import LLMClient
 from pipeline_rl.lora import adapter_shapes, write_zero_adapter
 from pipeline_rl.weight_sync import WeightSender
 

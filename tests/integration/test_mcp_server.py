@@ -1,4 +1,4 @@
-"""McpServer (pipeline_rl/actor/agent/mcp_server.py) against a real stdio MCP server process
+"""McpServer (pipeline_rl/rollouts/agent/mcp_server.py) against a real stdio MCP server process
 (tests/mcp_tools_server.py): its tools' schemas, a call, a failing, an unknown and a timed-out
 call, calls from two event loops, and a server that cannot start."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import TESTS
 
-from pipeline_rl.actor.agent.mcp_server import McpServer, McpToolError
+from pipeline_rl.rollouts.agent.mcp_server import McpServer, McpToolError
 
 SERVER = [str(TESTS / "mcp_tools_server.py")]
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from pipeline_rl.actor.domains import arithmetic
-from pipeline_rl.actor.domains import math as math_domain
-from pipeline_rl.actor.domains.math import last_boxed
-from pipeline_rl.actor.rewards import RewardPool
 from pipeline_rl.config import load_config
+from pipeline_rl.rollouts.domains import arithmetic
+from pipeline_rl.rollouts.domains import math as math_domain
+from pipeline_rl.rollouts.domains.math import last_boxed
+from pipeline_rl.rollouts.rewards import RewardPool
 
 # Generous: a legitimate check must finish within the limit on a slow, loaded CI machine too.
 LIMIT_S = 3.0

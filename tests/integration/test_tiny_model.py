@@ -7,8 +7,8 @@ import json
 
 from helpers import CACHE
 
-from pipeline_rl.actor.datasets import load_problems
 from pipeline_rl.demo.tiny_model import TEST_PROBLEMS, make_problems, make_tokenizer
+from pipeline_rl.rollouts.datasets import load_problems
 
 
 def test_problems_are_deterministic_disjoint_and_correct():

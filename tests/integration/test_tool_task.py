@@ -15,11 +15,11 @@ import pytest
 from agent_checks import ScriptedEngine, run_groups
 from helpers import TESTS
 
-from pipeline_rl.actor.agent.template import ChatTemplate
 from pipeline_rl.config import load_config
 from pipeline_rl.demo import multistep, tiny_model
 from pipeline_rl.demo.tool_task import TEMPLATE, call_text
 from pipeline_rl.demo.tools_policy import transcript
+from pipeline_rl.rollouts.agent.template import ChatTemplate
 
 EOS = tiny_model.EOS_TOKEN
 MCP_SERVER = [f"actor.agent.mcp_servers=[{{command: {sys.executable}, args: [{TESTS / 'mcp_tools_server.py'}]}}]"]

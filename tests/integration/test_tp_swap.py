@@ -36,8 +36,8 @@ from helpers import free_port, hf_model, perturbed, start_tp_client
 from safetensors.torch import load_file
 from swap_checks import swap_during_generation
 
-from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
+from pipeline_rl.engine.llm_client import LLMClient
 from pipeline_rl.weight_sync import DIAGNOSE_S, WeightSender
 
 # Three tensor-parallel engines (30-70 s each to start on 2 cores): the full gate only.

@@ -29,9 +29,9 @@ from trainer_runs import (
     write_steps,
 )
 
+from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.preprocess.packing import pack_step
 from pipeline_rl.streams import open_streams
-from pipeline_rl.trainer.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.deepspeed
 

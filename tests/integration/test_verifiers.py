@@ -18,8 +18,8 @@ vf = pytest.importorskip("verifiers", reason="the verifiers extra is not install
 from agent_checks import check_engine_exact, run_groups  # noqa: E402
 from helpers import CACHE, TESTS, perturbed  # noqa: E402
 
-from pipeline_rl.actor.datasets import load_problems  # noqa: E402
 from pipeline_rl.config import ConfigError, load_config  # noqa: E402
+from pipeline_rl.rollouts.datasets import load_problems  # noqa: E402
 from pipeline_rl.streams.records import RolloutGroup  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def vf_cfg(run_dir, tiny_model, environment: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def llm(tiny_model, tmp_path_factory):
-    from pipeline_rl.actor.llm_client import LLMClient
+    from pipeline_rl.engine.llm_client import LLMClient
 
     cfg = vf_cfg(tmp_path_factory.mktemp("run"), tiny_model, "verifiers_envs:two_questions")
     client = LLMClient.create(cfg, str(tiny_model), version=0)
@@ -191,7 +191,7 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     import time
 
     from pipeline_rl.actor import actor as actor_module
-    from pipeline_rl.actor.llm_client import LLMClient
+    from pipeline_rl.engine.llm_client import LLMClient
     from pipeline_rl.streams import open_streams
 
     cfg = vf_cfg(

@@ -18,8 +18,8 @@ from helpers import hf_model, perturbed
 from safetensors.torch import load_file
 from swap_checks import swap_during_generation, worst_logprob_error
 
-from pipeline_rl.actor.llm_client import LLMClient
 from pipeline_rl.config import load_config
+from pipeline_rl.engine.llm_client import LLMClient
 
 pytestmark = pytest.mark.vllm
 

@@ -92,7 +92,7 @@ class Setup:
     """The engine with its receiver thread, and the trainer-like sender processes."""
 
     def __init__(self, model_dir: Path, run_dir: str, addr: str):
-        from pipeline_rl.actor.llm_client import LLMClient
+        from pipeline_rl.engine.llm_client import LLMClient
 
         self.model_dir, self.run_dir, self.addr = model_dir, run_dir, addr
         self.senders: list[subprocess.Popen] = []
@@ -244,7 +244,7 @@ def test_a_receiver_keeps_only_its_shard_of_an_update():
     kept blocks load exactly the shard a full receive would (torch.equal), update after update."""
     import threading
 
-    from pipeline_rl.actor.engine_weights import LoadPlan
+    from pipeline_rl.engine.engine_weights import LoadPlan
 
     rows, width = 256, 512
     shapes = {"q": (rows, width), "k": (rows, width), "o": (width, rows), "n": (width,)}

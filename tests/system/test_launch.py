@@ -20,13 +20,13 @@ from faulty_domain import MALFORMED
 from helpers import CACHE, ROOT, TESTS, RedisServer, free_port, hf_model
 
 from pipeline_rl.config import load_saved_config
+from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.launch.budget import run_limits
 from pipeline_rl.launch.supervisor import STOP_GRACE_S
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
 from pipeline_rl.streams.redis_secret import PASSWORD_FILE
-from pipeline_rl.trainer.checkpoint import latest_checkpoint
 from pipeline_rl.trainer.replay import replay_path
 from pipeline_rl.wire import CACHE_ENV, Topic
 

@@ -20,10 +20,10 @@ import psutil
 import pytest
 from helpers import ROOT, free_port
 
+from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.preprocess.packing import PAD_GROUP_ID
 from pipeline_rl.streams.records import MicroBatch, decode
-from pipeline_rl.trainer.checkpoint import latest_checkpoint
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline_rl.actor.agent.tool_calls import parse_reply
-from pipeline_rl.actor.agent.transcript import Transcript
+from pipeline_rl.rollouts.agent.tool_calls import parse_reply
+from pipeline_rl.rollouts.agent.transcript import Transcript
 
 
 def test_one_call_without_text():
@@ -84,7 +84,7 @@ def test_transcript_refuses_a_completion_with_misaligned_lists():
 
 
 def test_agent_stats_per_window_and_in_total():
-    from pipeline_rl.actor.agent.stats import AgentStats
+    from pipeline_rl.rollouts.agent.stats import AgentStats
 
     stats = AgentStats()
     stats.add({"reward_error": "x"})  # not an agent rollout

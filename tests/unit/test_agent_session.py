@@ -13,8 +13,8 @@ import pytest
 from agent_checks import ScriptedEngine
 from helpers import TESTS
 
-from pipeline_rl.actor.agent.session import AgentError, ChatSession
 from pipeline_rl.config.schema import ActorConfig
+from pipeline_rl.rollouts.agent.session import AgentError, ChatSession
 
 TEMPLATE = (TESTS / "agent_chatml.jinja").read_text()
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

@@ -42,7 +42,7 @@ def test_cpu_bundles_and_their_description():
 def test_one_node_needs_no_ray():
     """The launcher, a one-node dry run and a pool process's entry import nothing of Ray."""
     code = (
-        "import sys; from pipeline_rl.launch.launcher import main; import pipeline_rl.launch.process; "
+        "import sys; from pipeline_rl.launch.launcher import main; import pipeline_rl.core.process; "
         "assert main(['conf=tiny', '--dry-run']) == 0; "
         "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'"
     )

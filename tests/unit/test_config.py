@@ -122,7 +122,7 @@ def test_config_imports_no_plugin_code():
     code = (
         "import sys, pipeline_rl.config; "
         "print(sorted(m for m in sys.modules if m.startswith(('pipeline_rl.scorers', 'pipeline_rl.trainer', "
-        "'pipeline_rl.plugins'))))"
+        "'pipeline_rl.core.plugins'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

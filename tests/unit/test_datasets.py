@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_rl.actor.datasets import DatasetError, load_problems
 from pipeline_rl.config import ConfigError
+from pipeline_rl.rollouts.datasets import DatasetError, load_problems
 
 ROWS = [{"id": "a", "prompt": "Q: 1+2=", "answer": "3"}, {"id": 7, "prompt": "Q: 2+2=", "answer": 4, "level": 1}]
 

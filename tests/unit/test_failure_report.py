@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pipeline_rl.config import load_config
+from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.launch import run_loop
 from pipeline_rl.launch.launcher import Launcher
-from pipeline_rl.launch.process import run_pool_process
 from pipeline_rl.launch.run_dir import prepare_run_dir
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
 from pipeline_rl.streams import open_streams

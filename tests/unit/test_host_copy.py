@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from pipeline_rl.actor.host_copy import HostSpans
+from pipeline_rl.engine.host_copy import HostSpans
 
 
 def test_spans_copy_what_torch_copies_and_merge_adjacent_slices():

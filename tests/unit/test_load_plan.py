@@ -1,4 +1,4 @@
-"""The swap's copy plan (actor/engine_weights.py) on small modules with vLLM-style loaders:
+"""The swap's copy plan (engine/engine_weights.py) on small modules with vLLM-style loaders:
 a plan replays exactly what the model's own load_weights does, and refuses what it cannot.
 The real engine's plan is checked in tests/integration/test_vllm_hook.py and test_tp_swap.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_rl.actor.engine_weights import LoadPlan, PlanRefused
+from pipeline_rl.engine.engine_weights import LoadPlan, PlanRefused
 
 
 class FusedShard(torch.nn.Module):
@@ -120,7 +120,7 @@ def test_a_plan_from_the_checkpoints_headers_alone_copies_the_same(tmp_path, ran
     parameters as they were and then loads an update exactly as the loader does."""
     from safetensors.torch import save_file
 
-    from pipeline_rl.actor.engine_weights import checkpoint_placeholders
+    from pipeline_rl.engine.engine_weights import checkpoint_placeholders
 
     hidden = 8
     save_file(dict(tensors(hidden, 0)), str(tmp_path / "model.safetensors"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline_rl.config import ConfigError, attention_kernel, load_config
-from pipeline_rl.trainer.logprobs import packed_logprobs, sequence_starts
+from pipeline_rl.core.logprobs import packed_logprobs, sequence_starts
 
 
 def random_qwen2(attn: str) -> torch.nn.Module:

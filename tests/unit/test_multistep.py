@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pipeline_rl.actor.domains.multistep import score
 from pipeline_rl.demo.multistep import (
     SEPARATOR,
     TEST_PROBLEMS,
@@ -10,6 +9,7 @@ from pipeline_rl.demo.multistep import (
     make_problems,
     operands,
 )
+from pipeline_rl.rollouts.domains.multistep import score
 
 
 def test_problems_are_deterministic_disjoint_and_two_digit_steps():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline_rl.config import ConfigError, load_config, load_saved_config
-from pipeline_rl.launch.process import run_pool_process
-from pipeline_rl.launch.run_dir import RunDirNotShared, check_run_dir, prepare_run_dir
+from pipeline_rl.core.process import RunDirNotShared, check_run_dir, run_pool_process
+from pipeline_rl.launch.run_dir import prepare_run_dir
 from pipeline_rl.wire import RUN_NONCE_ENV, RUN_NONCE_FILE
 
 

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from pipeline_rl.actor.vllm_hook import Staged, SwapGate
+from pipeline_rl.engine.vllm_hook import Staged, SwapGate
 
 STEP_S = 0.004
 

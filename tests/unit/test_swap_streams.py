@@ -1,4 +1,4 @@
-"""The CPU twin of the TP = 1 swap's CUDA ordering (actor/swap_streams.py): torch.cuda's streams,
+"""The CPU twin of the TP = 1 swap's CUDA ordering (engine/swap_streams.py): torch.cuda's streams,
 events and stream contexts replaced by recorders, the order of what a receive, a load and the
 next receive queue where, and that nothing waits on the host. The same code on a GPU:
 scripts/gpu_swap_check.py --concurrent."""
@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from pipeline_rl.actor.swap_streams import SwapStreams
+from pipeline_rl.engine.swap_streams import SwapStreams
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline_rl.actor.vllm_hook import SUPPORTED_VLLM, check_vllm_version
+from pipeline_rl.engine.vllm_hook import SUPPORTED_VLLM, check_vllm_version
 
 
 def test_the_supported_release_passes_and_others_are_refused_by_name():

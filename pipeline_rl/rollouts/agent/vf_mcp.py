@@ -17,7 +17,7 @@ from typing import Any
 
 import verifiers as vf  # pyright: ignore[reportMissingImports]  (the optional `verifiers` extra)
 
-from pipeline_rl.actor.agent.mcp_server import McpServer, McpToolError
+from pipeline_rl.rollouts.agent.mcp_server import McpServer, McpToolError
 
 
 class McpToolEnv(vf.ToolEnv):

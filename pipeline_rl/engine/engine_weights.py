@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
-from pipeline_rl.actor.host_copy import HostSpans
+from pipeline_rl.engine.host_copy import HostSpans
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class CopyRecorder(TorchFunctionMode):
     (`incoming`, by key); any other in-place write while tensors are being loaded refuses the
     plan. With `perform=False` the recorded copies are not made (the incoming tensors are
     placeholders, and the parameters hold the checkpoint already). Also used for the LoRA
-    slot's plan (actor/adapter_slot.py)."""
+    slot's plan (engine/adapter_slot.py)."""
 
     def __init__(self, perform: bool = True) -> None:
         super().__init__()
@@ -226,7 +226,7 @@ class LoadPlan:
         all of them: torch lets go of the GIL around every op, and a copy per tensor gave a
         busy thread of the actor the GIL between each two. On CUDA the copies are queued on
         the current stream; `synchronize` waits for them (a caller that queues them on the
-        stream of the next forward pass, actor/swap_streams.py, needs not)."""
+        stream of the next forward pass, engine/swap_streams.py, needs not)."""
         with torch.no_grad():
             torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs], non_blocking=True)
         if synchronize and self.device.type == "cuda":

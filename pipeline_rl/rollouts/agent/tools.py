@@ -1,5 +1,5 @@
 """Tools the model may call (actor.agent.tools): Python functions named `module:function`, run
-in RewardPool workers (pipeline_rl/actor/rewards.py) under actor.agent.tool_timeout_s, so a tool
+in RewardPool workers (pipeline_rl/rollouts/rewards.py) under actor.agent.tool_timeout_s, so a tool
 that hangs, even inside C code, is killed and replaced without stopping the actor; and the tools
 of MCP servers (actor.agent.mcp_servers, mcp_server.py), started by `start_mcp` in the actor,
 each call under the same limit.
@@ -18,11 +18,11 @@ import json
 import shutil
 from typing import Any
 
-from pipeline_rl.actor.agent.mcp_server import McpServer, McpToolError
-from pipeline_rl.actor.rewards import RewardPool
 from pipeline_rl.config import ConfigError
 from pipeline_rl.config.schema import McpServerConfig
-from pipeline_rl.plugins import import_attr, load_plugin
+from pipeline_rl.core.plugins import import_attr, load_plugin
+from pipeline_rl.rollouts.agent.mcp_server import McpServer, McpToolError
+from pipeline_rl.rollouts.rewards import RewardPool
 
 INVOKE = f"{__name__}:invoke"
 

@@ -3,7 +3,7 @@
 A check that parses model output (sympy, LaTeX grammars) can run for minutes or forever on a
 pathological answer, often inside C code that no Python signal interrupts (10^{10^{10}} is a
 big-integer power). So checks run in `RewardPool` workers: plain subprocesses
-(`python -m pipeline_rl.actor.rewards MODULE...`) that read one orjson request per line on stdin
+(`python -m pipeline_rl.rollouts.rewards MODULE...`) that read one orjson request per line on stdin
 and write one orjson reply per line. Nothing is pickled. A check that runs past the limit gets
 its worker killed (SIGKILL) and replaced; one that raises is answered with the error text. In
 both cases the caller gets a `RewardResult` with `error` set and goes on.
@@ -58,7 +58,7 @@ class RewardWorker:
         # The worker imports the same modules as this process, including ones found via sys.path edits.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline_rl.actor.rewards", *preload],
+            [sys.executable, "-m", "pipeline_rl.rollouts.rewards", *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

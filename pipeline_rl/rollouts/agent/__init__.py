@@ -1,7 +1,7 @@
 """Agent environments: an OpenAI-style chat client over the actor's own engine.
 
 An environment is `async def run(client, problem) -> float` (named by actor.agent.environment,
-run by the `agent` domain, pipeline_rl/actor/domains/agent.py). `client` is a `ChatSession`
+run by the `agent` domain, pipeline_rl/rollouts/domains/agent.py). `client` is a `ChatSession`
 (session.py): `await client.chat.completions.create(messages=..., tools=...)` as with
 openai.AsyncOpenAI, `client.tools` (the OpenAI schemas of the tools in actor.agent.tools),
 `await client.call_tool(tool_call)` (runs one in a worker under a time limit, tools.py) and,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from pipeline_rl.trainer.inputs import to_device
+from pipeline_rl.core.device_copy import to_device
 
 NAME = "varlen"
 
@@ -102,7 +102,7 @@ def varlen_attention(
     if cu is None:
         raise ValueError(
             "trainer.attention=varlen needs the packed row's sequence boundaries: call the model with "
-            "pipeline_rl.trainer.packed_attention.varlen_kwargs(seq_lengths, device)"
+            "pipeline_rl.core.packed_attention.varlen_kwargs(seq_lengths, device)"
         )
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention takes one packed row, got a batch of {query.shape[0]}")

@@ -33,11 +33,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.actor.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request, single_slot_cpu_lora
-from pipeline_rl.actor.engine_weights import keep_cpu_linear_weights
-from pipeline_rl.actor.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
-from pipeline_rl.actor.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
 from pipeline_rl.config import RunConfig
+from pipeline_rl.engine.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request, single_slot_cpu_lora
+from pipeline_rl.engine.engine_weights import keep_cpu_linear_weights
+from pipeline_rl.engine.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
+from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
 from pipeline_rl.streams.api import Reader
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import StaleUpdate, WeightGroupFailed, group_ranks
@@ -128,7 +128,7 @@ def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
         disable_log_stats=True,
     )
     if cfg.model.lora is not None:
-        # One slot, the policy's, written in place by every update (actor/adapter_slot.py).
+        # One slot, the policy's, written in place by every update (engine/adapter_slot.py).
         args.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=engine_max_rank(cfg.model.lora.rank))
     if cfg.world.gpus_per_node > 0:
         args.update(gpu_memory_utilization=llm.gpu_memory_utilization)  # vLLM sizes the KV cache from it
@@ -402,7 +402,7 @@ class LLMClient:
                 self.apply_update(receiver, entry.record)
 
     def apply_update(self, receiver: Receiver, update: WeightUpdate) -> bool:
-        """Receive one announced update and swap it in (the swap contract: actor/vllm_hook.py);
+        """Receive one announced update and swap it in (the swap contract: engine/vllm_hook.py);
         False (logged, counted) on failure."""
         try:
             staged = receiver.receive(update)

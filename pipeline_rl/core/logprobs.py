@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pipeline_rl.trainer import packed_attention
-from pipeline_rl.trainer.inputs import to_device
+from pipeline_rl.core import packed_attention
+from pipeline_rl.core.device_copy import to_device
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:

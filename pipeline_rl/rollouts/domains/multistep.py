@@ -4,8 +4,8 @@ in "=<answer>", else 0: only the outcome counts here, the steps are for a PRM to
 
 from __future__ import annotations
 
-from pipeline_rl.actor.domains.arithmetic import sample_and_score
 from pipeline_rl.config import RunConfig
+from pipeline_rl.rollouts.domains.arithmetic import sample_and_score
 from pipeline_rl.streams.records import RolloutGroup
 
 

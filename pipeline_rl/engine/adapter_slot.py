@@ -1,5 +1,5 @@
 """The policy's LoRA adapter in a vLLM engine: one slot of the engine's stacked LoRA buffers,
-written in place by each update (the LoRA counterpart of actor/engine_weights.py).
+written in place by each update (the LoRA counterpart of engine/engine_weights.py).
 
 The engine runs with LoRA enabled and one adapter, `POLICY_LORA_ID`, loaded from a PEFT
 directory when it starts, pinned in its slot and named by every request. vLLM keeps each
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pipeline_rl.actor.engine_weights import Copies, CopyRecorder, PlanRefused, bind, check_update
-from pipeline_rl.actor.host_copy import HostSpans
+from pipeline_rl.engine.engine_weights import Copies, CopyRecorder, PlanRefused, bind, check_update
+from pipeline_rl.engine.host_copy import HostSpans
 from pipeline_rl.lora import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class AdapterSlot:
     """The policy adapter's slot in one model runner's LoRA layers.
 
     When the engine starts, `set_lora` writes the start-up adapter into the slot once under a
-    copy recorder (actor/engine_weights.py's), which notes every slot view it copies into and
+    copy recorder (engine/engine_weights.py's), which notes every slot view it copies into and
     from where (this worker's shard of which A or B slice). An update is then one
     copy of the same views from the new tensors, in the lock; the slot's rows beyond
     the rank stay as that first write cleared them. A layer whose write the recorder cannot

@@ -15,7 +15,7 @@ from typing import Any
 
 import verifiers as vf  # pyright: ignore[reportMissingImports]  (the optional `verifiers` extra)
 
-from pipeline_rl.actor.agent.session import ChatSession
+from pipeline_rl.rollouts.agent.session import ChatSession
 
 
 class SessionClient(vf.OpenAIChatCompletionsClient):

@@ -1,4 +1,4 @@
-"""ChatSession: one episode's OpenAI-style client (see pipeline_rl/actor/agent/__init__.py).
+"""ChatSession: one episode's OpenAI-style client (see pipeline_rl/rollouts/agent/__init__.py).
 
 `create` takes the whole conversation each time, as the OpenAI API does. The first call renders
 it with the chat template into the prompt; every later call must repeat the conversation so far
@@ -18,12 +18,12 @@ import itertools
 import time
 from typing import Any
 
-from pipeline_rl.actor.agent.openai_types import ChatCompletion, Choice, Function, Message, ToolCall, Usage, as_dict
-from pipeline_rl.actor.agent.template import ChatTemplate
-from pipeline_rl.actor.agent.tool_calls import parse_reply
-from pipeline_rl.actor.agent.tools import ToolError, Tools
-from pipeline_rl.actor.agent.transcript import Transcript
 from pipeline_rl.config.schema import ActorConfig
+from pipeline_rl.rollouts.agent.openai_types import ChatCompletion, Choice, Function, Message, ToolCall, Usage, as_dict
+from pipeline_rl.rollouts.agent.template import ChatTemplate
+from pipeline_rl.rollouts.agent.tool_calls import parse_reply
+from pipeline_rl.rollouts.agent.tools import ToolError, Tools
+from pipeline_rl.rollouts.agent.transcript import Transcript
 from pipeline_rl.streams.records import Rollout
 
 _sessions = itertools.count()

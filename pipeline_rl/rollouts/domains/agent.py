@@ -1,6 +1,6 @@
 """The agent domain (`actor.domain: agent`): each of a problem's actor.attempts episodes runs the
 environment actor.agent.environment, `async def run(client, problem) -> float`, with its own
-`ChatSession` (pipeline_rl/actor/agent/) and becomes one rollout of the group, its reward the
+`ChatSession` (pipeline_rl/rollouts/agent/) and becomes one rollout of the group, its reward the
 number the environment returned. An episode that ended with an AgentError (a failed tool, too
 many turns, a full context) is kept with actor.agent.error_reward and its error; anything else
 an environment raises fails the whole group."""
@@ -13,12 +13,12 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from pipeline_rl.actor.agent.http import ChatServer
-from pipeline_rl.actor.agent.session import AgentError, ChatSession
-from pipeline_rl.actor.agent.tools import Tools
 from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.config.schema import AgentConfig
-from pipeline_rl.plugins import load_plugin
+from pipeline_rl.core.plugins import load_plugin
+from pipeline_rl.rollouts.agent.http import ChatServer
+from pipeline_rl.rollouts.agent.session import AgentError, ChatSession
+from pipeline_rl.rollouts.agent.tools import Tools
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 

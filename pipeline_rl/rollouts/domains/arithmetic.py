@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline_rl.actor.domains import make_rollout, sample
-from pipeline_rl.actor.rewards import call_checked
 from pipeline_rl.config import RunConfig
+from pipeline_rl.rollouts.domains import make_rollout, sample
+from pipeline_rl.rollouts.rewards import call_checked
 from pipeline_rl.streams.records import RolloutGroup
 
 

@@ -18,12 +18,12 @@ import functools
 import logging
 from typing import Any
 
-from pipeline_rl.actor.domains import make_rollout, sample
-from pipeline_rl.actor.rewards import RewardPool
 from pipeline_rl.config import RunConfig
+from pipeline_rl.rollouts.domains import make_rollout, sample
+from pipeline_rl.rollouts.rewards import RewardPool
 from pipeline_rl.streams.records import RolloutGroup
 
-CHECK = "pipeline_rl.actor.domains.math:check"
+CHECK = "pipeline_rl.rollouts.domains.math:check"
 _pool: RewardPool | None = None
 
 

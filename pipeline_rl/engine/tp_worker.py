@@ -1,10 +1,10 @@
-"""The worker half of the tensor-parallel swap (actor/tp_swap.py has the actor half and the
+"""The worker half of the tensor-parallel swap (engine/tp_swap.py has the actor half and the
 whole protocol): methods vLLM mixes into each worker process of a TP > 1 engine
 (`worker_extension_cls`), called by the actor through `collective_rpc`.
 
 vLLM imports this module in every worker (they are spawned) before the worker loads its
 model: the import is where the worker's CPU linear layers are told to keep their weights, so
-that the copy plan (actor/engine_weights.py) can write into them.
+that the copy plan (engine/engine_weights.py) can write into them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from pipeline_rl.actor.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
-from pipeline_rl.actor.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
-from pipeline_rl.actor.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE, staged_key
+from pipeline_rl.engine.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
+from pipeline_rl.engine.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
+from pipeline_rl.engine.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE, staged_key
 from pipeline_rl.streams.records import WeightUpdate, decode
 from pipeline_rl.weight_layout import dtype_of
 from pipeline_rl.weight_sync import PeerGone, StaleUpdate, WeightGroupFailed, WeightReceiver

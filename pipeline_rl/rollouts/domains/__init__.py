@@ -4,7 +4,7 @@ A domain is an async function
 
     async def rollout(problem: dict, llm: LLMClient, cfg: RunConfig) -> RolloutGroup
 
-`problem` is one row of the data set (pipeline_rl/actor/datasets.py: "id", "prompt", "answer" and
+`problem` is one row of the data set (pipeline_rl/rollouts/datasets.py: "id", "prompt", "answer" and
 any extra keys). The function samples with `llm.generate(...)` (`sample` below: the group's
 cfg.actor.attempts completions with the actor's sampling settings) and returns a RolloutGroup whose rollouts have their rewards filled in.
 Each Rollout carries the prompt's token ids and, per completion token, the id, the sampled
@@ -12,7 +12,7 @@ logprob and the policy version as returned in the Completion. The actor then set
 `group_id` and `actor` fields, so a domain may leave them at their defaults.
 
 A check that could hang or is expensive (parsing model output) belongs in a
-`pipeline_rl.actor.rewards.RewardPool`, which enforces actor.reward_timeout_s. A reward that
+`pipeline_rl.rollouts.rewards.RewardPool`, which enforces actor.reward_timeout_s. A reward that
 failed is reported, not raised: the rollout gets the failure reward and the error text goes
 into `rollout.metadata["reward_error"]`, which the actor counts and shows in its metrics.
 
@@ -25,7 +25,7 @@ preprocessor adds token_rewards as an undiscounted, unbaselined reward-to-go on 
 group-relative advantage of `reward` (pipeline_rl/preprocess/advantages.py): keep `reward` for the
 episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
 tests/multiturn_domain.py is a small example. The `agent` domain builds such rollouts from an
-environment written against an OpenAI-style chat client (pipeline_rl/actor/agent/); the
+environment written against an OpenAI-style chat client (pipeline_rl/rollouts/agent/); the
 `verifiers` domain from an environment of the verifiers library (domains/verifiers_env.py).
 
 `load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep", "agent", "verifiers") or "module:function".
@@ -38,15 +38,15 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.plugins import load_plugin
+from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.streams.records import Rollout
 
 BUILTIN = {
-    "arithmetic": "pipeline_rl.actor.domains.arithmetic:rollout",
-    "math": "pipeline_rl.actor.domains.math:rollout",
-    "multistep": "pipeline_rl.actor.domains.multistep:rollout",
-    "agent": "pipeline_rl.actor.domains.agent:rollout",
-    "verifiers": "pipeline_rl.actor.domains.verifiers_env:rollout",
+    "arithmetic": "pipeline_rl.rollouts.domains.arithmetic:rollout",
+    "math": "pipeline_rl.rollouts.domains.math:rollout",
+    "multistep": "pipeline_rl.rollouts.domains.multistep:rollout",
+    "agent": "pipeline_rl.rollouts.domains.agent:rollout",
+    "verifiers": "pipeline_rl.rollouts.domains.verifiers_env:rollout",
 }
 
 RolloutFn = Callable[..., Coroutine[Any, Any, Any]]

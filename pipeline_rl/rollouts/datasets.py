@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from pipeline_rl.plugins import load_plugin
+from pipeline_rl.core.plugins import load_plugin
 
 REQUIRED = ("id", "prompt", "answer")
 

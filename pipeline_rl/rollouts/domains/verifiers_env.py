@@ -2,7 +2,7 @@
 (`vf.SingleTurnEnv`, `MultiTurnEnv`, `ToolEnv` or any `vf.Environment`; the `verifiers` extra)
 named by actor.verifiers runs its own rollout logic for each of a problem's actor.attempts
 episodes, its model calls going to the actor's engine through a ChatSession each
-(pipeline_rl/actor/agent/vf_client.py), and its rubric scores the group (`score_group`, so group
+(pipeline_rl/rollouts/agent/vf_client.py), and its rubric scores the group (`score_group`, so group
 reward functions see the whole group) into the rollouts' rewards.
 
 A problem becomes the environment's input: `prompt` (a string becomes a user message after the
@@ -29,11 +29,11 @@ import asyncio
 import functools
 from typing import Any
 
-from pipeline_rl.actor.agent.session import ChatSession
-from pipeline_rl.actor.domains.agent import chat_template
 from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.config.schema import VerifiersConfig
-from pipeline_rl.plugins import load_plugin
+from pipeline_rl.core.plugins import load_plugin
+from pipeline_rl.rollouts.agent.session import ChatSession
+from pipeline_rl.rollouts.domains.agent import chat_template
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 KEY = "actor.verifiers.environment"
@@ -100,7 +100,7 @@ def describe(error: BaseException) -> str:
 
 async def episode(env: Any, session: ChatSession, problem: dict) -> Any:
     """verifiers' state of one rollout, or None when the environment raised (recorded in the session)."""
-    from pipeline_rl.actor.agent.vf_client import SessionClient
+    from pipeline_rl.rollouts.agent.vf_client import SessionClient
 
     try:
         # The environment's sampling_args reach the session, which applies the run's own sampling.
