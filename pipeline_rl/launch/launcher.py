@@ -20,8 +20,7 @@ from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.memory_plan import memory_plan
 from pipeline_rl.launch.placement import Node, child_env, describe, plan
 from pipeline_rl.launch.redis_server import start_redis, wait_port
-from pipeline_rl.launch.run_dir import prepare_run_dir
-from pipeline_rl.launch.run_loop import Failure, RunLoop
+from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor, describe_exit, last_lines
 from pipeline_rl.scorers import check_scorers
 from pipeline_rl.trainer.loss import load_loss
@@ -39,30 +38,6 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="validate the config, print the placement and the GPU memory plan, start nothing",
     )
     return parser.parse_known_args(argv)
-
-
-def wipe_redis(cfg: RunConfig) -> None:
-    from pipeline_rl.streams import open_streams
-    from pipeline_rl.streams.redis_backend import RedisStreams
-
-    streams = open_streams(cfg)
-    assert isinstance(streams, RedisStreams)
-    print(f"--fresh: deleted {streams.delete_all()} Redis stream keys of run '{cfg.name}'", flush=True)
-    streams.close()
-
-
-def ensure_tiny_model(cfg: RunConfig) -> None:
-    model = Path(cfg.model.path)
-    if (model / "config.json").exists() or not cfg.model.make_tiny_if_missing:
-        return
-    from pipeline_rl.demo import ensure_built
-
-    try:
-        ensure_built(model, seed=cfg.seed)
-    except ValueError as e:
-        raise ConfigError(
-            f"model.path={e} (model.make_tiny_if_missing; name the directory so, or turn it off)"
-        ) from None
 
 
 class Launcher(RunLoop):
@@ -164,34 +139,10 @@ def main(argv: list[str]) -> int:
                     "pip install 'pipeline_rl[cluster]'"
                 ) from None
             return run_on_ray(cfg, args.fresh)
-        resumed, nonce = prepare_run_dir(cfg, args.fresh)
+        return run(cfg, args.fresh, lambda nonce: Launcher(cfg, nonce))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.fresh and cfg.streams.backend == "redis" and not cfg.streams.redis.start_server:
-        wipe_redis(cfg)
-    print(f"{'resuming' if resumed else 'starting'} run '{cfg.name}' in {cfg.run_dir}", flush=True)
-    ensure_tiny_model(cfg)
-    launcher = Launcher(cfg, nonce)
-    launcher.install_signal_handlers()
-    try:
-        launcher.start()
-        from pipeline_rl.streams import open_streams
-
-        streams = open_streams(cfg)
-        try:
-            code = launcher.watch(streams)
-        finally:
-            streams.close()
-    except BaseException:
-        launcher.stop_all(graceful=False)
-        raise
-    if cfg.metrics.plot_at_end:
-        from pipeline_rl.launch.plots import write_plots
-
-        for path in write_plots(Path(cfg.run_dir)):
-            print(f"plot: {path}")
-    return code
 
 
 def cli() -> None:

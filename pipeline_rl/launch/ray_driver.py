@@ -15,8 +15,8 @@ open (a hung kernel: connections are still accepted, nothing answers) is found b
 own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that must be answered
 within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. Either
 stops the run; the report names the process, its node (Ray node id and address) and, for a
-lost node, every process it held. The watch loop, the watchdog and how a stop proceeds are the
-one-node launcher's (run_loop.py).
+lost node, every process it held. The start, watch and stop sequence is the one-node launcher's
+(run_loop.py); this module supplies how processes start, are polled and stop.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
 from pipeline_rl.launch.placement import Node, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
-from pipeline_rl.launch.run_dir import prepare_run_dir
-from pipeline_rl.launch.run_loop import Failure, RunLoop
+from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, describe_exit, last_lines
 from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
 
@@ -224,6 +223,8 @@ class RayRun(RunLoop):
             streams.close()
 
     def start(self) -> None:
+        if self.cfg.streams.backend == "redis" and self.cfg.streams.redis.start_server:
+            self.start_redis()
         distinct = list(dict.fromkeys(n.id for n in self.nodes))
         # The plan's node indices, made true: where Ray placed each bundle (trainer rank 0's node is 0).
         placed = [replace(b.spec, node=distinct.index(n.id)) for b, n in zip(self.found, self.nodes)]
@@ -342,8 +343,6 @@ class RayRun(RunLoop):
 
 def run_on_ray(cfg: RunConfig, fresh: bool) -> int:
     """The whole run of several nodes, from this one driver; returns the exit code."""
-    from pipeline_rl.launch.launcher import ensure_tiny_model, wipe_redis
-
     specs = plan(cfg)
     found = bundles(cfg, specs)
     address = ray_address(cfg)
@@ -356,38 +355,11 @@ def run_on_ray(cfg: RunConfig, fresh: bool) -> int:
             f"made on this machine): {e}"
         ) from None
     pg = _reserve(found, name=f"pipeline_rl:{cfg.name}")
-    run: RayRun | None = None
     try:
         nodes = _bundle_nodes(pg, len(found))
         if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:
             cfg.streams.redis.host = nodes[0].ip
-        resumed, nonce = prepare_run_dir(cfg, fresh)
-        if fresh and cfg.streams.backend == "redis" and not cfg.streams.redis.start_server:
-            wipe_redis(cfg)
-        print(f"{'resuming' if resumed else 'starting'} run '{cfg.name}' in {cfg.run_dir} on Ray ({address})")
-        ensure_tiny_model(cfg)
-        run = RayRun(cfg, pg, found, nodes, nonce)
-        run.install_signal_handlers()
-        if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:
-            run.start_redis()
-        run.start()
-        from pipeline_rl.streams import open_streams
-
-        streams = open_streams(cfg)
-        try:
-            code = run.watch(streams)
-        finally:
-            streams.close()
-    except BaseException:
-        if run is not None:
-            run.stop_all(graceful=False)
-        raise
+        return run(cfg, fresh, lambda nonce: RayRun(cfg, pg, found, nodes, nonce), where=f" on Ray ({address})")
     finally:
         remove_placement_group(pg)
         ray.shutdown()
-    if cfg.metrics.plot_at_end:
-        from pipeline_rl.launch.plots import write_plots
-
-        for path in write_plots(Path(cfg.run_dir)):
-            print(f"plot: {path}")
-    return code

@@ -1,10 +1,11 @@
-"""How a run is watched and how it ends, the same on one node (launcher.py) and on Ray
-(ray_driver.py): the status line, the watchdog, the time limit, Ctrl-C/SIGTERM, and the
-report of a failed process.
+"""A run from start to end, written once for one node (launcher.py) and for Ray (ray_driver.py):
+prepare the run directory, build the demo model when it is missing, start, watch (the status
+line, the watchdog, the time limit, Ctrl-C/SIGTERM, the report of a failed process), stop, plot.
 
-A subclass says how its processes are polled and stopped; this loop decides when to stop and
-with which exit code: 0 when the trainers finished (or max_time_s), 1 when a process or a node
-failed, 3 when the watchdog found no progress, 130 on a signal.
+A backend (a RunLoop subclass) says only how its processes start, are polled and stop; `run`
+and `RunLoop.watch` decide the rest, and with which exit code: 0 when the trainers finished (or
+max_time_s), 1 when a process or a node failed, 3 when the watchdog found no progress, 130 on
+a signal.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.launch.budget import run_limits
+from pipeline_rl.launch.run_dir import prepare_run_dir
 from pipeline_rl.launch.supervisor import PEER_REPORT_WAIT_S
 from pipeline_rl.launch.watchdog import Watchdog
 from pipeline_rl.streams.records import Metrics
@@ -98,6 +102,10 @@ class RunLoop:
         self.stop_reason: str | None = None
         # Sized by the model (launch/budget.py): a 32B checkpoint takes minutes, a tiny one seconds.
         self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
+
+    def start(self) -> None:
+        """Start the run's services (Redis) and every process of the plan."""
+        raise NotImplementedError
 
     def poll(self) -> tuple[Failure | None, bool]:
         """(the first failure, whether the trainers have all finished)."""
@@ -180,3 +188,57 @@ class RunLoop:
         print(f"\nstopping: {reason}", flush=True)
         self.stop_all(graceful=True)
         return code
+
+
+def run(cfg: RunConfig, fresh: bool, backend: Callable[[str], RunLoop], where: str = "") -> int:
+    """The whole run on `backend` (made from the run's nonce); returns the exit code. Raises
+    ConfigError for what the config or the run directory gets wrong."""
+    resumed, nonce = prepare_run_dir(cfg, fresh)
+    if fresh and cfg.streams.backend == "redis" and not cfg.streams.redis.start_server:
+        wipe_redis(cfg)
+    print(f"{'resuming' if resumed else 'starting'} run '{cfg.name}' in {cfg.run_dir}{where}", flush=True)
+    ensure_tiny_model(cfg)
+    loop = backend(nonce)
+    loop.install_signal_handlers()
+    try:
+        loop.start()
+        from pipeline_rl.streams import open_streams
+
+        streams = open_streams(cfg)
+        try:
+            code = loop.watch(streams)
+        finally:
+            streams.close()
+    except BaseException:
+        loop.stop_all(graceful=False)
+        raise
+    if cfg.metrics.plot_at_end:
+        from pipeline_rl.launch.plots import write_plots
+
+        for path in write_plots(Path(cfg.run_dir)):
+            print(f"plot: {path}")
+    return code
+
+
+def wipe_redis(cfg: RunConfig) -> None:
+    from pipeline_rl.streams import open_streams
+    from pipeline_rl.streams.redis_backend import RedisStreams
+
+    streams = open_streams(cfg)
+    assert isinstance(streams, RedisStreams)
+    print(f"--fresh: deleted {streams.delete_all()} Redis stream keys of run '{cfg.name}'", flush=True)
+    streams.close()
+
+
+def ensure_tiny_model(cfg: RunConfig) -> None:
+    model = Path(cfg.model.path)
+    if (model / "config.json").exists() or not cfg.model.make_tiny_if_missing:
+        return
+    from pipeline_rl.demo import ensure_built
+
+    try:
+        ensure_built(model, seed=cfg.seed)
+    except ValueError as e:
+        raise ConfigError(
+            f"model.path={e} (model.make_tiny_if_missing; name the directory so, or turn it off)"
+        ) from None

@@ -198,7 +198,7 @@ def test_installed_command_finds_shipped_and_user_configs_outside_the_checkout(t
 
 
 def test_make_tiny_if_missing_names_the_models_it_can_build(tmp_path):
-    from pipeline_rl.launch.launcher import ensure_tiny_model
+    from pipeline_rl.launch.run_loop import ensure_tiny_model
 
     cfg = load_config("tiny", [f"model.path={tmp_path / 'my_model'}"])
     with pytest.raises(ConfigError, match=r"model\.path=.*my_model does not exist.*tiny_model, tiny_learner"):
