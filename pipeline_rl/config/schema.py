@@ -210,7 +210,7 @@ class McpServerConfig:
 @dataclass
 class AgentConfig:
     """Agent environments: `actor.domain: agent` runs `environment` against an OpenAI-style
-    client of the actor's engine (pipeline_rl/rollouts/agent/, README "Agent environments")."""
+    client of the actor's engine (pipeline_rl/rollouts/agent/, docs/agents.md)."""
 
     environment: str = ""
     """The environment as `module:function`: `async def run(client, problem) -> float`, one

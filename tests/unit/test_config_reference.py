@@ -1,0 +1,54 @@
+"""docs/config.md is the schema's own documentation: every key of RunConfig, documented, and the
+page in step with the schema (scripts/config_reference.py writes it)."""
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+from pipeline_rl.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["config_reference"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _keys(cls, prefix=""):
+    """Every dotted key of a config dataclass, as the loader accepts them."""
+    for f in dataclasses.fields(cls):
+        inner = [t for t in getattr(cls, "__annotations__", {}).get(f.name, "").replace("|", " ").split() if t]
+        nested = None
+        for name in inner:
+            name = name.removeprefix("list[").removesuffix("]")
+            candidate = getattr(sys.modules[cls.__module__], name, None)
+            if dataclasses.is_dataclass(candidate):
+                nested = candidate
+        if nested is not None:
+            yield f"{prefix}{f.name}"
+            suffix = "[]" if "list[" in cls.__annotations__[f.name] else ""
+            yield from _keys(nested, f"{prefix}{f.name}{suffix}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_every_key_is_on_the_page_with_its_meaning():
+    page = _script().reference()
+    rows = {line.split("`")[1]: line for line in page.splitlines() if line.startswith("| `")}
+    keys = list(_keys(RunConfig))
+    assert len(keys) > 100
+    assert set(keys) == set(rows)
+    undocumented = [k for k, row in rows.items() if row.rstrip().endswith("|  |")]
+    assert not undocumented, f"keys without a docstring in pipeline_rl/config/schema.py: {undocumented}"
+
+
+def test_the_page_in_the_repository_is_up_to_date():
+    assert (ROOT / "docs" / "config.md").read_text() == _script().reference(), (
+        "docs/config.md is out of date: python scripts/config_reference.py"
+    )
