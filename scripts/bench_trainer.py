@@ -55,7 +55,7 @@ from pipeline_rl.core.logprobs import packed_logprobs  # noqa: E402
 from pipeline_rl.preprocess.packing import pack_step, rollout_sequence  # noqa: E402
 from pipeline_rl.streams import open_streams  # noqa: E402
 from pipeline_rl.streams.records import Rollout, WeightUpdate, decode, encode  # noqa: E402
-from pipeline_rl.trainer.loss import policy_loss  # noqa: E402
+from pipeline_rl.trainer.loss import LossInputs, policy_loss  # noqa: E402
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV  # noqa: E402
 
 SEQ_LENGTH = 1024
@@ -130,17 +130,17 @@ def bare_loop(model_path: Path, steps, cfg) -> tuple[float, float, int]:
             ids = torch.tensor([mb.input_ids])
             logprobs, entropy = packed_logprobs(model, ids, torch.tensor([mb.position_ids]), cfg.actor.temperature)
             seq_index = torch.repeat_interleave(torch.arange(len(mb.seq_lengths)), torch.tensor(mb.seq_lengths))
-            loss, _ = policy_loss(
-                logprobs,
-                entropy,
-                torch.tensor(mb.old_logprobs),
-                torch.tensor(mb.advantages),
-                torch.tensor(mb.loss_mask),
-                seq_index,
-                cfg.trainer.loss,
-                mb.step_tokens,
-                mb.step_samples,
+            inputs = LossInputs(
+                logprobs=logprobs,
+                entropy=entropy,
+                old_logprobs=torch.tensor(mb.old_logprobs),
+                advantages=torch.tensor(mb.advantages),
+                loss_mask=torch.tensor(mb.loss_mask),
+                seq_index=seq_index,
+                step_tokens=mb.step_tokens,
+                step_samples=mb.step_samples,
             )
+            loss, _ = policy_loss(inputs, cfg.trainer.loss)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
         optimizer.step()

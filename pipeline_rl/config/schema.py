@@ -351,7 +351,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     function: str = "pipeline_rl.trainer.loss:policy_loss"
-    """The loss as `module:function`, called like `pipeline_rl.trainer.loss.policy_loss` (the
+    """The loss as `module:function`, called like `pipeline_rl.trainer.loss.policy_loss(inputs, cfg)` (the
     contract is `pipeline_rl.trainer.loss.LossFn`); the options of this section reach it as `cfg`."""
     normalize: LossNormalize = LossNormalize.token
     """token: average over all tokens of the step; sequence: average per sequence, then over sequences."""

@@ -22,11 +22,13 @@ of the micro-batch losses of all ranks is the step's mean: token (each trained t
 and ranks and divided at the end (see `summarize`).
 
 The loss is a plug-in (`trainer.loss.function`, default `policy_loss` here): a replacement
-takes the same arguments and returns the same (loss, stats) pair; see `LossFn`.
+takes the same two arguments (a `LossInputs` and the `trainer.loss` section) and returns the
+same (loss, stats) pair; see `LossFn`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,25 +39,35 @@ from pipeline_rl.core.plugins import load_plugin
 STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "adv", "adv_sq")
 
 
-class LossFn(Protocol):
-    """The contract of a loss plug-in: `policy_loss`'s signature. Tensors are [T] over the
-    micro-batch's packed tokens; the sum over all micro-batches of all ranks of the returned
-    loss is what is minimised, so weigh tokens with `token_weights`. `stats` holds detached
-    0-d sums for STAT_KEYS (extra keys are ignored)."""
+@dataclass
+class LossInputs:
+    """One micro-batch as the loss sees it. Tensors are [T] over its packed tokens."""
 
-    def __call__(
-        self,
-        logprobs: torch.Tensor,
-        entropy: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        loss_mask: torch.Tensor,
-        seq_index: torch.Tensor,
-        cfg: LossConfig,
-        step_tokens: float,
-        step_samples: float,
-        ref_logprobs: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    logprobs: torch.Tensor
+    """The current policy's logprob of each token (with grad)."""
+    entropy: torch.Tensor
+    """The current policy's entropy at each token (with grad)."""
+    old_logprobs: torch.Tensor
+    """The behaviour logprob: what the actor's engine sampled the token with."""
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    """1 where the token is trained (completion tokens of samples the lag gate kept), else 0."""
+    seq_index: torch.Tensor
+    """The packed sequence each token belongs to (0, 1, ...)."""
+    step_tokens: float
+    """Trained tokens of the whole optimizer step over all ranks (token normalisation)."""
+    step_samples: float
+    """Sequences of the whole optimizer step over all ranks (sequence normalisation)."""
+    ref_logprobs: torch.Tensor | None = None
+    """The reference model's logprobs, when a scorer produced them (KL term)."""
+
+
+class LossFn(Protocol):
+    """The contract of a loss plug-in: `policy_loss`'s signature. The sum over all micro-batches
+    of all ranks of the returned loss is what is minimised, so weigh tokens with
+    `token_weights`. `stats` holds detached 0-d sums for STAT_KEYS (extra keys are ignored)."""
+
+    def __call__(self, inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 def load_loss(cfg: LossConfig) -> LossFn:
@@ -85,20 +97,11 @@ def per_sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch
     return (sums / counts.clamp(min=1.0))[seq_index]
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    entropy: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    seq_index: torch.Tensor,
-    cfg: LossConfig,
-    step_tokens: float,
-    step_samples: float,
-    ref_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one micro-batch (all tensors [T]; seq_index[t] = packed sequence of token t), and
-    its stats as detached 0-d tensors keyed by STAT_KEYS."""
+def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch, and its stats as detached 0-d tensors keyed by STAT_KEYS."""
+    logprobs, entropy, old_logprobs = inputs.logprobs, inputs.entropy, inputs.old_logprobs
+    advantages, loss_mask, seq_index = inputs.advantages, inputs.loss_mask, inputs.seq_index
+    step_tokens, step_samples, ref_logprobs = inputs.step_tokens, inputs.step_samples, inputs.ref_logprobs
     mask = loss_mask.float()
     weights = token_weights(loss_mask, seq_index, cfg.normalize, step_tokens, step_samples)
     # Masked tokens (prompts, gated samples) get log-ratio 0 so exp() cannot overflow there.

@@ -46,7 +46,7 @@ from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
-from pipeline_rl.trainer.loss import STAT_KEYS, load_loss, summarize
+from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
 from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.steps import StepCollector, update_slices
@@ -344,18 +344,18 @@ class Trainer:
             self.cfg.model.logprob_chunk_tokens,
             wanted=wanted,
         )
-        loss, stats = self.loss_fn(
-            logprobs,
-            entropy,
-            dev["old_logprobs"],
-            dev["advantages"],
-            dev["loss_mask"],
-            dev["seq_index"],
-            self.cfg.trainer.loss,
-            step_tokens,
-            step_samples,
-            dev.get("ref_logprobs"),
+        inputs = LossInputs(
+            logprobs=logprobs,
+            entropy=entropy,
+            old_logprobs=dev["old_logprobs"],
+            advantages=dev["advantages"],
+            loss_mask=dev["loss_mask"],
+            seq_index=dev["seq_index"],
+            step_tokens=step_tokens,
+            step_samples=step_samples,
+            ref_logprobs=dev.get("ref_logprobs"),
         )
+        loss, stats = self.loss_fn(inputs, self.cfg.trainer.loss)
         mismatch = consistency_sums(
             logprobs.detach(), dev["old_logprobs"], dev["loss_mask"], dev["versions"], self.version
         )

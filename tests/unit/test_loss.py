@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline_rl.config import LossConfig
-from pipeline_rl.trainer.loss import STAT_KEYS, policy_loss, summarize
+from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, policy_loss, summarize
 
 
 def t(values):
@@ -17,18 +17,18 @@ def run(cfg, lp, old, adv, mask, seq=None, step_tokens=None, step_samples=1, ref
     lp = t(lp).requires_grad_(True)
     ent_t = t(ent).requires_grad_(True) if ent is not None else torch.zeros(len(lp))
     seq_index = torch.tensor(seq if seq is not None else [0] * len(lp))
-    loss, stats = policy_loss(
-        lp,
-        ent_t,
-        t(old),
-        t(adv),
-        torch.tensor(mask),
-        seq_index,
-        cfg,
-        step_tokens if step_tokens is not None else sum(mask),
-        step_samples,
-        None if ref is None else t(ref),
+    inputs = LossInputs(
+        logprobs=lp,
+        entropy=ent_t,
+        old_logprobs=t(old),
+        advantages=t(adv),
+        loss_mask=torch.tensor(mask),
+        seq_index=seq_index,
+        step_tokens=step_tokens if step_tokens is not None else sum(mask),
+        step_samples=step_samples,
+        ref_logprobs=None if ref is None else t(ref),
     )
+    loss, stats = policy_loss(inputs, cfg)
     loss.backward()
     return loss.item(), lp.grad, stats, ent_t.grad if ent is not None else None
 

@@ -2,7 +2,9 @@
 
 A domain is an async function
 
-    async def rollout(problem: dict, llm: LLMClient, cfg: RunConfig) -> RolloutGroup
+    async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup
+
+(the types are in pipeline_rl/rollouts/interface.py).
 
 `problem` is one row of the data set (pipeline_rl/rollouts/datasets.py: "id", "prompt", "answer" and
 any extra keys). The function samples with `llm.generate(...)` (`sample` below: the group's
@@ -34,11 +36,11 @@ environment written against an OpenAI-style chat client (pipeline_rl/rollouts/ag
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.core.plugins import load_plugin
+from pipeline_rl.rollouts.interface import Generator, RolloutFn, Sample
 from pipeline_rl.streams.records import Rollout
 
 BUILTIN = {
@@ -49,34 +51,34 @@ BUILTIN = {
     "verifiers": "pipeline_rl.rollouts.domains.verifiers_env:rollout",
 }
 
-RolloutFn = Callable[..., Coroutine[Any, Any, Any]]
-
 
 def load_domain(name: str) -> RolloutFn:
     """The rollout function of a built-in domain or of an import path `module:function`."""
-    return load_plugin(
+    found = load_plugin(
         name,
         "actor.domain",
         "an async function (async def rollout(problem, llm, cfg))",
         builtins=BUILTIN,
         check=inspect.iscoroutinefunction,
     )
+    return cast(RolloutFn, found)
 
 
-async def sample(llm: Any, prompt_ids: list[int], cfg: RunConfig) -> list[Any]:
+async def sample(llm: Generator, prompt_ids: list[int], cfg: RunConfig) -> list[Sample]:
     """The group's completions of one prompt: cfg.actor.attempts samples with the actor's
     max_new_tokens, temperature and top_p (LLMClient Completions)."""
-    return await llm.generate(
+    completions = await llm.generate(
         prompt_ids,
         n=cfg.actor.attempts,
         max_tokens=cfg.actor.max_new_tokens,
         temperature=cfg.actor.temperature,
         top_p=cfg.actor.top_p,
     )
+    return list(completions)
 
 
 def make_rollout(
-    prompt_ids: list[int], completion: Any, reward: float, error: str | None = None, **metadata: Any
+    prompt_ids: list[int], completion: Sample, reward: float, error: str | None = None, **metadata: Any
 ) -> Rollout:
     """A single-turn Rollout from an LLMClient Completion; `error` (a failed reward check) is
     kept in metadata["reward_error"]."""

@@ -19,6 +19,7 @@ from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.rollouts.agent.http import ChatServer
 from pipeline_rl.rollouts.agent.session import AgentError, ChatSession
 from pipeline_rl.rollouts.agent.tools import Tools
+from pipeline_rl.rollouts.interface import Generator
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 
@@ -85,7 +86,7 @@ async def episode(rt: AgentRuntime, llm: Any, cfg: RunConfig, problem: dict) -> 
     return session.rollout(reward, cfg.actor.agent.error_reward)
 
 
-async def rollout(problem: dict, llm: Any, cfg: RunConfig) -> RolloutGroup:
+async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     try:
         async with asyncio.TaskGroup() as group:  # one failed episode cancels its siblings
             tasks = [group.create_task(episode(runtime(cfg), llm, cfg, problem)) for _ in range(cfg.actor.attempts)]

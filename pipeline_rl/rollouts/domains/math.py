@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains import make_rollout, sample
+from pipeline_rl.rollouts.interface import Generator
 from pipeline_rl.rollouts.rewards import RewardPool
 from pipeline_rl.streams.records import RolloutGroup
 
@@ -116,7 +117,7 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-async def rollout(problem: dict, llm, cfg: RunConfig) -> RolloutGroup:
+async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     ids = prompt_ids(llm.tokenizer, problem["prompt"])
     completions = await sample(llm, ids, cfg)
     table = cfg.actor.math_reward

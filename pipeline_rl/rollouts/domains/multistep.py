@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains.arithmetic import sample_and_score
+from pipeline_rl.rollouts.interface import Generator
 from pipeline_rl.streams.records import RolloutGroup
 
 
@@ -14,5 +15,5 @@ def score(text: str, finish_reason: str, answer: str) -> float:
     return 1.0 if finish_reason == "stop" and lines and lines[-1].endswith(f"={answer}") else 0.0
 
 
-async def rollout(problem: dict, llm, cfg: RunConfig) -> RolloutGroup:
+async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     return await sample_and_score(problem, llm, cfg, score)

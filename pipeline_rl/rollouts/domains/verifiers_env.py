@@ -34,6 +34,7 @@ from pipeline_rl.config.schema import VerifiersConfig
 from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.rollouts.agent.session import ChatSession
 from pipeline_rl.rollouts.domains.agent import chat_template
+from pipeline_rl.rollouts.interface import Generator
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
 KEY = "actor.verifiers.environment"
@@ -125,7 +126,7 @@ def sample(session: ChatSession, state: Any, error_reward: float) -> Rollout:
     return rollout
 
 
-async def rollout(problem: dict, llm: Any, cfg: RunConfig) -> RolloutGroup:
+async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     env, template = runtime(cfg)
     sessions = [ChatSession(llm, cfg.actor, template, None) for _ in range(cfg.actor.attempts)]
     states = await asyncio.gather(*(episode(env, s, problem) for s in sessions))

@@ -1,0 +1,61 @@
+"""The one interface an environment author writes against: a rollout function, and the
+generator it samples from (the actor's engine; pipeline_rl/engine/llm_client.py implements it).
+
+    async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup
+
+How rollouts are built (single- and multi-turn, masks, per-turn rewards) is described in
+pipeline_rl/rollouts/domains/__init__.py; the agent and verifiers domains build them from an
+OpenAI-style client instead (pipeline_rl/rollouts/agent/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.streams.records import RolloutGroup
+
+
+class Sample(Protocol):
+    """One completion, token for token as the engine produced it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of each sampled token at the sampling temperature (the behaviour logprob)."""
+    versions: list[int]
+    """Policy version of the forward pass that produced each token."""
+    finish_reason: str
+    """stop, length, or abort."""
+    text: str
+
+
+class Generator(Protocol):
+    """What a rollout may use of the actor's engine."""
+
+    tokenizer: Any
+    """The policy's tokenizer (Hugging Face interface)."""
+    max_model_len: int
+    """Prompt plus completion tokens the engine accepts (actor.llm.max_model_len)."""
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> Sequence[Sample]:
+        """Sample `n` completions of `prompt_ids`; each token carries its logprob and version."""
+        ...
+
+
+class RolloutFn(Protocol):
+    """A domain: one problem (a row of the data set) to one group of scored rollouts."""
+
+    def __call__(
+        self, problem: dict[str, Any], llm: Generator, cfg: RunConfig
+    ) -> Coroutine[Any, Any, RolloutGroup]: ...
