@@ -1,4 +1,4 @@
-"""Fixtures of both tiers; the helpers behind them are in helpers.py."""
+"""Fixtures of both tiers; the helpers behind them are in fixtures/helpers.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import RedisServer, build_tiny_model
+from fixtures.helpers import RedisServer, build_tiny_model
 
 # One compute thread per process: two OpenMP threads on these VMs are much slower than one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

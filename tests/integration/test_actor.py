@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CACHE, ROOT, TESTS
+from fixtures.helpers import CACHE, ROOT, TESTS
 
 from pipeline_rl.config import load_config, save_config
 from pipeline_rl.rollouts.datasets import load_problems
@@ -99,7 +99,7 @@ def test_stalled_trainer_bounds_the_actor_and_resume_keeps_the_count(tiny_model,
             f"actor.dataset.test={CACHE / 'arithmetic' / 'test.jsonl'}",
             f"trainer.groups_per_step={GROUPS_PER_STEP}",
             f"trainer.max_lag={MAX_LAG}",
-            "actor.domain=faulty_domain:rollout",
+            "actor.domain=fixtures.faulty_domain:rollout",
             "actor.attempts=2",
             "actor.max_groups_in_flight=16",
             "actor.metrics_every_s=0.5",

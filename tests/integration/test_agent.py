@@ -12,8 +12,8 @@ import json
 import time
 
 import pytest
-from agent_checks import check_engine_exact, model_turns, run_groups
-from helpers import CACHE, TESTS, perturbed
+from fixtures.agent_checks import check_engine_exact, model_turns, run_groups
+from fixtures.helpers import CACHE, TESTS, perturbed
 
 from pipeline_rl.config import load_config
 from pipeline_rl.rollouts.datasets import load_problems
@@ -22,7 +22,7 @@ from pipeline_rl.streams.records import RolloutGroup
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = "[agent_tools:add,agent_tools:fails,agent_tools:hangs,agent_tools:garbage]"
+TOOLS = "[fixtures.agent_tools:add,fixtures.agent_tools:fails,fixtures.agent_tools:hangs,fixtures.agent_tools:garbage]"
 
 
 def agent_cfg(run_dir, tiny_model, environment: str, *extra: str):
@@ -35,7 +35,7 @@ def agent_cfg(run_dir, tiny_model, environment: str, *extra: str):
             "actor.llm.kv_cache_gib=0.25",
             "actor.domain=agent",
             f"actor.agent.environment={environment}",
-            f"actor.agent.chat_template={TESTS / 'agent_tiny.jinja'}",
+            f"actor.agent.chat_template={TESTS / 'fixtures' / 'agent_tiny.jinja'}",
             *extra,
         ],
     )
@@ -45,7 +45,7 @@ def agent_cfg(run_dir, tiny_model, environment: str, *extra: str):
 def llm(tiny_model, tmp_path_factory):
     from pipeline_rl.engine.llm_client import LLMClient
 
-    cfg = agent_cfg(tmp_path_factory.mktemp("run"), tiny_model, "agent_envs:two_questions")
+    cfg = agent_cfg(tmp_path_factory.mktemp("run"), tiny_model, "fixtures.agent_envs:two_questions")
     client = LLMClient.create(cfg, str(tiny_model), version=0)
     yield client
     client.close()
@@ -57,7 +57,7 @@ def problems(tiny_model):
 
 
 def test_multiturn_environment_is_token_exact(llm, problems, tmp_path, tiny_model):
-    cfg = agent_cfg(tmp_path, tiny_model, "agent_envs:two_questions")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:two_questions")
     chosen = problems[:4]
     groups, recording = run_groups(llm, cfg, chosen)
     tok = llm.tokenizer
@@ -77,7 +77,7 @@ def test_multiturn_environment_is_token_exact(llm, problems, tmp_path, tiny_mode
 
 
 def test_tool_environment_is_token_exact(llm, problems, tmp_path, tiny_model):
-    cfg = agent_cfg(tmp_path, tiny_model, "agent_envs:checked_by_tool", f"actor.agent.tools={TOOLS}")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:checked_by_tool", f"actor.agent.tools={TOOLS}")
     chosen = problems[4:8]
     groups, recording = run_groups(llm, cfg, chosen)
     for problem, group in zip(chosen, groups):
@@ -93,7 +93,7 @@ def test_tool_environment_is_token_exact(llm, problems, tmp_path, tiny_model):
 def test_a_conversation_across_a_swap_carries_both_versions(llm, problems, tmp_path, tiny_model):
     from safetensors.torch import load_file
 
-    cfg = agent_cfg(tmp_path, tiny_model, "agent_envs:two_questions", "actor.attempts=1")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:two_questions", "actor.attempts=1")
     trained = load_file(str(tiny_model / "model.safetensors"))
     before = llm.version
 
@@ -114,7 +114,7 @@ def test_a_conversation_across_a_swap_carries_both_versions(llm, problems, tmp_p
 def test_http_endpoint_serves_the_openai_client(llm, problems, tmp_path, tiny_model):
     from openai.types.chat import ChatCompletion
 
-    cfg = agent_cfg(tmp_path, tiny_model, "agent_envs:over_openai_http", "actor.agent.http=true")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:over_openai_http", "actor.agent.http=true")
     chosen = [dict(p) for p in problems[10:12]]
     groups, recording = run_groups(llm, cfg, chosen)
     for problem, group in zip(chosen, groups):
@@ -130,7 +130,7 @@ def test_http_endpoint_serves_the_openai_client(llm, problems, tmp_path, tiny_mo
 
 
 def test_http_endpoint_answers_raw_json(llm, problems, tmp_path, tiny_model):
-    cfg = agent_cfg(tmp_path, tiny_model, "agent_envs:raw_http", "actor.agent.http=true", "actor.attempts=1")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:raw_http", "actor.agent.http=true", "actor.attempts=1")
     problem = dict(problems[12])
     [group], recording = run_groups(llm, cfg, [problem])
     [(ok, refused, nowhere)] = problem["raw"]
@@ -152,7 +152,7 @@ def test_actor_loop_counts_tool_failures_and_goes_on(llm, tmp_path, tiny_model, 
     """The real actor loop (in this process, on this engine): groups of 2 episodes, until
     admission stops it, cycle through a failing, a hanging (1 s limit), a garbage-returning and
     the working tool."""
-    import agent_envs
+    from fixtures import agent_envs
 
     from pipeline_rl.actor import actor as actor_module
     from pipeline_rl.engine.llm_client import LLMClient
@@ -160,7 +160,7 @@ def test_actor_loop_counts_tool_failures_and_goes_on(llm, tmp_path, tiny_model, 
     cfg = agent_cfg(
         tmp_path,
         tiny_model,
-        "agent_envs:cycling_tools",
+        "fixtures.agent_envs:cycling_tools",
         f"actor.agent.tools={TOOLS}",
         "actor.agent.tool_timeout_s=1",
         "actor.agent.error_reward=-1",

@@ -20,7 +20,14 @@ TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def tools():
     box = Tools(
-        ["agent_tools:add", "agent_tools:fails", "agent_tools:hangs", "agent_tools:garbage"], TIMEOUT_S, workers=1
+        [
+            "fixtures.agent_tools:add",
+            "fixtures.agent_tools:fails",
+            "fixtures.agent_tools:hangs",
+            "fixtures.agent_tools:garbage",
+        ],
+        TIMEOUT_S,
+        workers=1,
     )
     yield box
     box.close()
@@ -41,7 +48,11 @@ def test_schemas_and_a_working_call(tools):
 @pytest.mark.parametrize(
     "name, arguments, error",
     [
-        ("fails", {"a": 3, "b": 4}, "tool 'fails' (agent_tools:fails) failed: ValueError: fails was called with 3"),
+        (
+            "fails",
+            {"a": 3, "b": 4},
+            "tool 'fails' (fixtures.agent_tools:fails) failed: ValueError: fails was called with 3",
+        ),
         ("garbage", {"a": 3, "b": 4}, "returned set, neither a string nor a JSON value"),
         ("add", {"a": 1}, "TypeError"),  # a missing argument
         ("add", "[1, 2]", "arguments are list, expected an object"),
@@ -68,7 +79,7 @@ def test_a_hanging_tool_is_killed_at_the_limit(tools):
 @pytest.mark.parametrize(
     "spec, error",
     [
-        ("agent_tools:nothing", "bad value for 'actor.agent.tools.0': cannot import"),
+        ("fixtures.agent_tools:nothing", "bad value for 'actor.agent.tools.0': cannot import"),
         ("json:dumps", "bad value for 'actor.agent.tools.0': no tool schema"),
     ],
 )
@@ -79,4 +90,4 @@ def test_bad_tools_are_refused_naming_the_key(spec, error):
 
 def test_two_tools_of_one_name_are_refused():
     with pytest.raises(ConfigError, match=r"actor\.agent\.tools\.1': a second tool named 'add'"):
-        Tools(["agent_tools:add", "agent_tools:add"], 1.0, 1)
+        Tools(["fixtures.agent_tools:add", "fixtures.agent_tools:add"], 1.0, 1)

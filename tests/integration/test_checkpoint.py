@@ -11,8 +11,7 @@ import signal
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from trainer_runs import (
+from fixtures.trainer_runs import (
     REL_TOL,
     final_weights,
     make_steps,
@@ -24,6 +23,7 @@ from trainer_runs import (
     wait_all,
     write_steps,
 )
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline_rl.config import save_config

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
-from trainer_runs import make_steps, start_ranks, trainer_config, wait_all, write_steps
+from fixtures.helpers import free_port
+from fixtures.trainer_runs import make_steps, start_ranks, trainer_config, wait_all, write_steps
 
 from pipeline_rl.collectives import nccl_env
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from helpers import CACHE
+from fixtures.helpers import CACHE
 
 from pipeline_rl.config import load_config
 from pipeline_rl.rollouts.datasets import load_problems
@@ -74,7 +74,7 @@ def test_arithmetic_rollout(llm_and_cfg, test_problems):
 
 def test_multiturn_domain(llm_and_cfg, test_problems):
     llm, cfg = llm_and_cfg
-    rollout = load_domain("multiturn_domain:rollout")
+    rollout = load_domain("fixtures.multiturn_domain:rollout")
     problems = test_problems[:4]
     groups = run_all(rollout, problems, llm, cfg, 60)
     for problem, group in zip(problems, groups):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from fixtures.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 

@@ -21,8 +21,8 @@ import threading
 
 import pytest
 import torch
-from helpers import free_port, peft_model, random_adapter, start_tp_client
-from swap_checks import swap_during_generation, worst_logprob_error
+from fixtures.helpers import free_port, peft_model, random_adapter, start_tp_client
+from fixtures.swap_checks import swap_during_generation, worst_logprob_error
 
 from pipeline_rl.config import load_config
 from pipeline_rl.engine.adapter_slot import engine_max_rank

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, hf_model, peft_model
-from safetensors.torch import load_file
-from trainer_runs import (
+from fixtures.helpers import ROOT, hf_model, peft_model
+from fixtures.trainer_runs import (
     LINEAR_ADAM,
     REL_TOL,
     make_steps,
@@ -23,6 +22,7 @@ from trainer_runs import (
     wait_all,
     write_steps,
 )
+from safetensors.torch import load_file
 
 from pipeline_rl import lora
 from pipeline_rl.config import save_config

@@ -1,5 +1,5 @@
 """McpServer (pipeline_rl/rollouts/agent/mcp_server.py) against a real stdio MCP server process
-(tests/mcp_tools_server.py): its tools' schemas, a call, a failing, an unknown and a timed-out
+(tests/fixtures/mcp_tools_server.py): its tools' schemas, a call, a failing, an unknown and a timed-out
 call, calls from two event loops, and a server that cannot start."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import asyncio
 import sys
 
 import pytest
-from helpers import TESTS
+from fixtures.helpers import TESTS
 
 from pipeline_rl.rollouts.agent.mcp_server import McpServer, McpToolError
 
-SERVER = [str(TESTS / "mcp_tools_server.py")]
+SERVER = [str(TESTS / "fixtures" / "mcp_tools_server.py")]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers import ROOT, random_qwen2
+from fixtures.helpers import ROOT, random_qwen2
 
 from pipeline_rl.config import RunConfig, ScorerConfig, save_config
 from pipeline_rl.preprocess.advantages import all_zero, group_advantages

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from helpers import free_port
+from fixtures.helpers import free_port
 
 from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.launch.redis_server import cannot_start

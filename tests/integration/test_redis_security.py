@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from helpers import free_port
+from fixtures.helpers import free_port
 
 from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.launch.redis_server import start_redis

@@ -3,7 +3,7 @@ and the reference scorer against a plain transformers forward pass."""
 
 import pytest
 import torch
-from helpers import random_qwen2
+from fixtures.helpers import random_qwen2
 from transformers import AutoModelForCausalLM
 
 from pipeline_rl.config import ConfigError, RunConfig, ScorerConfig

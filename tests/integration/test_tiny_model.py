@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import CACHE
+from fixtures.helpers import CACHE
 
 from pipeline_rl.demo.tiny_model import TEST_PROBLEMS, make_problems, make_tokenizer
 from pipeline_rl.rollouts.datasets import load_problems

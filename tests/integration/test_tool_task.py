@@ -12,8 +12,8 @@ import json
 import sys
 
 import pytest
-from agent_checks import ScriptedEngine, run_groups
-from helpers import TESTS
+from fixtures.agent_checks import ScriptedEngine, run_groups
+from fixtures.helpers import TESTS
 
 from pipeline_rl.config import load_config
 from pipeline_rl.demo import multistep, tiny_model
@@ -22,7 +22,9 @@ from pipeline_rl.demo.tools_policy import transcript
 from pipeline_rl.rollouts.agent.template import ChatTemplate
 
 EOS = tiny_model.EOS_TOKEN
-MCP_SERVER = [f"actor.agent.mcp_servers=[{{command: {sys.executable}, args: [{TESTS / 'mcp_tools_server.py'}]}}]"]
+MCP_SERVER = [
+    f"actor.agent.mcp_servers=[{{command: {sys.executable}, args: [{TESTS / 'fixtures' / 'mcp_tools_server.py'}]}}]"
+]
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,9 @@ import time
 
 import pytest
 import torch
-from helpers import free_port, hf_model, perturbed, start_tp_client
+from fixtures.helpers import free_port, hf_model, perturbed, start_tp_client
+from fixtures.swap_checks import swap_during_generation
 from safetensors.torch import load_file
-from swap_checks import swap_during_generation
 
 from pipeline_rl.config import load_config
 from pipeline_rl.engine.llm_client import LLMClient

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import CACHE
+from fixtures.helpers import CACHE
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.demo import build_named, outcome_rm, prm

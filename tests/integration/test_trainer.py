@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_model
-from safetensors.torch import load_file
-from trainer_runs import (
+from fixtures.helpers import hf_model
+from fixtures.trainer_runs import (
     LINEAR_ADAM,
     REL_TOL,
     final_weights,
@@ -28,6 +27,7 @@ from trainer_runs import (
     wait_all,
     write_steps,
 )
+from safetensors.torch import load_file
 
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.preprocess.packing import pack_step

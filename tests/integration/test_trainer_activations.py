@@ -5,7 +5,14 @@ import shutil
 
 import pytest
 import torch
-from trainer_runs import make_steps, probe_trainer, repeated_logprobs, saved_for_backward, trainer_config, write_steps
+from fixtures.trainer_runs import (
+    make_steps,
+    probe_trainer,
+    repeated_logprobs,
+    saved_for_backward,
+    trainer_config,
+    write_steps,
+)
 
 from pipeline_rl.launch.memory_plan import ModelShape, activation_bytes_per_token
 

@@ -10,8 +10,7 @@ import signal
 
 import pytest
 import redis
-from safetensors.torch import load_file
-from trainer_runs import (
+from fixtures.trainer_runs import (
     REL_TOL,
     final_weights,
     make_steps,
@@ -23,6 +22,7 @@ from trainer_runs import (
     wait_all,
     write_steps,
 )
+from safetensors.torch import load_file
 
 from pipeline_rl.streams.records import MicroBatch, decode
 from pipeline_rl.trainer import checkpoint

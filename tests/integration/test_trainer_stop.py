@@ -9,7 +9,7 @@ import os
 import signal
 
 import pytest
-from trainer_runs import make_steps, start_ranks, trainer_config, wait_all, write_steps
+from fixtures.trainer_runs import make_steps, start_ranks, trainer_config, wait_all, write_steps
 
 from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import MicroBatch

@@ -1,6 +1,6 @@
 """Environments of the verifiers library (actor.domain: verifiers) on a real vLLM engine with the
 tiny model: a vf.MultiTurnEnv, a vf.ToolEnv and an McpToolEnv with a real MCP server
-(tests/verifiers_envs.py) give rollouts whose model tokens, logprobs and versions are exactly the
+(tests/fixtures/verifiers_envs.py) give rollouts whose model tokens, logprobs and versions are exactly the
 engine's outputs and whose mask covers exactly them, with the rubric's reward; a conversation
 across a weight swap carries both versions; an environment that raises ends its rollouts with a
 recorded error (before its first turn: fails its group); the real actor loop writes the groups
@@ -15,8 +15,8 @@ import pytest
 
 vf = pytest.importorskip("verifiers", reason="the verifiers extra is not installed (scripts/setup_cpu.sh --verifiers)")
 
-from agent_checks import check_engine_exact, run_groups  # noqa: E402
-from helpers import CACHE, TESTS, perturbed  # noqa: E402
+from fixtures.agent_checks import check_engine_exact, run_groups  # noqa: E402
+from fixtures.helpers import CACHE, TESTS, perturbed  # noqa: E402
 
 from pipeline_rl.config import ConfigError, load_config  # noqa: E402
 from pipeline_rl.rollouts.datasets import load_problems  # noqa: E402
@@ -33,7 +33,7 @@ def vf_cfg(run_dir, tiny_model, environment: str, *extra: str):
             "actor.llm.kv_cache_gib=0.25",
             "actor.domain=verifiers",
             f"actor.verifiers.environment={environment}",
-            f"actor.agent.chat_template={TESTS / 'agent_tiny.jinja'}",
+            f"actor.agent.chat_template={TESTS / 'fixtures' / 'agent_tiny.jinja'}",
             "actor.agent.error_reward=-1",
             *extra,
         ],
@@ -44,7 +44,7 @@ def vf_cfg(run_dir, tiny_model, environment: str, *extra: str):
 def llm(tiny_model, tmp_path_factory):
     from pipeline_rl.engine.llm_client import LLMClient
 
-    cfg = vf_cfg(tmp_path_factory.mktemp("run"), tiny_model, "verifiers_envs:two_questions")
+    cfg = vf_cfg(tmp_path_factory.mktemp("run"), tiny_model, "fixtures.verifiers_envs:two_questions")
     client = LLMClient.create(cfg, str(tiny_model), version=0)
     yield client
     client.close()
@@ -67,7 +67,7 @@ def reward_or_error(r, expected: float) -> None:
 
 @pytest.mark.vllm
 def test_multiturn_environment_is_token_exact_and_scored_by_its_rubric(llm, problems, tmp_path, tiny_model):
-    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:two_questions")
+    cfg = vf_cfg(tmp_path, tiny_model, "fixtures.verifiers_envs:two_questions")
     chosen = problems[:4]
     groups, recording = run_groups(llm, cfg, chosen)
     tok = llm.tokenizer
@@ -97,7 +97,7 @@ def test_multiturn_environment_is_token_exact_and_scored_by_its_rubric(llm, prob
 
 @pytest.mark.vllm
 def test_tool_environment_is_token_exact_and_scored_by_its_rubric(llm, problems, tmp_path, tiny_model):
-    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:checked_by_tool")
+    cfg = vf_cfg(tmp_path, tiny_model, "fixtures.verifiers_envs:checked_by_tool")
     chosen = problems[4:12]
     groups, recording = run_groups(llm, cfg, chosen)
     for problem, group in zip(chosen, groups):
@@ -119,7 +119,7 @@ def test_tool_environment_is_token_exact_and_scored_by_its_rubric(llm, problems,
 
 @pytest.mark.vllm
 def test_mcp_tool_environment_calls_the_server(llm, problems, tmp_path, tiny_model):
-    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:checked_by_mcp")
+    cfg = vf_cfg(tmp_path, tiny_model, "fixtures.verifiers_envs:checked_by_mcp")
     chosen = problems[22:28]
     groups, recording = run_groups(llm, cfg, chosen)
     done = 0
@@ -139,10 +139,10 @@ def test_mcp_tool_environment_calls_the_server(llm, problems, tmp_path, tiny_mod
 
 @pytest.mark.vllm
 def test_a_verifiers_conversation_across_a_swap_carries_both_versions(llm, problems, tmp_path, tiny_model, monkeypatch):
-    import verifiers_envs
+    from fixtures import verifiers_envs
     from safetensors.torch import load_file
 
-    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:two_questions", "actor.attempts=1")
+    cfg = vf_cfg(tmp_path, tiny_model, "fixtures.verifiers_envs:two_questions", "actor.attempts=1")
     trained = load_file(str(tiny_model / "model.safetensors"))
     before = llm.version
 
@@ -165,7 +165,7 @@ def test_a_verifiers_conversation_across_a_swap_carries_both_versions(llm, probl
 
 @pytest.mark.vllm
 def test_an_environment_that_raises_ends_its_rollouts_with_the_error(llm, problems, tmp_path, tiny_model):
-    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:broken")
+    cfg = vf_cfg(tmp_path, tiny_model, "fixtures.verifiers_envs:broken")
     [group], recording = run_groups(llm, cfg, problems[20:21])
     for r in group.rollouts:
         check_engine_exact(r, recording)
@@ -175,7 +175,7 @@ def test_an_environment_that_raises_ends_its_rollouts_with_the_error(llm, proble
 
 @pytest.mark.vllm
 def test_an_environment_that_raises_before_the_first_turn_fails_its_group(llm, problems, tmp_path, tiny_model):
-    cfg = vf_cfg(tmp_path, tiny_model, "verifiers_envs:broken_at_setup")
+    cfg = vf_cfg(tmp_path, tiny_model, "fixtures.verifiers_envs:broken_at_setup")
     with pytest.raises(RuntimeError, match="before its first model turn: KeyError: 'no such resource'"):
         run_groups(llm, cfg, problems[21:22])
 
@@ -197,7 +197,7 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     cfg = vf_cfg(
         tmp_path,
         tiny_model,
-        "verifiers_envs:two_questions",
+        "fixtures.verifiers_envs:two_questions",
         f"actor.dataset.train={CACHE / 'arithmetic' / 'train.jsonl'}",
         "actor.eval_every_s=0",
         "actor.metrics_every_s=0.5",
@@ -241,18 +241,18 @@ def test_bad_environments_fail_at_launch_naming_the_key(tmp_path):
 
     key = "'actor.verifiers.environment'"
     for spec, error in [
-        ("verifiers_envs:nothing", "cannot import"),
-        ("agent_envs:swapped", "raised TypeError"),  # needs an argument
+        ("fixtures.verifiers_envs:nothing", "cannot import"),
+        ("fixtures.agent_envs:swapped", "raised TypeError"),  # needs an argument
         ("builtins:dict", "returned dict, not a verifiers Environment"),
         ("no_such_verifiers_env", "raised"),  # not an installed environment id
     ]:
         cfg = vf_cfg(tmp_path, tmp_path, spec)
         with pytest.raises(ConfigError, match=f"bad value for {key}.*{error}"):
             check_plugins(cfg)
-    cfg = vf_cfg(tmp_path, tmp_path, "verifiers_envs:two_questions", "actor.verifiers.args={max_turns: 3}")
+    cfg = vf_cfg(tmp_path, tmp_path, "fixtures.verifiers_envs:two_questions", "actor.verifiers.args={max_turns: 3}")
     with pytest.raises(ConfigError, match=f"bad value for {key}.*unexpected keyword"):
         check_plugins(cfg)
     with pytest.raises(ConfigError, match=r"needs 'actor\.verifiers\.environment'"):
         vf_cfg(tmp_path, tmp_path, "''")
     with pytest.raises(ConfigError, match=r"verifiers\.nope"):
-        vf_cfg(tmp_path, tmp_path, "verifiers_envs:two_questions", "actor.verifiers.nope=1")
+        vf_cfg(tmp_path, tmp_path, "fixtures.verifiers_envs:two_questions", "actor.verifiers.nope=1")

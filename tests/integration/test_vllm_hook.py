@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
-from helpers import hf_model, perturbed
+from fixtures.helpers import hf_model, perturbed
+from fixtures.swap_checks import swap_during_generation, worst_logprob_error
 from safetensors.torch import load_file
-from swap_checks import swap_during_generation, worst_logprob_error
 
 from pipeline_rl.config import load_config
 from pipeline_rl.engine.llm_client import LLMClient

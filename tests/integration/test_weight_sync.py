@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TESTS, free_port, hf_model, perturbed, record_messages
+from fixtures.helpers import ROOT, TESTS, free_port, hf_model, perturbed, record_messages
 from safetensors.torch import load_file
 
 from pipeline_rl.config import load_config

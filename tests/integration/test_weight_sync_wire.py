@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import free_port, record_messages
+from fixtures.helpers import free_port, record_messages
 
 from pipeline_rl.weight_sync import StaleUpdate, WeightReceiver, WeightSender
 

@@ -16,8 +16,8 @@ import orjson
 import psutil
 import pytest
 import torch
-from faulty_domain import MALFORMED
-from helpers import CACHE, ROOT, TESTS, RedisServer, free_port, hf_model
+from fixtures.faulty_domain import MALFORMED
+from fixtures.helpers import CACHE, ROOT, TESTS, RedisServer, free_port, hf_model
 
 from pipeline_rl.config import load_saved_config
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
@@ -301,8 +301,8 @@ def test_lost_groups_do_not_stall_the_run(tmp_path, tiny_model, mode):
     The config is a user config in ./conf of a directory outside the checkout."""
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "flaky.yaml").write_text(
-        "extends: tiny\nactor:\n  domain: faulty_domain:reward_raises_and_stream_breaks\n"
-        "preprocess:\n  scorers:\n    - cls: faulty_scorer:EveryThirdBatchFails\n"
+        "extends: tiny\nactor:\n  domain: fixtures.faulty_domain:reward_raises_and_stream_breaks\n"
+        "preprocess:\n  scorers:\n    - cls: fixtures.faulty_scorer:EveryThirdBatchFails\n"
     )
     run_dir = tmp_path / "run"
     argv = [sys.executable, str(ROOT / "launch.py"), "conf=flaky", f"run_dir={run_dir}", *QUICK, *ports()]
@@ -341,7 +341,7 @@ def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     and the preprocessor were doing. The hung preprocessor ignores SIGTERM, so it is killed after
     the rest's STOP_GRACE_S, not kept for the trainers' stop grace (launch/budget.py)."""
     run_dir = tmp_path / "run"
-    scorer = "preprocess.scorers=[{cls: 'faulty_scorer:HangsAfterGroups', kwargs: {after_groups: 12}}]"
+    scorer = "preprocess.scorers=[{cls: 'fixtures.faulty_scorer:HangsAfterGroups', kwargs: {after_groups: 12}}]"
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     proc = launch(
         run_dir, "trainer.max_steps=50", scorer, "watchdog_s=15", "watchdog_startup_s=240", env=env, wait=False

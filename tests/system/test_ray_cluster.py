@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, free_port
+from fixtures.helpers import ROOT, free_port
 
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.metrics import read_metrics

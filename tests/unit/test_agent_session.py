@@ -1,5 +1,5 @@
 """A ChatSession's conversation bookkeeping on a scripted engine and a ChatML template with tools
-(tests/agent_chatml.jinja, the Qwen2.5 layout): the transcript is the first prompt, then per
+(tests/fixtures/agent_chatml.jinja, the Qwen2.5 layout): the transcript is the first prompt, then per
 turn exactly the engine's tokens and the template's text of the new messages alone, so that it
 decodes to the template's rendering of the whole conversation; continuations that do not repeat
 the conversation, a changed tool list, n > 1, too many turns and a full context are refused."""
@@ -10,13 +10,13 @@ import asyncio
 import json
 
 import pytest
-from agent_checks import ScriptedEngine
-from helpers import TESTS
+from fixtures.agent_checks import ScriptedEngine
+from fixtures.helpers import TESTS
 
 from pipeline_rl.config.schema import ActorConfig
 from pipeline_rl.rollouts.agent.session import AgentError, ChatSession
 
-TEMPLATE = (TESTS / "agent_chatml.jinja").read_text()
+TEMPLATE = (TESTS / "fixtures" / "agent_chatml.jinja").read_text()
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 CALL = '\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from fixtures.helpers import ROOT
 
 from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.launch.bundles import bundles, describe_bundles

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from fixtures.helpers import ROOT
 
 from pipeline_rl.config import SHIPPED_CONF_DIR, ConfigError, load_config, load_saved_config, save_config
 from pipeline_rl.launch.placement import plan
@@ -91,7 +91,7 @@ def test_bad_overrides_name_the_key(overrides, expected):
         (
             [
                 "actor.domain=agent",
-                "actor.agent.environment=agent_envs:two_questions",
+                "actor.agent.environment=fixtures.agent_envs:two_questions",
                 "actor.agent.tools=[nowhere:add]",
             ],
             "bad value for 'actor.agent.tools.0': cannot import",
@@ -99,7 +99,7 @@ def test_bad_overrides_name_the_key(overrides, expected):
         (
             [
                 "actor.domain=agent",
-                "actor.agent.environment=agent_envs:two_questions",
+                "actor.agent.environment=fixtures.agent_envs:two_questions",
                 "actor.agent.mcp_servers=[{command: no-such-mcp-server}]",
             ],
             "bad value for 'actor.agent.mcp_servers.0.command': 'no-such-mcp-server' is not a program",

@@ -4,7 +4,7 @@ process, as tests/integration/test_preprocessor.py runs them) leave later loads 
 import threading
 
 import torch
-from helpers import random_qwen2
+from fixtures.helpers import random_qwen2
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2ForCausalLM
 
 from pipeline_rl.config import load_config

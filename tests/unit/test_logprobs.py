@@ -2,9 +2,9 @@
 
 import importlib.util
 
-import helpers
 import pytest
 import torch
+from fixtures import helpers
 
 from pipeline_rl.config import ConfigError, attention_kernel, load_config
 from pipeline_rl.core.logprobs import packed_logprobs, sequence_starts

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, random_qwen2
+from fixtures.helpers import ROOT, random_qwen2
 
 from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.launch.memory_plan import ModelShape, plan_lines

@@ -7,7 +7,7 @@ import sys
 from collections import Counter
 
 import pytest
-from helpers import ROOT
+from fixtures.helpers import ROOT
 
 from pipeline_rl.config import SHIPPED_CONF_DIR, ConfigError, load_config
 from pipeline_rl.launch.placement import Node, child_env, plan

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from helpers import free_port
+from fixtures.helpers import free_port
 
 from pipeline_rl.config import load_config
 from pipeline_rl.launch import ray_driver

@@ -26,7 +26,7 @@ own reward can go on that turn's last token in `token_rewards` (0.0 elsewhere). 
 preprocessor adds token_rewards as an undiscounted, unbaselined reward-to-go on top of the
 group-relative advantage of `reward` (pipeline_rl/preprocess/advantages.py): keep `reward` for the
 episode's outcome and make per-turn rewards centred (e.g. +0.5 / -0.5).
-tests/multiturn_domain.py is a small example. The `agent` domain builds such rollouts from an
+tests/fixtures/multiturn_domain.py is a small example. The `agent` domain builds such rollouts from an
 environment written against an OpenAI-style chat client (pipeline_rl/rollouts/agent/); the
 `verifiers` domain from an environment of the verifiers library (domains/verifiers_env.py).
 
