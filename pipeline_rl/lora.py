@@ -47,8 +47,8 @@ def wrap(model: torch.nn.Module, lora: LoraConfig, dtype: torch.dtype | None = N
 
     With `dtype` the adapters are made of it. peft makes them float32 whatever the base; in a
     bfloat16 model each adapter then casts its input to float32 and autograd keeps that copy
-    (7.5 GiB at 8k tokens for a 0.5 B Qwen2 under ZeRO-3, measured on an H200, 65 % of the
-    layers' own activations), and the adapter's matmuls run in float32."""
+    (two thirds of the layers' own activations on the GPU check's shape: docs/gpu.md), and the
+    adapter's matmuls run in float32."""
     from peft import get_peft_model
 
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -11,10 +11,11 @@ one-logit head on its layers and trains on the logistic loss at the last token. 
 answer alone is a sparse label (trained on it alone, from the quick PRM, every answer was still
 scored wrong after 1,000 steps), so a second, auxiliary head is trained beside it on the PRM's own
 labels (each digit right for its step, each step right so far), which keeps the layers checking
-every digit; it is dropped when the RM is saved. Training stops once the held-out accuracy and
-the shares of wrong answers scored below 0 and right ones above 0 reach the recipe's targets, and
-writes cache_dir/<recipe.name> with a report.json. FULL (from the demo's PRM) is the demo's RM;
-QUICK (from the quick PRM, lower targets) the tests'.
+every digit; it is dropped when the RM is saved. FULL (from the demo's PRM), the demo's RM, trains
+until the held-out accuracy and the shares of wrong answers scored below 0 and right ones above 0
+reach its targets; QUICK (from the quick PRM), the tests', is a fixed number of steps whose report
+the tests hold to lower floors (prm.Recipe.steps). Either writes cache_dir/<recipe.name> with a
+report.json.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from pipeline_rl.demo.multistep import make_problems
 from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
+"""Where a target-based build gives up."""
+QUICK_STEPS = 1000
 FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
 """The demo's outcome RM, from the demo's PRM."""
-QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=50)
+QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=250, steps=QUICK_STEPS)
 """The tests' outcome RM, from the tests' PRM: separates right from wrong answers, in a fraction
 of FULL's time."""
 BASE = {FULL.name: prm.FULL, QUICK.name: prm.QUICK}
@@ -108,16 +111,14 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL) -> Path:
     rng = random.Random(seed)
     start, step, report = time.time(), 0, {}
     model.train()
-    while not prm.reached(report, recipe):
-        if step >= MAX_STEPS:
-            raise RuntimeError(f"the outcome RM reached {report} in {step} steps")
+    while not prm.finished(step, report, recipe, MAX_STEPS, "the outcome RM"):
         items = [labelled(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)]
         loss(model, aux_head, items, pad_id).backward()
         opt.step()
         opt.zero_grad()
         warmup.step()
         step += 1
-        if step % recipe.eval_every == 0:
+        if prm.evaluates_after(step, recipe):
             report = accuracy(model, evalset, pad_id)
             shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
             print(f"{recipe.name}: step {step}, held-out {shown}", flush=True)

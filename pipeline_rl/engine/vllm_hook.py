@@ -118,8 +118,8 @@ class SwapStats:
 def _prompt_gil(interval_s: float = 1e-4):
     """While the swap holds the lock every forward pass waits for, each time torch or vLLM
     releases the GIL (a copy, a message) the swap thread must get it back at once, not after
-    Python's 5 ms switch interval while another thread of the actor runs Python (measured: a
-    TP = 2 swap's hold went from 0.8 to 7-10 ms with one busy thread beside it)."""
+    Python's 5 ms switch interval while another thread of the actor runs Python (one busy thread
+    beside it multiplies a TP = 2 swap's hold: docs/performance.md)."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(interval_s)
     try:

@@ -35,7 +35,7 @@ DEAD_PAYLOAD_MAX = 1 << 16
 READ_BYTES = 1 << 20
 """A read stops taking entries once they hold this many payload bytes (it takes at least one).
 Bounds a reader's memory when it catches up on large records, and decoding a few MB at a
-time runs ~2x faster per record than decoding tens of MB (measured with 64 KB records)."""
+time is faster per record than decoding tens of MB (scripts/bench_streams.py)."""
 
 BATCH_RECORDS = 256
 BATCH_BYTES = 4 << 20

@@ -20,8 +20,8 @@ run whose tensors already lie in one storage as the message has them (parameters
 views of one flat buffer, as DeepSpeed ZeRO-1/2 keeps them, when no tensor needs padding) is
 sent from that storage without a copy too; any other is packed by one `_foreach_copy_`.
 The plan ("VERSION:BITS", one bit per bucket) makes a bucket whose tensors all lay flat in
-the previous update a single message (still without a copy; gloo costs about 0.5 ms per
-message on 2-core VMs): the sender notes flatness after each update and publishes a change
+the previous update a single message (still without a copy; each gloo message has a fixed
+cost): the sender notes flatness after each update and publishes a change
 before the next announcement; a bucket planned whole that is not flat after all is packed
 whole, once, and the plan goes back. Messages are not waited for one by one: the sender
 starts every message of a bucket and waits for them all before it takes the first tensor of

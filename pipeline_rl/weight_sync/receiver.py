@@ -111,8 +111,8 @@ class WeightReceiver(Endpoint):
         current without asking: the sender broadcasts in announcement order, no broadcast of a
         group ends without each of its members, and after a failed one the sender names a new
         group, so it cannot have gone past an update of this group that this member has not
-        taken part in. That saves a store round trip (about 0.15 ms, a third of a
-        tiny model's broadcast) per update. Any other update (another group's, or one already
+        taken part in. That saves a store round trip per update (a large share of a
+        small model's broadcast). Any other update (another group's, or one already
         received: a re-delivered announcement) is checked with the sender's store: StaleUpdate
         when the sender has gone past it (a receiver that starts reads the announcements made
         before it), else the group is joined."""
