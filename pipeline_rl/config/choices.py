@@ -48,6 +48,9 @@ class LossKind(StrEnum):
     """-min(w, is_truncation).detach() * A * logprob; option: `is_truncation`."""
     ppo = "ppo"
     """-min(w * A, clip(w, 1 - ppo_clip, 1 + ppo_clip) * A); option: `ppo_clip`."""
+    cispo = "cispo"
+    """-clip(w, 1 - ppo_clip, 1 + ppo_clip_high).detach() * A * logprob (CISPO): every token keeps
+    its gradient, only the weight is clipped; options: `ppo_clip`, `ppo_clip_high`."""
 
 
 class RatioLevel(StrEnum):

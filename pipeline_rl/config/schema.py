@@ -336,16 +336,23 @@ class PreprocessConfig:
 @dataclass
 class LossConfig:
     kind: LossKind = LossKind.reinforce
-    """reinforce: policy gradient with truncated importance weights; ppo: clipped ratio objective."""
+    """reinforce: policy gradient with truncated importance weights; ppo: clipped ratio objective;
+    cispo: policy gradient with the importance weight clipped to the PPO range and detached."""
     is_truncation: float = 5.0
     """Upper bound of the importance weight in reinforce mode."""
     ppo_clip: float = 0.2
-    """PPO clip range epsilon: the ratio is clipped to [1 - ppo_clip, 1 + ppo_clip_high]."""
+    """PPO clip range epsilon: the ratio is clipped to [1 - ppo_clip, 1 + ppo_clip_high] (ppo and
+    cispo)."""
     ppo_clip_high: float | None = None
     """Upper clip epsilon, when larger than the lower one (DAPO clip-higher, e.g. 0.28 with
     ppo_clip 0.2: lets unlikely good tokens grow faster); null: ppo_clip."""
     ratio: RatioLevel = RatioLevel.token
     """token: one importance ratio per token; sequence: one per sequence (GSPO)."""
+    ratio_mask: float | None = None
+    """IcePop / masked importance sampling, c > 1: a token whose ratio exp(logprob - behaviour
+    logprob) lies outside [1/c, c] gets no gradient (it still counts in the normalisation), so
+    tokens the engine and the trainer disagree on, or that went far off-policy, cannot steer
+    the update; the share masked is the metric `ratio_masked_fraction`. null: no mask."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
     entropy_coef: float = 0.0

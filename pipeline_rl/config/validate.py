@@ -59,6 +59,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 0")
     if cfg.actor.admission_lag is not None and cfg.actor.admission_lag < 0:
         raise ConfigError(f"bad value for 'actor.admission_lag': {cfg.actor.admission_lag}, must be >= 0 or null")
+    mask = cfg.trainer.loss.ratio_mask
+    if mask is not None and mask <= 1.0:
+        raise ConfigError(
+            f"bad value for 'trainer.loss.ratio_mask': {mask}, must be > 1 (tokens kept: ratio in [1/c, c]) or null"
+        )
     high = cfg.trainer.loss.ppo_clip_high
     if high is not None and high < cfg.trainer.loss.ppo_clip:
         raise ConfigError(

@@ -8,7 +8,12 @@ objectives:
 
 - reinforce: -min(w, is_truncation).detach() * A * logprob (truncated importance weights);
 - ppo: -min(w * A, clip(w, 1 - eps, 1 + eps_high) * A), eps_high = ppo_clip_high (DAPO's
-  clip-higher) or eps.
+  clip-higher) or eps;
+- cispo: -clip(w, 1 - eps, 1 + eps_high).detach() * A * logprob (CISPO: the weight is clipped,
+  the token's gradient is kept, unlike PPO's, which is zero outside the range).
+
+`ratio_mask: c` (IcePop / masked importance sampling) leaves out of the gradient every token
+whose token-level ratio lies outside [1/c, c], whatever the objective.
 
 Optional terms: + kl_coef * k3(ref || policy) with k3 = exp(ref - lp) - (ref - lp) - 1, and
 - entropy_coef * entropy.
@@ -28,6 +33,7 @@ same (loss, stats) pair; see `LossFn`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,7 +42,7 @@ import torch
 from pipeline_rl.config import LossConfig, RatioLevel
 from pipeline_rl.core.plugins import load_plugin
 
-STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "adv", "adv_sq")
+STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "masked", "adv", "adv_sq")
 
 
 @dataclass
@@ -105,22 +111,33 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict
     mask = loss_mask.float()
     weights = token_weights(loss_mask, seq_index, cfg.normalize, step_tokens, step_samples)
     # Masked tokens (prompts, gated samples) get log-ratio 0 so exp() cannot overflow there.
-    log_ratio = (logprobs - old_logprobs) * mask
+    token_log_ratio = (logprobs - old_logprobs) * mask
+    masked = torch.zeros_like(mask)
+    if cfg.ratio_mask is not None:
+        bound = math.log(cfg.ratio_mask)
+        masked = (token_log_ratio.detach().abs() > bound).float() * mask
     if cfg.ratio == RatioLevel.sequence:
-        log_ratio = per_sequence_mean(log_ratio, mask, seq_index) * mask
-    elif cfg.ratio != RatioLevel.token:
+        log_ratio = per_sequence_mean(token_log_ratio, mask, seq_index) * mask
+    elif cfg.ratio == RatioLevel.token:
+        log_ratio = token_log_ratio
+    else:
         raise ValueError(f"bad value for 'trainer.loss.ratio': {cfg.ratio!r}, expected token or sequence")
     ratio = torch.exp(log_ratio)
     r = ratio.detach()
+    high = 1.0 + (cfg.ppo_clip if cfg.ppo_clip_high is None else cfg.ppo_clip_high)
+    low = 1.0 - cfg.ppo_clip
     if cfg.kind == "reinforce":
         per_token = -r.clamp(max=cfg.is_truncation) * advantages * logprobs
         clipped = (r > cfg.is_truncation).float()
     elif cfg.kind == "ppo":
-        low, high = 1.0 - cfg.ppo_clip, 1.0 + (cfg.ppo_clip if cfg.ppo_clip_high is None else cfg.ppo_clip_high)
         per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
         clipped = (((advantages > 0) & (r > high)) | ((advantages < 0) & (r < low))).float()
+    elif cfg.kind == "cispo":
+        per_token = -r.clamp(low, high) * advantages * logprobs
+        clipped = ((r > high) | (r < low)).float()
     else:
-        raise ValueError(f"bad value for 'trainer.loss.kind': {cfg.kind!r}, expected reinforce or ppo")
+        raise ValueError(f"bad value for 'trainer.loss.kind': {cfg.kind!r}, expected reinforce, ppo or cispo")
+    per_token = per_token * (1.0 - masked)
     pg_loss = (weights * per_token).sum()
     loss = pg_loss
     if cfg.kl_coef > 0 and ref_logprobs is None:
@@ -142,6 +159,7 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict
         "w": (r * mask).sum(),
         "w_sq": (r * r * mask).sum(),
         "clipped": (clipped * mask).sum(),
+        "masked": masked.sum(),
         "adv": (advantages * mask).sum(),
         "adv_sq": (advantages * advantages * mask).sum(),
     }
@@ -161,6 +179,7 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
         "ess": sums["w"] ** 2 / (n * sums["w_sq"]) if sums["w_sq"] > 0 else 1.0,
         "is_weight_mean": sums["w"] / n,
         "clip_fraction": sums["clipped"] / n,
+        "ratio_masked_fraction": sums["masked"] / n,
         "advantage_mean": adv_mean,
         "advantage_std": max(sums["adv_sq"] / n - adv_mean**2, 0.0) ** 0.5,
         "trained_tokens": sums["tokens"],

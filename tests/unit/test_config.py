@@ -49,7 +49,7 @@ def test_extends_chain_and_overrides():
         (["actor.mode=fast"], "bad value for 'actor.mode': Invalid value 'fast', expected one of [async, sync]"),
         (
             ["trainer.loss.kind=dpo"],
-            "bad value for 'trainer.loss.kind': Invalid value 'dpo', expected one of [reinforce, ppo]",
+            "bad value for 'trainer.loss.kind': Invalid value 'dpo', expected one of [reinforce, ppo, cispo]",
         ),
         (["trainer.zero_stage=5"], "'trainer.zero_stage'"),
         (["world.actors=0"], "'world.actors': 0, must be >= 1"),
@@ -57,6 +57,7 @@ def test_extends_chain_and_overrides():
         (["world.actor_gpus=2"], "unknown key 'world.actor_gpus' (renamed 'actor.llm.tensor_parallel_size')"),
         (["actor.llm.tensor_parallel_size=0"], "'actor.llm.tensor_parallel_size': 0, expected >= 1"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
+        (["trainer.loss.ratio_mask=1.0"], "bad value for 'trainer.loss.ratio_mask': 1.0, must be > 1"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
         (["trainer.epochs=0"], "'trainer.epochs': 0, must be >= 1"),
         (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),

@@ -208,3 +208,50 @@ def test_sequence_ratio_is_the_geometric_mean_of_the_token_ratios():
     )
     # Token by token, 2, 1.5 and 1.5 are clipped (A > 0); 0.5 is not (the lower bound binds for A < 0).
     assert token_level[2]["clipped"].item() == 3
+
+
+def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
+    # Ratios 10 and 0.5, clipped to [1 - 0.2, 1 + 0.28]: weights 1.28 and 0.8, both detached.
+    old = [0.0, -1.0 - math.log(10.0), -1.0 + math.log(2.0)]
+    cfg = LossConfig(kind="cispo", ppo_clip=0.2, ppo_clip_high=0.28)
+    loss, grad, stats, _ = run(cfg, [0.0, -1.0, -1.0], old, adv=[0.0, 1.0, 1.0], mask=[0, 1, 1], step_tokens=2)
+    assert loss == pytest.approx(-(1.28 * -1.0 + 0.8 * -1.0) / 2)
+    torch.testing.assert_close(grad, t([0.0, -1.28 / 2, -0.8 / 2]))
+    assert stats["clipped"].item() == 2
+    # PPO on the same tokens: the ratio-10 token with a positive advantage gets no gradient at all.
+    _, ppo_grad, _, _ = run(
+        LossConfig(kind="ppo", ppo_clip=0.2, ppo_clip_high=0.28),
+        [0.0, -1.0, -1.0],
+        old,
+        adv=[0.0, 1.0, 1.0],
+        mask=[0, 1, 1],
+        step_tokens=2,
+    )
+    assert ppo_grad[1].item() == 0.0 and grad[1].item() != 0.0
+
+
+def test_ratio_mask_leaves_tokens_outside_the_band_out_of_the_gradient():
+    # Ratios 3, 1.5 and 1/3 with c = 2: the first and last are masked, the middle one trains
+    # with its truncated weight 1.5; all three still count in the normalisation (step_tokens 3).
+    lp = [-1.0, -1.0, -1.0]
+    old = [-1.0 - math.log(3.0), -1.0 - math.log(1.5), -1.0 + math.log(3.0)]
+    cfg = LossConfig(kind="reinforce", is_truncation=5.0, ratio_mask=2.0)
+    loss, grad, stats, _ = run(cfg, lp, old, adv=[1.0, 1.0, 1.0], mask=[1, 1, 1], step_tokens=3)
+    torch.testing.assert_close(grad, t([0.0, -1.5 / 3, 0.0]))
+    assert loss == pytest.approx(-(1.5 * -1.0) / 3)
+    assert stats["masked"].item() == 2
+    sums = {k: v.item() for k, v in stats.items()}
+    assert summarize(sums)["ratio_masked_fraction"] == pytest.approx(2 / 3)
+    # Without the mask every token trains.
+    _, unmasked, stats, _ = run(
+        LossConfig(kind="reinforce", is_truncation=5.0), lp, old, [1.0] * 3, [1, 1, 1], step_tokens=3
+    )
+    torch.testing.assert_close(unmasked, t([-3.0 / 3, -1.5 / 3, -(1 / 3) / 3]))
+    assert stats["masked"].item() == 0
+
+
+def test_ratio_mask_ignores_tokens_outside_the_loss_mask():
+    # A prompt token (mask 0) with a wild logprob difference is neither masked nor counted.
+    cfg = LossConfig(kind="reinforce", ratio_mask=2.0)
+    _, _, stats, _ = run(cfg, [0.0, -1.0], [-5.0, -1.0], adv=[1.0, 1.0], mask=[0, 1], step_tokens=1)
+    assert stats["masked"].item() == 0
