@@ -126,6 +126,7 @@ def test_trained_prm_scores_wrong_steps_low_on_their_last_token(tiny_model, prm_
 
     target = report["class_target"]
     assert target == prm.QUICK.class_target
+    assert report["steps"] == prm.QUICK.steps  # a fixed recipe: the same work on every CPU
     assert report["wrong_caught"] >= target and report["right_kept"] >= target
     assert caught / wrong >= target - tolerance(target, wrong, report["held_out_wrong"])
     assert kept / right >= target - tolerance(target, right, report["held_out_right"])
@@ -154,6 +155,7 @@ def test_trained_outcome_rm_scores_wrong_answers_below_right_ones(tiny_model, rm
     right = [s for (_, label), s in zip(items, scores) if label]
     target = report["class_target"]
     assert target == outcome_rm.QUICK.class_target
+    assert report["steps"] == outcome_rm.QUICK.steps
     assert report["wrong_caught"] >= target and report["right_kept"] >= target
     caught = sum(s < 0 for s in wrong) / len(wrong)
     kept = sum(s > 0 for s in right) / len(right)
