@@ -32,10 +32,10 @@ from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 MAX_STEPS = 3000
 """Where a target-based build gives up."""
-QUICK_STEPS = 1000
+QUICK_STEPS = 600
 FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
 """The demo's outcome RM, from the demo's PRM."""
-QUICK = prm.Recipe("multistep_rm_quick", target=0.7, class_target=0.65, lr=3e-4, eval_every=250, steps=QUICK_STEPS)
+QUICK = prm.Recipe("multistep_rm_quick", target=0.65, class_target=0.6, lr=3e-4, eval_every=100, steps=QUICK_STEPS)
 """The tests' outcome RM, from the tests' PRM: separates right from wrong answers, in a fraction
 of FULL's time."""
 BASE = {FULL.name: prm.FULL, QUICK.name: prm.QUICK}
