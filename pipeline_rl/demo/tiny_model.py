@@ -289,6 +289,9 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, r
         step += 1
         if step % recipe.eval_every == 0:
             greedy = greedy_accuracy(model, test_ids, test_labels)
+            print(
+                f"{recipe.name}: step {step}, held-out greedy {greedy:.3f} (target {recipe.greedy_target})", flush=True
+            )
             if greedy >= LEARNED and schedule.learned_at is None:
                 schedule.learned_at = step
             gap = abs(greedy - recipe.greedy_target)
