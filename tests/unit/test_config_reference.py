@@ -4,6 +4,7 @@ page in step with the schema (scripts/config_reference.py writes it)."""
 import dataclasses
 import importlib.util
 import sys
+import typing
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig
@@ -22,20 +23,14 @@ def _script():
 
 def _keys(cls, prefix=""):
     """Every dotted key of a config dataclass, as the loader accepts them."""
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        inner = [t for t in getattr(cls, "__annotations__", {}).get(f.name, "").replace("|", " ").split() if t]
-        nested = None
-        for name in inner:
-            name = name.removeprefix("list[").removesuffix("]")
-            candidate = getattr(sys.modules[cls.__module__], name, None)
-            if dataclasses.is_dataclass(candidate):
-                nested = candidate
-        if nested is not None:
-            yield f"{prefix}{f.name}"
-            suffix = "[]" if "list[" in cls.__annotations__[f.name] else ""
-            yield from _keys(nested, f"{prefix}{f.name}{suffix}.")
-        else:
-            yield f"{prefix}{f.name}"
+        hint = hints[f.name]
+        yield f"{prefix}{f.name}"
+        for inner in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(inner) and isinstance(inner, type):
+                suffix = "[]" if typing.get_origin(hint) is list else ""
+                yield from _keys(inner, f"{prefix}{f.name}{suffix}.")
 
 
 def test_every_key_is_on_the_page_with_its_meaning():
