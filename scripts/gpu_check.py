@@ -37,6 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +261,49 @@ def _profile_steps_after(warmup: int, host: cProfile.Profile) -> None:
     Trainer._step = profiled
 
 
+def _sync_sites_after(warmup: int, sites: Counter) -> None:
+    """Count by call site every device synchronization in the trainer's steps from version
+    `warmup` on (torch's sync debug mode): what a micro-batch may wait on."""
+    from pipeline_rl.trainer.trainer import Trainer
+
+    step = Trainer._step
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if re.search(r"pipeline_rl|deepspeed", f.filename)]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
+
+    def watched(self, *args, **kwargs):
+        if self.version < warmup:
+            return step(self, *args, **kwargs)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            try:
+                return step(self, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+    Trainer._step = watched
+
+
+def _merge_deepspeed(extra: dict) -> None:
+    """Have the trainer's DeepSpeed config take `extra`'s keys (one level of nesting merged)."""
+    import pipeline_rl.trainer.model as model_module
+    import pipeline_rl.trainer.trainer as trainer_module
+
+    base = model_module.deepspeed_config
+
+    def merged(cfg) -> dict:
+        config = base(cfg)
+        for key, value in extra.items():
+            both = isinstance(value, dict) and isinstance(config.get(key), dict)
+            config[key] = {**config[key], **value} if both else value
+        return config
+
+    model_module.deepspeed_config = trainer_module.deepspeed_config = merged
+
+
 def plan_gib(cfg) -> float:
     from pipeline_rl.launch.memory_plan import ModelShape, trainer_bytes
 
@@ -362,6 +408,14 @@ def main() -> int:
         help="the host's time in the trainer's steps after the second, by function (cProfile): with "
         "--reduced --layers 24, where compute is small, what the host does per step",
     )
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="GPU: count the device synchronizations in the trainer's steps after the second, by call site",
+    )
+    parser.add_argument(
+        "--deepspeed", default=None, metavar="JSON", help="extra DeepSpeed config keys, e.g. zero_optimization settings"
+    )
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.logprob_chunk_tokens=512")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.reduced
@@ -437,10 +491,19 @@ def main() -> int:
         host = cProfile.Profile() if args.host_profile else None
         if host is not None:
             _profile_steps_after(2, host)
+        sync_sites: Counter = Counter()
+        if args.sync_debug and gpu:
+            _sync_sites_after(2, sync_sites)
+        if args.deepspeed:
+            _merge_deepspeed(json.loads(args.deepspeed))
+            result["deepspeed"] = json.loads(args.deepspeed)
         with profile:
             version = run(cfg, 0)
         if host is not None:
-            pstats.Stats(host).sort_stats("cumulative").print_stats(r"deepspeed|pipeline_rl", 20)
+            pstats.Stats(host).sort_stats("cumulative").print_stats(r"deepspeed|pipeline_rl", 25)
+            pstats.Stats(host).sort_stats("tottime").print_stats(25)
+        if args.sync_debug:
+            result["synchronizations"] = dict(sync_sites.most_common())
         wall = time.perf_counter() - start
         steps = [r["values"] for r in read_metrics(Path(cfg.run_dir)) if "compute_tokens_per_s" in r["values"]]
         timed = steps[2:] if len(steps) > 3 else steps  # the first steps include allocator and kernel warm-up
