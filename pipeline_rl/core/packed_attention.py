@@ -17,6 +17,7 @@ goes through transformers' attention interface (Llama, Qwen2/3, Mistral...).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections import defaultdict
@@ -66,21 +67,28 @@ def _per_sequence(
     return out
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None):
+@functools.cache
+def _varlen_signature() -> tuple[bool, dict]:
+    """Whether this torch's `varlen_attn` takes grouped key/value heads, and its causal keyword
+    (read once: `inspect.signature` on every layer's call is host time the device waits for)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    kwargs: dict = {"scale": scale}
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return "enable_gqa" in params, causal
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None):
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa, causal = _varlen_signature()
+    kwargs: dict = {"scale": scale, **causal}
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+        if gqa:
             kwargs["enable_gqa"] = True
         else:  # older torch: each query head needs its own key/value head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)  # causal
-    else:
-        kwargs["is_causal"] = True
     out = varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
     return out
