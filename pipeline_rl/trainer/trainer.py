@@ -248,6 +248,7 @@ class Trainer:
         rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
+        norms: list = []  # each update's gradient norm, read once the step's results are
         passes = [(epoch, i, u) for epoch in range(self.cfg.trainer.epochs) for i, u in enumerate(updates)]
         for epoch, i, u in passes:
             step_tokens, step_samples = gated[f"update{i}/tokens"], gated[f"update{i}/samples"]
@@ -281,6 +282,7 @@ class Trainer:
                 t = time.perf_counter()
                 self.engine.step()
                 optimizer_s += time.perf_counter() - t
+                norms.append(self.engine.get_global_grad_norm())
                 done += 1
         # The lag histogram's range over all ranks (a maximum as the minimum of its negative).
         ends = self._all_reduce({"lo": min(lags, default=0), "neg_hi": -max(lags, default=0)}, op=dist.ReduceOp.MIN)
@@ -310,7 +312,7 @@ class Trainer:
         # The per-update losses are means of their mini-batch: report the mean over updates.
         values["loss"] /= max(done, 1)
         values["pg_loss"] /= max(done, 1)
-        grad_norm = self.engine.get_global_grad_norm() if done else None
+        grad_norm = _finite_norms(norms, self.version + 1, self.saved_version)[-1] if done else None
         values.update(
             reward_mean=totals["rewards"] / max(totals["samples"], 1),
             samples=totals["samples"],
@@ -423,6 +425,27 @@ class Trainer:
         if self.sender is not None:
             self.sender.close()
         self.streams.close()
+
+
+class NonFiniteGradients(RuntimeError):
+    """An update was made from gradients that were not all finite."""
+
+
+def _finite_norms(norms: list, version: int, saved: int | None) -> list[float]:
+    """The updates' gradient norms as floats; raises NonFiniteGradients if one is not finite.
+    DeepSpeed does not check the gradients before an update (its check reads every gradient
+    tensor and waits on the device each update: deepspeed_config), and gives a norm of -1 when
+    one was inf or nan; the update is then already applied, so the run stops here, before
+    the weights are published or checkpointed."""
+    values = [float(n) for n in norms]
+    bad = [i for i, n in enumerate(values) if not (math.isfinite(n) and n >= 0)]
+    if bad:
+        raise NonFiniteGradients(
+            f"version {version}: the gradients of optimizer update {bad[0]} of the step were not finite "
+            f"(inf or nan; gradient norms {values}); the weights are not published or checkpointed: "
+            f"resume from the last checkpoint (version {saved}) after finding the cause (a loss plug-in returning inf or nan, or logprobs of -inf on trained tokens)"
+        )
+    return values
 
 
 def _init_distributed(cfg: RunConfig) -> None:

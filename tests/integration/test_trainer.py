@@ -19,6 +19,7 @@ from fixtures.trainer_runs import (
     REL_TOL,
     final_weights,
     make_steps,
+    start_ranks,
     start_ranks_with_receiver,
     train,
     trainer_config,
@@ -275,3 +276,17 @@ def test_step_collector_skips_trained_steps_and_restarts_rewritten_ones(tmp_path
         collector.next_step(version=2, stop=lambda: False)
     assert collector.next_step(version=3, stop=lambda: True) is None
     streams.close()
+
+
+def test_non_finite_gradients_stop_the_trainer_before_publishing(tiny_model, tmp_path):
+    """DeepSpeed does not check gradients before an update (its per-tensor check costs a device
+    wait each update): the trainer reads the update's gradient norm and stops, naming the cause,
+    with nothing published or checkpointed after the bad update."""
+    cfg = trainer_config(tmp_path, tiny_model, "trainer.max_steps=2", "trainer.loss.function=fixtures.nan_loss:loss")
+    write_steps(cfg, make_steps(tiny_model, steps=2, groups=2, seed=3), ranks=1)
+    wait_all(start_ranks(Path(cfg.run_dir), 1), Path(cfg.run_dir), 120, expect=1)
+    log = (Path(cfg.run_dir) / "trainer0.log").read_text()
+    assert "NonFiniteGradients" in log and "optimizer update 0" in log, log[-2000:]
+    found = latest_checkpoint(Path(cfg.run_dir))
+    assert found is None or found[1] == 0, found
+    assert trainer_metrics(Path(cfg.run_dir)) == []
