@@ -69,7 +69,7 @@ def run_config(run_dir: str, tp: int, lora_rank: int = 0):
             f"run_dir={run_dir}",
             "actor.llm.max_model_len=256",
             "actor.llm.max_num_seqs=256",
-            f"actor.llm.tensor_parallel_size={tp}",
+            f"shared.tensor_parallel_size={tp}",
             *lora,
         ],
     )

@@ -128,7 +128,7 @@ def bare_loop(model_path: Path, steps, cfg) -> tuple[float, float, int]:
         start, cpu_start = time.perf_counter(), time.process_time()
         for mb in micro_batches:
             ids = torch.tensor([mb.input_ids])
-            logprobs, entropy = packed_logprobs(model, ids, torch.tensor([mb.position_ids]), cfg.actor.temperature)
+            logprobs, entropy = packed_logprobs(model, ids, torch.tensor([mb.position_ids]), cfg.shared.temperature)
             seq_index = torch.repeat_interleave(torch.arange(len(mb.seq_lengths)), torch.tensor(mb.seq_lengths))
             inputs = LossInputs(
                 logprobs=logprobs,
@@ -356,7 +356,7 @@ def training_bench(args, model_path: Path, scratch: Path) -> float:
         [
             f"run_dir={run_dir}",
             f"model.path={model_path}",
-            f"trainer.max_steps={args.steps}",
+            f"shared.max_steps={args.steps}",
             "trainer.zero_stage=2",
             "trainer.checkpoint_every=0",
             "metrics.tensorboard=false",

@@ -462,7 +462,7 @@ def main() -> int:
                 f"model.path={model_dir}",
                 f"model.dtype={'bfloat16' if gpu else 'float32'}",
                 f"trainer.zero_stage={args.zero_stage}",
-                f"trainer.max_steps={args.steps}",
+                f"shared.max_steps={args.steps}",
                 "trainer.checkpoint_every=0",
                 f"preprocess.seq_length={seq_length}",
                 "metrics.tensorboard=false",

@@ -155,7 +155,7 @@ class Actor:
 
         self.position = PositionStore(run_dir / "positions" / f"{self.name}.json")
         saved = self.position.load() or {}
-        self.admission = Admission(cfg.trainer.groups_per_step, cfg.world.actors, admission_lag(cfg))
+        self.admission = Admission(cfg.shared.groups_per_step, cfg.world.actors, admission_lag(cfg))
         # Groups the preprocessors reported lost give their admission slots back (see admission.py).
         self.lost_reader = self.streams.reader(
             Topic.LOST, GroupsLost, partitions=(index,), position=saved.get("lost_position")

@@ -44,9 +44,9 @@ def effective_max_lag(max_lag: int, weight_update_interval: int, sync: bool) -> 
 
 
 def admission_lag(cfg: RunConfig) -> int:
-    """The bound an actor of run `cfg` admits by: actor.admission_lag, by default trainer.max_lag."""
-    lag = cfg.trainer.max_lag if cfg.actor.admission_lag is None else cfg.actor.admission_lag
-    return effective_max_lag(lag, cfg.trainer.weight_update_interval, cfg.actor.mode == "sync")
+    """The bound an actor of run `cfg` admits by: actor.admission_lag, by default shared.max_lag."""
+    lag = cfg.shared.max_lag if cfg.actor.admission_lag is None else cfg.actor.admission_lag
+    return effective_max_lag(lag, cfg.shared.weight_update_interval, cfg.actor.mode == "sync")
 
 
 class Admission:

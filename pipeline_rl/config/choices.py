@@ -35,7 +35,7 @@ class LrDecay(StrEnum):
     """Stays at lr."""
     cosine = "cosine"
     """Falls along a half cosine to `min_lr_ratio` x lr at the end of the run: at
-    `trainer.max_steps`, or at `max_time_s` when the run is bounded by time and that comes first
+    `shared.max_steps`, or at `max_time_s` when the run is bounded by time and that comes first
     (the schedule then follows the wall clock, so it fits a run of any speed). Late in a run a
     sharpened policy that each version still moves by a full step oscillates; smaller steps there
     let it settle."""

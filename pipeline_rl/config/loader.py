@@ -41,7 +41,15 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
     return keys
 
 
-_RENAMED = {"world.actor_gpus": "actor.llm.tensor_parallel_size"}
+_RENAMED = {
+    "world.actor_gpus": "shared.tensor_parallel_size",
+    "actor.llm.tensor_parallel_size": "shared.tensor_parallel_size",
+    "actor.temperature": "shared.temperature",
+    "trainer.groups_per_step": "shared.groups_per_step",
+    "trainer.max_lag": "shared.max_lag",
+    "trainer.max_steps": "shared.max_steps",
+    "trainer.weight_update_interval": "shared.weight_update_interval",
+}
 """Keys of earlier releases and their names now."""
 
 
@@ -52,8 +60,9 @@ def _suggest(key: str) -> str:
     leaf = key.rsplit(".", 1)[-1]
     # A right name at the wrong depth (trainer.lr) is the commonest slip: match the last part first.
     close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
-    close = close or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    # Near a key's old name (trainer.max_stepz): its name now.
+    close = close or difflib.get_close_matches(key, keys + list(_RENAMED), n=1, cutoff=0.6)
+    return f" (did you mean '{_RENAMED.get(close[0], close[0])}'?)" if close else ""
 
 
 def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:

@@ -27,6 +27,35 @@ CACHE = f"${{oc.env:{CACHE_ENV},.cache}}"
 
 
 @dataclass
+class SharedConfig:
+    """What more than one pool reads. Every other section belongs to one pool (actor,
+    preprocess, trainer) or describes the run's machinery (model, world, streams, metrics); a
+    pool's code reads its own section and these (tests/unit/test_config_sections.py)."""
+
+    groups_per_step: int = 16
+    """Rollout groups in one optimizer step (the RL batch): the actors admit groups by steps, the
+    preprocessor packs steps of this many groups, the trainer trains them."""
+    max_steps: int = 1000
+    """Optimizer steps of the run: the trainer stops after them, the preprocessor after packing them."""
+    max_lag: int = 4
+    """A sample whose oldest token comes from a policy more than this many versions behind the
+    trainer is not trained on (counted), or only its stale tokens are not (`trainer.lag_gate:
+    token`). Actors also stop admitting groups beyond this budget (unless `actor.admission_lag`
+    says otherwise)."""
+    weight_update_interval: int = 1
+    """The trainer publishes weights to the actors every this many optimizer steps (the actors'
+    admission counts versions by it)."""
+    temperature: float = 1.0
+    """Sampling temperature of the actors; the trainer and the reference scorer compute
+    logprobs at the same temperature."""
+    tensor_parallel_size: int = 1
+    """Shards of each actor's engine (vLLM's tensor parallelism): on GPU that many GPUs of one
+    node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
+    engine steps and every shard swaps between the same two steps (pipeline_rl/engine/tp_swap.py);
+    the trainer's weight broadcast reaches every shard."""
+
+
+@dataclass
 class LoraConfig:
     """Low-rank adapters on the frozen base model (pipeline_rl/lora.py)."""
 
@@ -122,7 +151,7 @@ class WorldConfig:
     gpu_memory_gib: float = 80.0
     """Memory of one GPU; `--dry-run` checks the memory plan against it."""
     actors: int = 1
-    """Actor processes (each owns one vLLM engine, which takes actor.llm.tensor_parallel_size GPUs)."""
+    """Actor processes (each owns one vLLM engine, which takes shared.tensor_parallel_size GPUs)."""
     preprocessors: int = 1
     """Preprocessor processes."""
     preprocessor_gpus: int = 0
@@ -173,10 +202,6 @@ class LLMConfig:
     """Keep each received weight update in host memory (pinned) instead of on the GPU: the GPU
     then needs room for one bucket, not a copy of the whole model, and the swap copies to it
     under the lock (a longer pause). Host memory: one model copy per receiver (per TP worker)."""
-    tensor_parallel_size: int = 1
-    """Shards of each actor's engine (vLLM's tensor parallelism): on GPU that many GPUs of one
-    node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
-    engine steps and every shard swaps between the same two steps (pipeline_rl/engine/tp_swap.py)."""
 
 
 @dataclass
@@ -264,8 +289,6 @@ class ActorConfig:
     """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent, verifiers) or `module:function`."""
     attempts: int = 8
     """Completions sampled per problem (the group size)."""
-    temperature: float = 1.0
-    """Sampling temperature (the trainer computes logprobs at the same temperature)."""
     top_p: float = 1.0
     """Nucleus sampling."""
     max_new_tokens: int = 16
@@ -274,7 +297,7 @@ class ActorConfig:
     """Most groups one actor generates at once (continuous batching fills the engine)."""
     admission_lag: int | None = None
     """How many versions behind the trainer a group may land and still be started
-    (pipeline_rl/actor/admission.py); null: trainer.max_lag, so the lag gate rarely has anything
+    (pipeline_rl/actor/admission.py); null: shared.max_lag, so the lag gate rarely has anything
     to drop. A larger value keeps actors generating when training is slow, and what then lands
     beyond max_lag is dropped or masked by `trainer.lag_gate`. Ignored in sync mode."""
     reward_timeout_s: float = 5.0
@@ -390,13 +413,6 @@ class OptimizerConfig:
 
 @dataclass
 class TrainerConfig:
-    groups_per_step: int = 16
-    """Rollout groups in one optimizer step (the RL batch)."""
-    max_lag: int = 4
-    """A sample whose oldest token comes from a policy more than this many versions behind the
-    trainer is not trained on (counted), or only its stale tokens are not (`lag_gate: token`).
-    Actors also stop admitting groups beyond this budget (unless `actor.admission_lag` says
-    otherwise)."""
     lag_gate: LagGateMode = LagGateMode.sample
     """sample: drop a stale sample whole; token: mask only its tokens older than max_lag."""
     updates_per_step: int = 1
@@ -410,10 +426,6 @@ class TrainerConfig:
     Later passes are off-policy by the updates before them (the ratio clip bounds them). Meant
     for trainers that wait for actors on devices of their own; on a shared 2-core CPU two
     passes learned slower (docs/learning.md)."""
-    weight_update_interval: int = 1
-    """Publish weights to the actors every this many optimizer steps."""
-    max_steps: int = 1000
-    """Optimizer steps of the run."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage (0-3)."""
     checkpoint_every: int = 50
@@ -459,7 +471,7 @@ class RunConfig:
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
     max_time_s: float = 0.0
-    """Stop the run after this much wall time (0: run until trainer.max_steps)."""
+    """Stop the run after this much wall time (0: run until shared.max_steps)."""
     watchdog_s: float = 300.0
     """Stall limit: when the policy version has not advanced for max(watchdog_s, 5 x the longest
     interval between two versions so far) while every process is alive, the launcher prints
@@ -469,6 +481,8 @@ class RunConfig:
     """The same limit for the first version (engines and models loading, compilation, the first
     step's rollouts); null: derived from the model size (pipeline_rl/launch/budget.py, printed
     by `--dry-run`)."""
+    shared: SharedConfig = field(default_factory=SharedConfig)
+    """What more than one pool reads."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     world: WorldConfig = field(default_factory=WorldConfig)

@@ -38,9 +38,9 @@ def validate(cfg: RunConfig) -> None:
         "actor.agent.max_turns",
         "preprocess.seq_length",
         "preprocess.batch_groups",
-        "trainer.groups_per_step",
-        "trainer.weight_update_interval",
-        "trainer.max_steps",
+        "shared.groups_per_step",
+        "shared.weight_update_interval",
+        "shared.max_steps",
         "trainer.weight_bucket_mb",
         "trainer.updates_per_step",
         "trainer.epochs",
@@ -49,7 +49,7 @@ def validate(cfg: RunConfig) -> None:
         if _get(cfg, key) < 1:
             raise ConfigError(f"bad value for '{key}': {_get(cfg, key)}, must be >= 1")
     for key in [
-        "trainer.max_lag",
+        "shared.max_lag",
         "world.gpus_per_node",
         "trainer.checkpoint_every",
         "model.logprob_chunk_tokens",
@@ -92,8 +92,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("'actor.domain' verifiers needs 'actor.verifiers.environment' (module:function or an id)")
     if cfg.actor.agent.tool_timeout_s <= 0:
         raise ConfigError(f"bad value for 'actor.agent.tool_timeout_s': {cfg.actor.agent.tool_timeout_s}, must be > 0")
-    if cfg.actor.temperature <= 0:
-        raise ConfigError("bad value for 'actor.temperature': must be > 0 (logprobs are taken at it)")
+    if cfg.shared.temperature <= 0:
+        raise ConfigError("bad value for 'shared.temperature': must be > 0 (logprobs are taken at it)")
     for i, scorer in enumerate(cfg.preprocess.scorers):
         if ":" not in scorer.cls:
             raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
@@ -101,9 +101,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"bad value for 'trainer.optimizer.betas': {cfg.trainer.optimizer.betas}, expected [beta1, beta2]"
         )
-    if cfg.actor.llm.tensor_parallel_size < 1:
+    if cfg.shared.tensor_parallel_size < 1:
         raise ConfigError(
-            f"bad value for 'actor.llm.tensor_parallel_size': {cfg.actor.llm.tensor_parallel_size}, expected >= 1"
+            f"bad value for 'shared.tensor_parallel_size': {cfg.shared.tensor_parallel_size}, expected >= 1"
         )
     lora = cfg.model.lora
     if lora is not None:

@@ -134,11 +134,11 @@ def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
         args.update(gpu_memory_utilization=llm.gpu_memory_utilization)  # vLLM sizes the KV cache from it
     else:
         args.update(kv_cache_memory_bytes=int(llm.kv_cache_gib * 2**30))
-    if llm.tensor_parallel_size > 1:
+    if cfg.shared.tensor_parallel_size > 1:
         # Worker processes (one per shard) that run the swap's worker half; the engine core
         # stays in this process.
         args.update(
-            tensor_parallel_size=llm.tensor_parallel_size,
+            tensor_parallel_size=cfg.shared.tensor_parallel_size,
             distributed_executor_backend="mp",
             worker_extension_cls=WORKER_EXTENSION,
         )
@@ -151,7 +151,7 @@ def set_engine_environment(cfg: RunConfig) -> None:
     keep_cpu_linear_weights()  # swaps copy into the weights (TP workers fork from here and inherit it)
     if cfg.model.lora is not None and cfg.world.gpus_per_node == 0:
         single_slot_cpu_lora()
-    tp = cfg.actor.llm.tensor_parallel_size
+    tp = cfg.shared.tensor_parallel_size
     if tp > 1 and cfg.world.gpus_per_node == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binds(tp, sorted(os.sched_getaffinity(0)))
     from vllm import envs
@@ -166,7 +166,7 @@ def cpu_thread_binds(workers: int, cores: list[int]) -> str:
     groups (vLLM refuses TP on CPU without it when the machine has fewer NUMA nodes than workers)."""
     if len(cores) < workers:
         raise ValueError(
-            f"actor.llm.tensor_parallel_size={workers} needs at least {workers} CPU cores, this process may use {len(cores)}"
+            f"shared.tensor_parallel_size={workers} needs at least {workers} CPU cores, this process may use {len(cores)}"
         )
     cores = sorted(cores)
     size = len(cores) // workers
@@ -213,7 +213,7 @@ class LLMClient:
         With LoRA (cfg.model.lora), `model_path` is the base and `adapter_dir` the PEFT adapter of
         policy `version`, which the engine serves in its one LoRA slot."""
         set_engine_environment(cfg)
-        tp = cfg.actor.llm.tensor_parallel_size
+        tp = cfg.shared.tensor_parallel_size
         import vllm
         from vllm import EngineArgs, LLMEngine
 

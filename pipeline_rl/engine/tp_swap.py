@@ -1,4 +1,4 @@
-"""The in-flight weight swap for tensor-parallel engines (actor.llm.tensor_parallel_size > 1).
+"""The in-flight weight swap for tensor-parallel engines (shared.tensor_parallel_size > 1).
 
 With TP > 1, vLLM runs one model shard per worker process, while the engine core and its
 scheduler stay in the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0). The gate therefore

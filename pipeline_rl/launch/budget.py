@@ -115,7 +115,7 @@ def trainer_topic_steps(cfg: RunConfig) -> int:
 def step_bytes(cfg: RunConfig) -> int:
     """Bound on one step's encoded micro-batches, all ranks: every rollout at max_model_len,
     every rank's last micro-batch padded to seq_length."""
-    tokens = cfg.trainer.groups_per_step * cfg.actor.attempts * cfg.actor.llm.max_model_len
+    tokens = cfg.shared.groups_per_step * cfg.actor.attempts * cfg.actor.llm.max_model_len
     tokens += cfg.world.trainers * cfg.preprocess.seq_length
     return tokens * MICRO_BATCH_BYTES_PER_TOKEN
 
@@ -126,7 +126,7 @@ def trainer_topic_bytes(cfg: RunConfig) -> int:
 
 def replay_bytes(cfg: RunConfig) -> int:
     """Bound on the trainers' replay logs together (on disk, under run_dir)."""
-    return (cfg.trainer.checkpoint_every or cfg.trainer.max_steps) * step_bytes(cfg)
+    return (cfg.trainer.checkpoint_every or cfg.shared.max_steps) * step_bytes(cfg)
 
 
 def budget_lines(cfg: RunConfig) -> list[str]:

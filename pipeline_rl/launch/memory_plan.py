@@ -116,7 +116,7 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
     lines = [f"memory: model {shape.params / 1e9:.2f} B parameters, {weights / GIB:.1f} GiB in {cfg.model.dtype}"]
 
     llm = cfg.actor.llm
-    tp = llm.tensor_parallel_size
+    tp = cfg.shared.tensor_parallel_size
     budget = llm.gpu_memory_utilization * gpu
     shard = weights / tp
     activations = llm.max_num_seqs * shape.hidden * 4 * size + 2 * GIB  # sampler and graphs: a margin

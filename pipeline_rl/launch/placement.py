@@ -52,7 +52,7 @@ class Node:
 _GPU_KEYS = {
     "trainer": "one GPU per trainer",
     "preprocessor": "world.preprocessor_gpus",
-    "actor": "actor.llm.tensor_parallel_size",
+    "actor": "shared.tensor_parallel_size",
 }
 
 
@@ -61,7 +61,7 @@ def _pools(cfg: RunConfig) -> list[tuple[str, int, int]]:
     return [
         ("trainer", w.trainers, 1),
         ("preprocessor", w.preprocessors, w.preprocessor_gpus),
-        ("actor", w.actors, cfg.actor.llm.tensor_parallel_size),
+        ("actor", w.actors, cfg.shared.tensor_parallel_size),
     ]
 
 
@@ -89,11 +89,11 @@ def plan(cfg: RunConfig) -> list[ProcessSpec]:
             while node < w.nodes and len(free[node]) < gpus:
                 node += 1
             if node >= w.nodes:
-                tp = cfg.actor.llm.tensor_parallel_size
+                tp = cfg.shared.tensor_parallel_size
                 need = w.trainers + w.preprocessors * w.preprocessor_gpus + w.actors * tp
                 raise ConfigError(
                     f"placement impossible: the pools need {need} GPUs (world.trainers={w.trainers}, "
-                    f"world.actors={w.actors} x actor.llm.tensor_parallel_size={tp}, world.preprocessors="
+                    f"world.actors={w.actors} x shared.tensor_parallel_size={tp}, world.preprocessors="
                     f"{w.preprocessors} x world.preprocessor_gpus={w.preprocessor_gpus}) but world.nodes="
                     f"{w.nodes} x world.gpus_per_node={w.gpus_per_node} = {w.nodes * w.gpus_per_node} exist"
                 )
@@ -165,7 +165,7 @@ def describe(cfg: RunConfig, specs: list[ProcessSpec], env: dict[str, str] | Non
         if spec.pool == "trainer":
             binding += f" RANK={child['RANK']} LOCAL_RANK={child['LOCAL_RANK']}"
         if spec.pool == "actor":
-            tp = cfg.actor.llm.tensor_parallel_size
+            tp = cfg.shared.tensor_parallel_size
             ranks, world = group_ranks(spec.index, cfg.world.actors, tp)
             binding += f" tensor_parallel_size={tp} weight-update ranks {ranks[0]}-{ranks[-1]} of {world}"
         lines.append(f"node {spec.node}: {spec.name:<14} {spec.pool:<12} {binding}")

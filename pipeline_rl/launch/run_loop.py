@@ -127,7 +127,7 @@ class RunLoop:
         from pipeline_rl.launch.status import StatusLine
 
         status = StatusLine(
-            self.cfg.trainer.max_steps,
+            self.cfg.shared.max_steps,
             streams.reader(Topic.METRICS, Metrics, position=end_of(streams, Topic.METRICS, Metrics)),
             self.cfg.max_time_s,
         )

@@ -10,7 +10,7 @@ Advantages are a cheap function of a scored group, so preprocessor 0 computes th
 
 Assembly, in preprocessor 0: per-token advantages; groups whose advantages are all zero are
 dropped and counted (`preprocess.advantage.filter_zero`). A step is exactly
-`trainer.groups_per_step` groups *taken*, filtered ones included, so the number of groups an
+`shared.groups_per_step` groups *taken*, filtered ones included, so the number of groups an
 actor must produce per step is fixed and its admission bound (pipeline_rl/actor/admission.py) can
 never wait for groups that filtering threw away. The kept groups are packed (pipeline_rl/preprocess/packing.py) into the same
 number of micro-batches for every rank and written to partition r of "trainer" for rank r.
@@ -26,7 +26,7 @@ assembling that step it drops the partial copy. Preprocessors 1..n-1 save their 
 position after each batch is written to Topic.SCORED: a crash between the two re-scores
 and re-sends that one batch (at-least-once).
 
-After `trainer.max_steps` steps preprocessor 0 stops reading and waits to be stopped
+After `shared.max_steps` steps preprocessor 0 stops reading and waits to be stopped
 (the launcher treats a pool process that exits on its own as a failure).
 """
 
@@ -163,7 +163,7 @@ class StepAssembler:
 
     @property
     def needed(self) -> int:
-        return self.cfg.trainer.groups_per_step - self.taken
+        return self.cfg.shared.groups_per_step - self.taken
 
     def add(self, groups: list[RolloutGroup]) -> None:
         """Take scored groups; the caller never hands over more than `needed`."""
@@ -176,7 +176,7 @@ class StepAssembler:
                 self.counters.add("groups_filtered")
                 continue
             self.pending.append((group, advantages))
-        assert self.taken <= self.cfg.trainer.groups_per_step, "read more groups than the step needs"
+        assert self.taken <= self.cfg.shared.groups_per_step, "read more groups than the step needs"
 
     def write_step(self) -> None:
         """Pack and write the full step `next_step` to every rank, then advance."""
@@ -288,7 +288,7 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
         sources = [s for s in (actor, scored) if s is not None]
         timeout = 1.0 / len(sources)
         while not stop():
-            if assembler.next_step >= cfg.trainer.max_steps:
+            if assembler.next_step >= cfg.shared.max_steps:
                 time.sleep(IDLE_S)
                 continue
             for source in sources:
@@ -296,7 +296,7 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
                 if not entries:
                     metrics.heartbeat(
                         f"rollout groups for step {assembler.next_step} "
-                        f"({assembler.taken} of {cfg.trainer.groups_per_step} taken)"
+                        f"({assembler.taken} of {cfg.shared.groups_per_step} taken)"
                     )
                     continue
                 assembler.add(scoring(entries) if source is actor else [e.record for e in entries])

@@ -55,7 +55,7 @@ class ReferenceLogprobScorer(Scorer):
 
     kwargs: `path` (a Hugging Face model directory; default cfg.model.path, the initial
     policy, which gives the usual KL-to-reference term). Logprobs are taken at the sampling
-    temperature (cfg.actor.temperature), like the policy's own. Runs on the GPU when the
+    temperature (cfg.shared.temperature), like the policy's own. Runs on the GPU when the
     preprocessor has one (world.preprocessor_gpus > 0)."""
 
     produces = frozenset({ScorerOutput.ref_logprobs})
@@ -63,7 +63,7 @@ class ReferenceLogprobScorer(Scorer):
     def __init__(self, cfg: RunConfig, path: str | None = None):
         super().__init__(cfg)
         self.path = path or cfg.model.path
-        self.logprobs = CompletionLogprobs(cfg, self.path, cfg.actor.temperature)
+        self.logprobs = CompletionLogprobs(cfg, self.path, cfg.shared.temperature)
 
     def score(self, groups: list[RolloutGroup]) -> None:
         rollouts = [r for g in groups for r in g.rollouts]
@@ -90,7 +90,7 @@ class DistillationScorer(Scorer):
     def __init__(self, cfg: RunConfig, path: str, coef: float = 1.0, temperature: float | None = None):
         super().__init__(cfg)
         self.coef = float(coef)
-        self.logprobs = CompletionLogprobs(cfg, path, temperature or cfg.actor.temperature)
+        self.logprobs = CompletionLogprobs(cfg, path, temperature or cfg.shared.temperature)
 
     def score(self, groups: list[RolloutGroup]) -> None:
         rollouts = [r for g in groups for r in g.rollouts]

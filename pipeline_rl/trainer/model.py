@@ -86,10 +86,10 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torc
 def lr_factor(cfg: RunConfig, clock: Callable[[], float] = time.monotonic) -> Callable[[int], float]:
     """LR multiplier of optimizer update s (0-based): linear up to 1 over `warmup_steps`; then
     constant, or a half cosine down to `min_lr_ratio` whose progress is the larger of the updates
-    made of `trainer.max_steps` and, when the run is bounded by time, the wall time spent (since
+    made of `shared.max_steps` and, when the run is bounded by time, the wall time spent (since
     this call) of `max_time_s`."""
     o, started = cfg.trainer.optimizer, clock()
-    updates = cfg.trainer.max_steps * cfg.trainer.updates_per_step * cfg.trainer.epochs
+    updates = cfg.shared.max_steps * cfg.trainer.updates_per_step * cfg.trainer.epochs
 
     def factor(s: int) -> float:
         if s < o.warmup_steps:

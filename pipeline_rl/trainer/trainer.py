@@ -127,7 +127,7 @@ class Trainer:
         self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
         if rank == 0 and addr:
             backend = backend_for(cfg.world.gpus_per_node)
-            tp = cfg.actor.llm.tensor_parallel_size
+            tp = cfg.shared.tensor_parallel_size
             _, world = group_ranks(0, cfg.world.actors, tp)
             self.sender = WeightSender(
                 addr, world, backend, cfg.world.collective_timeout_s, member_names(cfg.world.actors, tp)
@@ -147,19 +147,19 @@ class Trainer:
 
     def train(self, stop: Callable[[], bool]) -> int:
         cfg = self.cfg
-        while self.version < cfg.trainer.max_steps:
+        while self.version < cfg.shared.max_steps:
             t0, cpu0 = time.perf_counter(), time.process_time()
             batch = self.collector.next_step(self.version, stop, self._waiting)
             wait_s = time.perf_counter() - t0
             if self._stop_or_check(batch) or batch is None:
                 break
-            gates = [apply_lag_gate(mb, self.version, cfg.trainer.max_lag, cfg.trainer.lag_gate) for mb in batch]
+            gates = [apply_lag_gate(mb, self.version, cfg.shared.max_lag, cfg.trainer.lag_gate) for mb in batch]
             for g in gates:
                 for lag in g.dropped_lags:
                     log.info(
                         "max_lag gate: dropped a sample of lag %d > %d at version %d",
                         lag,
-                        cfg.trainer.max_lag,
+                        cfg.shared.max_lag,
                         self.version,
                     )
             t1 = time.perf_counter()
@@ -187,7 +187,7 @@ class Trainer:
                 restarted_steps=self.collector.restarted,
                 dead_letters=self.reader.dead_letters,
             )
-            if self.version % cfg.trainer.weight_update_interval == 0:
+            if self.version % cfg.shared.weight_update_interval == 0:
                 values.update(self._publish_weights())
             if cfg.trainer.checkpoint_every and self.version % cfg.trainer.checkpoint_every == 0:
                 values["checkpoint_s"] = self.save()
@@ -340,7 +340,7 @@ class Trainer:
             self.engine,
             dev["input_ids"][None],
             dev["position_ids"][None],
-            self.cfg.actor.temperature,
+            self.cfg.shared.temperature,
             mb.seq_lengths,
             mb.prefix_lengths,
             self.cfg.model.logprob_chunk_tokens,
@@ -460,7 +460,7 @@ def _init_distributed(cfg: RunConfig) -> None:
 
 
 def run(cfg: RunConfig, rank: int, stop: Callable[[], bool] | None = None) -> int:
-    """Train until cfg.trainer.max_steps or until `stop()` is true; returns the final version.
+    """Train until cfg.shared.max_steps or until `stop()` is true; returns the final version.
     Needs the torchrun-style env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", rank)) != rank:

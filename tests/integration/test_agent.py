@@ -168,8 +168,8 @@ def test_actor_loop_counts_tool_failures_and_goes_on(llm, tmp_path, tiny_model, 
         "actor.eval_every_s=0",
         "actor.metrics_every_s=0.5",
         "actor.max_groups_in_flight=4",
-        "trainer.groups_per_step=4",
-        "trainer.max_lag=1",
+        "shared.groups_per_step=4",
+        "shared.max_lag=1",
         "metrics.tensorboard=false",
     )
     monkeypatch.setattr(agent_envs, "_episodes", iter(range(10**6)))

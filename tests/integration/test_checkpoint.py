@@ -46,7 +46,7 @@ LR_FACTORS = [0.5, 1.0, 0.1]
 def reference(tiny_model, tmp_path_factory):
     """Three steps of data and the weights after training them without interruption."""
     steps = make_steps(tiny_model, steps=3, groups=2, seed=5)
-    cfg = trainer_config(tmp_path_factory.mktemp("uninterrupted"), tiny_model, "trainer.max_steps=3", *SETTINGS)
+    cfg = trainer_config(tmp_path_factory.mktemp("uninterrupted"), tiny_model, "shared.max_steps=3", *SETTINGS)
     write_steps(cfg, steps, ranks=1)
     train(cfg)
     return steps, final_weights(cfg.run_dir, 3), load_file(tiny_model / "model.safetensors")
@@ -55,14 +55,14 @@ def reference(tiny_model, tmp_path_factory):
 def test_restart_continues_exactly(tiny_model, reference, tmp_path):
     steps, expected, initial = reference
     run_dir = tmp_path / "run"
-    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=2", *SETTINGS)
+    cfg = trainer_config(run_dir, tiny_model, "shared.max_steps=2", *SETTINGS)
     write_steps(cfg, steps, ranks=1)
     train(cfg)
     hf_v2, version = checkpoint.latest_checkpoint(run_dir)
     assert version == 2
     shutil.copytree(hf_v2, tmp_path / "v2_hf")
 
-    cfg.trainer.max_steps = 3
+    cfg.shared.max_steps = 3
     save_config(cfg, run_dir / "config.yaml")
     train(cfg)
     assert update_error(final_weights(run_dir, 3), expected, initial) < REL_TOL
@@ -83,14 +83,14 @@ def test_restart_continues_exactly(tiny_model, reference, tmp_path):
     assert torch.equal(loaded.model.embed_tokens.weight, expected["model.embed_tokens.weight"])
 
     # Control: the same step from the same weights without the optimizer state and LR schedule differs.
-    fresh = trainer_config(tmp_path / "fresh", tmp_path / "v2_hf", "trainer.max_steps=1", *SETTINGS)
+    fresh = trainer_config(tmp_path / "fresh", tmp_path / "v2_hf", "shared.max_steps=1", *SETTINGS)
     write_steps(fresh, steps[2:], ranks=1, first_step=2)
     train(fresh)
     assert update_error(final_weights(fresh.run_dir, 1), expected, initial) > 100 * REL_TOL
 
     # A checkpoint of 1 rank cannot be resumed by 2: a clear error, exit 1.
     cfg.world.trainers = 2
-    cfg.trainer.max_steps = 4
+    cfg.shared.max_steps = 4
     save_config(cfg, run_dir / "config.yaml")
     procs = start_ranks(run_dir, 2)
     wait_all(procs, run_dir, timeout=120, expect=1)
@@ -125,7 +125,7 @@ def _kill_self_before_pointer_update(version: int):
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model, reference, tmp_path, kill):
     steps, expected, initial = reference
     run_dir = tmp_path / "run"
-    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=3", "trainer.checkpoint_every=1", *SETTINGS)
+    cfg = trainer_config(run_dir, tiny_model, "shared.max_steps=3", "trainer.checkpoint_every=1", *SETTINGS)
     write_steps(cfg, steps, ranks=1)
     wait_all(
         start_ranks(run_dir, 1, before_main=functools.partial(kill, 2)), run_dir, timeout=120, expect=-signal.SIGKILL

@@ -203,7 +203,7 @@ def test_a_trainer_whose_receiver_dies_exits_naming_it(tmp_path, tiny_model):
     within the timeout and the diagnosis."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=4", f"world.collective_timeout_s={TIMEOUT_S}")
+    cfg = trainer_config(run_dir, tiny_model, "shared.max_steps=4", f"world.collective_timeout_s={TIMEOUT_S}")
     write_steps(cfg, make_steps(tiny_model, 4, 2, seed=0), ranks=1)
     addr = f"127.0.0.1:{free_port()}"
     ready = _SPAWN.Queue()

@@ -153,7 +153,7 @@ def test_tensor_parallel_workers_each_write_their_shard_of_a_broadcast_adapter(t
     if lora_cfg.model.lora.rank != 8:
         pytest.skip("the workers' shards are checked at one rank (the copy path is the rank-4 tests' above)")
     cfg = dataclasses.replace(lora_cfg, actor=copy.deepcopy(lora_cfg.actor))
-    cfg.actor.llm.tensor_parallel_size = 2
+    cfg.shared.tensor_parallel_size = 2
     adapter_dir = write_zero_adapter(tmp_path / "adapter", tiny_model, lora_cfg.model.lora, torch.float32)
     llm = start_tp_client(cfg, tiny_model, version=0, adapter_dir=str(adapter_dir))
     addr = f"127.0.0.1:{free_port()}"

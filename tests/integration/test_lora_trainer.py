@@ -53,7 +53,7 @@ def b_error(adapter: dict, reference: dict) -> float:
 
 def test_lora_trains_broadcasts_and_resumes_only_the_adapter(tiny_model, tmp_path):
     steps = make_steps(tiny_model, steps=3, groups=2, seed=7)
-    ref = trainer_config(tmp_path / "uninterrupted", tiny_model, "trainer.max_steps=3", *LORA)
+    ref = trainer_config(tmp_path / "uninterrupted", tiny_model, "shared.max_steps=3", *LORA)
     write_steps(ref, steps, ranks=1)
     procs, receiver, received, errors = start_ranks_with_receiver(ref, 1, 3)
     wait_all(procs, Path(ref.run_dir), timeout=180)
@@ -97,10 +97,10 @@ def test_lora_trains_broadcasts_and_resumes_only_the_adapter(tiny_model, tmp_pat
 
     # A restart from the checkpoint of version 2 continues exactly (adapter, Adam moments, LR).
     run_dir = tmp_path / "resumed"
-    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=2", *LORA)
+    cfg = trainer_config(run_dir, tiny_model, "shared.max_steps=2", *LORA)
     write_steps(cfg, steps, ranks=1)
     train(cfg)
-    cfg.trainer.max_steps = 3
+    cfg.shared.max_steps = 3
     save_config(cfg, run_dir / "config.yaml")
     train(cfg)
     _, resumed = adapter_of(run_dir, 3)
@@ -119,7 +119,7 @@ def test_lora_under_zero3_on_two_ranks_gives_the_one_rank_update(tiny_model, tmp
         cfg = trainer_config(
             tmp_path / name,
             tiny_model,
-            "trainer.max_steps=2",
+            "shared.max_steps=2",
             f"world.trainers={ranks}",
             f"trainer.zero_stage={stage}",
             *LORA,

@@ -89,7 +89,7 @@ def models(tmp_path_factory):
 def config(models, seq_length: int = 64) -> RunConfig:
     cfg = RunConfig()
     cfg.model.path = str(models["policy"])
-    cfg.actor.temperature = 0.7
+    cfg.shared.temperature = 0.7
     cfg.preprocess.seq_length = seq_length
     return cfg
 

@@ -30,8 +30,8 @@ def make_cfg(tmp_path, actors=2, trainers=2, preprocessors=1) -> RunConfig:
     cfg.run_dir = str(tmp_path / "run")
     cfg.metrics.tensorboard = False
     cfg.world.actors, cfg.world.trainers, cfg.world.preprocessors = actors, trainers, preprocessors
-    cfg.trainer.groups_per_step = 3
-    cfg.trainer.max_steps = 6
+    cfg.shared.groups_per_step = 3
+    cfg.shared.max_steps = 6
     cfg.preprocess.seq_length = 48
     cfg.preprocess.batch_groups = 2
     return cfg
@@ -193,7 +193,7 @@ def test_two_preprocessors_with_reference_scorer(tmp_path):
     random_qwen2().save_pretrained(tmp_path / "model")
     cfg = make_cfg(tmp_path, actors=2, trainers=1, preprocessors=2)
     cfg.model.path = str(tmp_path / "model")
-    cfg.trainer.max_steps = 3
+    cfg.shared.max_steps = 3
     cfg.preprocess.scorers = [ScorerConfig(cls="pipeline_rl.scorers:ReferenceLogprobScorer")]
     write_groups(cfg, range(16))
     done = threading.Event()
@@ -222,7 +222,7 @@ def test_shared_prompts_lay_out_every_rollout(tmp_path):
     each rollout's prompt + completion (and its advantages) can be read back from the step."""
     cfg = make_cfg(tmp_path, actors=1, trainers=1)
     cfg.preprocess.share_prompts = True
-    cfg.trainer.max_steps = 2
+    cfg.shared.max_steps = 2
     streams = open_streams(cfg)
     writer = streams.writer(Topic.ACTOR, partitions=1)
     groups = []

@@ -133,7 +133,7 @@ def random_model_dir(tmp_path_factory):
 def test_reference_scorer_matches_each_sequence_alone(random_model_dir):
     cfg = RunConfig()
     cfg.model.path = str(random_model_dir)
-    cfg.actor.temperature = 0.7
+    cfg.shared.temperature = 0.7
     cfg.preprocess.seq_length = 16  # several rows, and one sequence longer than a row
     g = torch.Generator().manual_seed(3)
 

@@ -55,7 +55,7 @@ def start_engine(run_dir, tiny_model) -> LLMClient:
             "actor.llm.kv_cache_gib=0.25",
             "actor.llm.max_model_len=256",
             "actor.llm.max_num_seqs=16",
-            f"actor.llm.tensor_parallel_size={TP}",
+            f"shared.tensor_parallel_size={TP}",
         ],
     )
     return start_tp_client(cfg, tiny_model, version=0)

@@ -55,16 +55,14 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     ]
     for name, *overrides in cases:
         ref = trainer_config(
-            tmp_path / f"{name}_1rank", tiny_model, "trainer.max_steps=2", "trainer.zero_stage=2", *overrides[1:]
+            tmp_path / f"{name}_1rank", tiny_model, "shared.max_steps=2", "trainer.zero_stage=2", *overrides[1:]
         )
         write_steps(ref, steps, ranks=1)
         train(ref)
         results[name] = final_weights(ref.run_dir, 2)
 
     # ZeRO-2: two ranks that stop at max_steps.
-    two = trainer_config(
-        tmp_path / "zero2_2ranks", tiny_model, "trainer.max_steps=2", "world.trainers=2", *cases[0][1:]
-    )
+    two = trainer_config(tmp_path / "zero2_2ranks", tiny_model, "shared.max_steps=2", "world.trainers=2", *cases[0][1:])
     write_steps(two, steps, ranks=2)
     train(two, ranks=2)
     assert update_error(final_weights(two.run_dir, 2), results["zero2"], initial) < REL_TOL
@@ -76,7 +74,7 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model, tmp_path):
     three = trainer_config(
         tmp_path / "zero3_2ranks",
         tiny_model,
-        "trainer.max_steps=50",
+        "shared.max_steps=50",
         "world.trainers=2",
         "trainer.weight_bucket_mb=1",
         *cases[1][1:],
@@ -125,14 +123,14 @@ def test_stale_sample_is_not_trained_on(tiny_model, tmp_path):
     with_stale = [fresh[0], fresh[1] + stale]
 
     def weights_after(name: str, steps, *overrides) -> dict[str, torch.Tensor]:
-        cfg = trainer_config(tmp_path / name, tiny_model, "trainer.max_steps=2", *LINEAR_ADAM, *overrides)
+        cfg = trainer_config(tmp_path / name, tiny_model, "shared.max_steps=2", *LINEAR_ADAM, *overrides)
         write_steps(cfg, steps, ranks=1)
         train(cfg)
         return final_weights(cfg.run_dir, 2)
 
-    gated = weights_after("gated", with_stale, "trainer.max_lag=0")
-    without = weights_after("without", fresh, "trainer.max_lag=0")
-    kept = weights_after("kept", with_stale, "trainer.max_lag=1")
+    gated = weights_after("gated", with_stale, "shared.max_lag=0")
+    without = weights_after("without", fresh, "shared.max_lag=0")
+    kept = weights_after("kept", with_stale, "shared.max_lag=1")
     initial = load_file(tiny_model / "model.safetensors")
     assert update_error(gated, without, initial) < REL_TOL
     assert update_error(kept, without, initial) > 100 * REL_TOL
@@ -167,7 +165,7 @@ def test_optimizer_offload_gives_the_same_update(tiny_model, tmp_path):
     results = {}
     for name, offload in [("device", "false"), ("offload", "true")]:
         cfg = trainer_config(
-            tmp_path / name, tiny_model, "trainer.max_steps=2", f"trainer.optimizer.offload={offload}", *LINEAR_ADAM
+            tmp_path / name, tiny_model, "shared.max_steps=2", f"trainer.optimizer.offload={offload}", *LINEAR_ADAM
         )
         write_steps(cfg, steps, ranks=1)
         train(cfg, timeout=400)  # DeepSpeed compiles its CPU Adam op on first use (~1-2 min)
@@ -198,11 +196,11 @@ def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
         else:
             write_steps(cfg, data, ranks=1)
         train(cfg)
-        return final_weights(cfg.run_dir, cfg.trainer.max_steps)
+        return final_weights(cfg.run_dir, cfg.shared.max_steps)
 
-    two_steps = weights_after("two_steps", False, "trainer.max_steps=2")
-    two_updates = weights_after("two_updates", True, "trainer.max_steps=1", "trainer.updates_per_step=2")
-    one_update = weights_after("one_update", True, "trainer.max_steps=1")
+    two_steps = weights_after("two_steps", False, "shared.max_steps=2")
+    two_updates = weights_after("two_updates", True, "shared.max_steps=1", "trainer.updates_per_step=2")
+    one_update = weights_after("one_update", True, "shared.max_steps=1")
     initial = load_file(tiny_model / "model.safetensors")
     assert update_error(two_updates, two_steps, initial) < REL_TOL
     assert update_error(one_update, two_steps, initial) > 100 * REL_TOL
@@ -220,11 +218,11 @@ def test_epochs_equal_the_same_step_trained_twice(tiny_model, tmp_path):
         cfg = trainer_config(tmp_path / name, tiny_model, *LINEAR_ADAM, *overrides)
         write_steps(cfg, steps, ranks=1)
         train(cfg)
-        return final_weights(cfg.run_dir, cfg.trainer.max_steps)
+        return final_weights(cfg.run_dir, cfg.shared.max_steps)
 
-    twice = weights_after("twice", data * 2, "trainer.max_steps=2")
-    two_epochs = weights_after("two_epochs", data, "trainer.max_steps=1", "trainer.epochs=2")
-    one_epoch = weights_after("one_epoch", data, "trainer.max_steps=1")
+    twice = weights_after("twice", data * 2, "shared.max_steps=2")
+    two_epochs = weights_after("two_epochs", data, "shared.max_steps=1", "trainer.epochs=2")
+    one_epoch = weights_after("one_epoch", data, "shared.max_steps=1")
     initial = load_file(tiny_model / "model.safetensors")
     assert update_error(two_epochs, twice, initial) < REL_TOL
     assert update_error(one_epoch, twice, initial) > 100 * REL_TOL
@@ -282,7 +280,7 @@ def test_non_finite_gradients_stop_the_trainer_before_publishing(tiny_model, tmp
     """DeepSpeed does not check gradients before an update (its per-tensor check costs a device
     wait each update): the trainer reads the update's gradient norm and stops, naming the cause,
     with nothing published or checkpointed after the bad update."""
-    cfg = trainer_config(tmp_path, tiny_model, "trainer.max_steps=2", "trainer.loss.function=fixtures.nan_loss:loss")
+    cfg = trainer_config(tmp_path, tiny_model, "shared.max_steps=2", "trainer.loss.function=fixtures.nan_loss:loss")
     write_steps(cfg, make_steps(tiny_model, steps=2, groups=2, seed=3), ranks=1)
     wait_all(start_ranks(Path(cfg.run_dir), 1), Path(cfg.run_dir), 120, expect=1)
     log = (Path(cfg.run_dir) / "trainer0.log").read_text()

@@ -57,14 +57,14 @@ def test_trimmed_as_trained_and_resumed_from_the_replay_log(tiny_model, tmp_path
     steps = make_steps(tiny_model, steps=4, groups=2, seed=7)
     redis_keys = ["streams.backend=redis", f"streams.redis.port={redis_server.port}"]
 
-    reference = trainer_config(tmp_path / "reference", tiny_model, "trainer.max_steps=4", *SETTINGS)
+    reference = trainer_config(tmp_path / "reference", tiny_model, "shared.max_steps=4", *SETTINGS)
     write_steps(reference, steps, ranks=1)  # JSONL: nothing trimmed, no replay log
     train(reference)
     expected = final_weights(reference.run_dir, 4)
 
     run_dir = tmp_path / "run"
     cfg = trainer_config(
-        run_dir, tiny_model, "trainer.max_steps=4", "trainer.checkpoint_every=2", "name=replay", *redis_keys, *SETTINGS
+        run_dir, tiny_model, "shared.max_steps=4", "trainer.checkpoint_every=2", "name=replay", *redis_keys, *SETTINGS
     )
     write_steps(cfg, steps, ranks=1)
     client = redis.Redis(port=redis_server.port)

@@ -39,7 +39,7 @@ def test_a_stop_mid_step_is_honoured_after_the_current_micro_batch(tiny_model, t
     micro-batch (rank 1 was not signalled: they agree), and the final checkpoint is version 2,
     the last whole step; its stream position is step 2's start, so a resume trains step 2 whole."""
     run_dir = tmp_path / "run"
-    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=4", "preprocess.seq_length=32")
+    cfg = trainer_config(run_dir, tiny_model, "shared.max_steps=4", "preprocess.seq_length=32")
     write_steps(cfg, make_steps(tiny_model, 4, 4, seed=0), ranks=2)
     procs = start_ranks(run_dir, 2, before_main=functools.partial(_log_micro_batches_and_stop_at, 2, 0))
     wait_all(procs, run_dir, timeout=180)
@@ -76,7 +76,7 @@ def test_a_stop_during_a_checkpoint_lets_it_finish(tiny_model, tmp_path):
     """The stop is seen after the save: `latest` names the checkpoint that was being written,
     complete, and the trainer exits 0 without starting another step."""
     run_dir = tmp_path / "run"
-    cfg = trainer_config(run_dir, tiny_model, "trainer.max_steps=4", "trainer.checkpoint_every=1")
+    cfg = trainer_config(run_dir, tiny_model, "shared.max_steps=4", "trainer.checkpoint_every=1")
     write_steps(cfg, make_steps(tiny_model, 4, 2, seed=0), ranks=1)
     wait_all(start_ranks(run_dir, 1, before_main=functools.partial(_sigterm_while_saving, 2)), run_dir, timeout=120)
     found = checkpoint.latest_dir(run_dir)

@@ -186,7 +186,7 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     backend, mode, llm, tmp_path, tiny_model, request, monkeypatch
 ):
     """The real actor loop (in this process, on this engine), groups of 2 until admission stops it
-    at the engine's version (steps of 4 groups, trainer.max_lag=1; sync mode: no lag)."""
+    at the engine's version (steps of 4 groups, shared.max_lag=1; sync mode: no lag)."""
     import json
     import time
 
@@ -202,8 +202,8 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
         "actor.eval_every_s=0",
         "actor.metrics_every_s=0.5",
         "actor.max_groups_in_flight=4",
-        "trainer.groups_per_step=4",
-        "trainer.max_lag=1",
+        "shared.groups_per_step=4",
+        "shared.max_lag=1",
         "metrics.tensorboard=false",
         f"streams.backend={backend}",
         f"actor.mode={mode}",

@@ -35,11 +35,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 # Small, quick settings: a few steps of 4 groups x 4 attempts, weights after every step.
 QUICK = [
     "actor.attempts=4",
-    "trainer.groups_per_step=4",
+    "shared.groups_per_step=4",
     "actor.max_groups_in_flight=8",
     "actor.eval_every_s=0",
     "actor.metrics_every_s=1",
-    "trainer.max_lag=2",
+    "shared.max_lag=2",
     "metrics.tensorboard=false",
     "metrics.plot_at_end=true",
     "max_time_s=0",
@@ -118,7 +118,7 @@ def trainer_steps(run_dir: Path) -> list[dict]:
 
 def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    code, out = launch(run_dir, "trainer.max_steps=6", "trainer.checkpoint_every=0")
+    code, out = launch(run_dir, "shared.max_steps=6", "trainer.checkpoint_every=0")
     assert code == 0, out
     groups = stream_records(run_dir, "actor")
     versions = {v for g in groups for r in g["rollouts"] for v in r["versions"]}
@@ -162,12 +162,12 @@ def test_tensor_parallel_actor_trains(tmp_path, tiny_model):
 
     proc = launch(
         run_dir,
-        "actor.llm.tensor_parallel_size=2",
+        "shared.tensor_parallel_size=2",
         "actor.attempts=8",
-        "trainer.groups_per_step=32",
+        "shared.groups_per_step=32",
         "actor.max_groups_in_flight=64",
-        "trainer.max_lag=1",
-        f"trainer.max_steps={2 * versions_needed}",
+        "shared.max_lag=1",
+        f"shared.max_steps={2 * versions_needed}",
         # The gain above was measured at a constant lr; a cosine over max_steps would halve it by version 45.
         "trainer.optimizer.decay=constant",
         "trainer.checkpoint_every=0",
@@ -200,7 +200,7 @@ def test_tensor_parallel_actor_trains(tmp_path, tiny_model):
 
 def test_kill_9_of_one_process_stops_the_run(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "trainer.max_steps=1000", wait=False)
+    proc = launch(run_dir, "shared.max_steps=1000", wait=False)
     try:
         os.kill(pool_process_once_running(proc, run_dir, "preprocess", 180), signal.SIGKILL)
         killed_at = time.time()
@@ -219,7 +219,7 @@ def test_a_dead_tensor_parallel_worker_stops_the_run_naming_the_actor(tmp_path, 
     receiving a weight update or waiting for one; the launcher stops the run and says it was
     actor0."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "actor.llm.tensor_parallel_size=2", "trainer.max_steps=100000", wait=False)
+    proc = launch(run_dir, "shared.tensor_parallel_size=2", "shared.max_steps=100000", wait=False)
     try:
         children = psutil.Process(pool_process_once_running(proc, run_dir, "actor", 300)).children()
         workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
@@ -243,10 +243,10 @@ def test_a_dead_tensor_parallel_worker_stops_the_run_naming_the_actor(tmp_path, 
 
 def test_resume_continues_from_checkpoint_without_double_training(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    code, out = launch(run_dir, "trainer.max_steps=3", "trainer.checkpoint_every=2")
+    code, out = launch(run_dir, "shared.max_steps=3", "trainer.checkpoint_every=2")
     assert code == 0, out
     assert trainer_steps(run_dir)[-1]["values"]["version"] == 3
-    code, out = launch(run_dir, "trainer.max_steps=5", "trainer.checkpoint_every=2")
+    code, out = launch(run_dir, "shared.max_steps=5", "trainer.checkpoint_every=2")
     assert code == 0, out
     assert "resuming" in out
     versions = [s["values"]["version"] for s in trainer_steps(run_dir)]
@@ -269,11 +269,11 @@ def test_lora_run_resumes_with_the_engine_on_the_checkpoint_adapter(tmp_path, ti
     run_dir = tmp_path / "run"
     lora = ["model.lora.rank=8", "trainer.optimizer.lr=1e-2", "actor.mode=sync", "trainer.checkpoint_every=3"]
     lora += ["preprocess.advantage.filter_zero=false"]
-    code, out = launch(run_dir, "trainer.max_steps=3", *lora)
+    code, out = launch(run_dir, "shared.max_steps=3", *lora)
     assert code == 0, out
     found = latest_checkpoint(run_dir)
     assert found is not None and found[0].name == "adapter" and found[1] == 3, found
-    code, out = launch(run_dir, "trainer.max_steps=5", *lora)
+    code, out = launch(run_dir, "shared.max_steps=5", *lora)
     assert code == 0, out
     assert f"starting the engine from {found[0]} at version 3" in (run_dir / "logs" / "actor0.log").read_text()
     resumed = [s["values"] for s in trainer_steps(run_dir) if s["values"]["version"] > 3]
@@ -306,7 +306,7 @@ def test_lost_groups_do_not_stall_the_run(tmp_path, tiny_model, mode):
     )
     run_dir = tmp_path / "run"
     argv = [sys.executable, str(ROOT / "launch.py"), "conf=flaky", f"run_dir={run_dir}", *QUICK, *ports()]
-    argv += ["trainer.max_steps=6", "trainer.checkpoint_every=0", f"actor.mode={mode}", "watchdog_s=120"]
+    argv += ["shared.max_steps=6", "trainer.checkpoint_every=0", f"actor.mode={mode}", "watchdog_s=120"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), CACHE_ENV: str(CACHE)}
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
     out = proc.stdout + proc.stderr
@@ -344,7 +344,7 @@ def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     scorer = "preprocess.scorers=[{cls: 'fixtures.faulty_scorer:HangsAfterGroups', kwargs: {after_groups: 12}}]"
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     proc = launch(
-        run_dir, "trainer.max_steps=50", scorer, "watchdog_s=15", "watchdog_startup_s=240", env=env, wait=False
+        run_dir, "shared.max_steps=50", scorer, "watchdog_s=15", "watchdog_startup_s=240", env=env, wait=False
     )
     try:
         lines, stopping = [], None
@@ -403,7 +403,7 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     port = free_port()
     redis = ["streams.backend=redis", "streams.redis.start_server=true", f"streams.redis.port={port}"]
-    first = launch(run_dir, *redis, "trainer.max_steps=50", "trainer.checkpoint_every=2", wait=False)
+    first = launch(run_dir, *redis, "shared.max_steps=50", "trainer.checkpoint_every=2", wait=False)
     try:
         deadline = time.time() + 240
         while not trainer_steps(run_dir):
@@ -448,7 +448,7 @@ def test_redis_run_resumes_after_everything_is_killed(tmp_path, tiny_model):
     checkpointed = saved[1]
     final = trained_before[-1] + 3
 
-    code, out = launch(run_dir, *redis, f"trainer.max_steps={final}", "trainer.checkpoint_every=2")
+    code, out = launch(run_dir, *redis, f"shared.max_steps={final}", "trainer.checkpoint_every=2")
     assert code == 0, out
     assert "resuming" in out
     # The resumed run kept the run's password (the server's append-only file is the same run's).

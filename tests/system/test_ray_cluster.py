@@ -36,11 +36,11 @@ OBJECT_STORE = 100 * 2**20
 
 QUICK = [
     "actor.attempts=4",
-    "trainer.groups_per_step=4",
+    "shared.groups_per_step=4",
     "actor.max_groups_in_flight=8",
     "actor.eval_every_s=0",
     "actor.metrics_every_s=1",
-    "trainer.max_lag=2",
+    "shared.max_lag=2",
     "metrics.tensorboard=false",
     "metrics.plot_at_end=false",
     "max_time_s=0",
@@ -236,7 +236,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     reached."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
-    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
         placed = driver.placed()
@@ -263,7 +263,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     checkpointed = saved[1]
     cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
     cluster.wait_for_nodes()
-    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
     try:
         deadline = time.time() + 240
         while len(trainer_versions(run_dir)) < len(trained_before) + 3:
@@ -297,7 +297,7 @@ def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_
     """(c) the node that holds trainer rank 0 and the run's Redis is lost: the run stops within
     45 s naming that node, trainer0 and redis."""
     run_dir = tmp_path / "run"
-    driver = Driver(cluster, run_dir, free_port(), "trainer.max_steps=1000")
+    driver = Driver(cluster, run_dir, free_port(), "shared.max_steps=1000")
     try:
         run_until(driver, run_dir, versions=1, timeout=300)
         node_id, held, killed_at = kill_node(cluster, driver, run_dir, "trainer0")
@@ -327,7 +327,7 @@ def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_
     again after the loss of trainer rank 0's node and Redis, on a replacement node, resumes."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
-    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
     frozen = []
     try:
         run_until(driver, run_dir, versions=2, timeout=300)
@@ -360,7 +360,7 @@ def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_
     trained = len(trainer_versions(run_dir))
     cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
     cluster.wait_for_nodes()
-    driver = Driver(cluster, run_dir, redis_port, "trainer.max_steps=1000")
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
     try:
         deadline = time.time() + 240
         while len(trainer_versions(run_dir)) <= trained:

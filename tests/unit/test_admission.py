@@ -137,8 +137,8 @@ def test_bad_settings_are_rejected():
 
 
 def test_admission_lag_defaults_to_max_lag_and_can_exceed_it():
-    assert admission_lag(load_config("tiny", ["trainer.max_lag=2"])) == 2
-    cfg = load_config("tiny", ["trainer.max_lag=1", "actor.admission_lag=3"])
+    assert admission_lag(load_config("tiny", ["shared.max_lag=2"])) == 2
+    cfg = load_config("tiny", ["shared.max_lag=1", "actor.admission_lag=3"])
     assert admission_lag(cfg) == 3
     # Admitting 3 versions ahead while the gate allows 1: groups land up to 3 steps late, so the
     # trainer's gate, not the actor, is what keeps stale tokens out of training.

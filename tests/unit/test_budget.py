@@ -97,8 +97,8 @@ def test_the_trainer_topic_bound(model_32b):
         "base",
         [
             "trainer.checkpoint_every=10",
-            "trainer.max_lag=2",
-            "trainer.groups_per_step=4",
+            "shared.max_lag=2",
+            "shared.groups_per_step=4",
             "actor.attempts=2",
             "actor.llm.max_model_len=100",
             "world.trainers=2",

@@ -20,7 +20,7 @@ def test_one_bundle_per_process_with_its_gpus_on_one_node(name):
     found = bundles(cfg, specs)
     assert [b.spec.name for b in found] == [s.name for s in specs]
     assert found[0].spec.name == "trainer0"
-    tp = cfg.actor.llm.tensor_parallel_size
+    tp = cfg.shared.tensor_parallel_size
     for b in found:
         want = {"trainer": 1, "actor": tp, "preprocessor": cfg.world.preprocessor_gpus}[b.spec.pool]
         assert b.resources.get("GPU", 0) == want and b.resources["CPU"] == 1

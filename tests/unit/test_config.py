@@ -31,21 +31,21 @@ def test_gpu_configs_are_multi_node_redis():
 
 
 def test_extends_chain_and_overrides():
-    cfg = load_config("math_32b", ["trainer.max_lag=3", "actor.llm.kv_cache_gib=2.5"])
+    cfg = load_config("math_32b", ["shared.max_lag=3", "actor.llm.kv_cache_gib=2.5"])
     assert cfg.actor.domain == "math"  # from math_7b, which math_32b extends
     assert cfg.world.nodes == 4  # math_32b's own value wins
-    assert cfg.trainer.max_lag == 3 and cfg.actor.llm.kv_cache_gib == 2.5
+    assert cfg.shared.max_lag == 3 and cfg.actor.llm.kv_cache_gib == 2.5
 
 
 @pytest.mark.parametrize(
     "overrides, expected",
     [
         (
-            ["trainer.max_lagg=3"],
-            "override 'trainer.max_lagg': unknown key 'trainer.max_lagg' (did you mean 'trainer.max_lag'?)",
+            ["shared.max_lagg=3"],
+            "override 'shared.max_lagg': unknown key 'shared.max_lagg' (did you mean 'shared.max_lag'?)",
         ),
         (["trainer.lr=1e-3"], "did you mean 'trainer.optimizer.lr'?"),
-        (["trainer.max_lag=abc"], "override 'trainer.max_lag': bad value for 'trainer.max_lag'"),
+        (["shared.max_lag=abc"], "override 'shared.max_lag': bad value for 'shared.max_lag'"),
         (["actor.mode=fast"], "bad value for 'actor.mode': Invalid value 'fast', expected one of [async, sync]"),
         (
             ["trainer.loss.kind=dpo"],
@@ -54,8 +54,10 @@ def test_extends_chain_and_overrides():
         (["trainer.zero_stage=5"], "'trainer.zero_stage'"),
         (["world.actors=0"], "'world.actors': 0, must be >= 1"),
         (["world.nodes=2"], "'streams.backend' must be redis"),
-        (["world.actor_gpus=2"], "unknown key 'world.actor_gpus' (renamed 'actor.llm.tensor_parallel_size')"),
-        (["actor.llm.tensor_parallel_size=0"], "'actor.llm.tensor_parallel_size': 0, expected >= 1"),
+        (["world.actor_gpus=2"], "unknown key 'world.actor_gpus' (renamed 'shared.tensor_parallel_size')"),
+        (["trainer.max_lag=2"], "unknown key 'trainer.max_lag' (renamed 'shared.max_lag')"),
+        (["actor.temperature=0.7"], "unknown key 'actor.temperature' (renamed 'shared.temperature')"),
+        (["shared.tensor_parallel_size=0"], "'shared.tensor_parallel_size': 0, expected >= 1"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.loss.ratio_mask=1.0"], "bad value for 'trainer.loss.ratio_mask': 1.0, must be > 1"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
@@ -134,7 +136,7 @@ def test_bad_file_names_the_file(tmp_path):
     (tmp_path / "broken.yaml").write_text("trainer:\n  max_stepz: 3\n")
     (tmp_path / "loop.yaml").write_text("extends: loop\n")
     with pytest.raises(
-        ConfigError, match=r"broken.yaml: unknown key 'trainer.max_stepz' \(did you mean 'trainer.max_steps'\?\)"
+        ConfigError, match=r"broken.yaml: unknown key 'trainer.max_stepz' \(did you mean 'shared.max_steps'\?\)"
     ):
         load_config("broken", dirs=[tmp_path])
     with pytest.raises(ConfigError, match=r"'missing' not found in .*\(available: base, broken, loop\)"):
@@ -150,7 +152,7 @@ def test_lora_is_off_by_default_and_a_key_turns_it_on():
 
 
 def test_saved_config_round_trips(tmp_path):
-    cfg = load_config("tiny", [f"run_dir={tmp_path}", "trainer.max_lag=2"])
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "shared.max_lag=2"])
     save_config(cfg, tmp_path / "config.yaml")
     assert load_saved_config(tmp_path / "config.yaml") == cfg
 

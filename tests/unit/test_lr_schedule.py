@@ -21,7 +21,7 @@ def cosine(floor: float, done: float) -> float:
 
 
 def test_constant_after_warmup():
-    f = factor("trainer.optimizer.warmup_steps=4", "trainer.optimizer.decay=constant", "trainer.max_steps=10")
+    f = factor("trainer.optimizer.warmup_steps=4", "trainer.optimizer.decay=constant", "shared.max_steps=10")
     assert [f(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert f(10**6) == 1.0
 
@@ -31,7 +31,7 @@ def test_cosine_by_steps_reaches_the_floor_at_max_steps():
         "trainer.optimizer.warmup_steps=2",
         "trainer.optimizer.decay=cosine",
         "trainer.optimizer.min_lr_ratio=0.2",
-        "trainer.max_steps=6",
+        "shared.max_steps=6",
     )
     assert f(0) == 0.5 and f(1) == 1.0
     # The 4 updates after warm-up walk the half cosine in quarters.
@@ -43,7 +43,7 @@ def test_cosine_by_steps_reaches_the_floor_at_max_steps():
 
 
 def test_updates_per_step_count_in_the_run_length():
-    f = factor("trainer.optimizer.decay=cosine", "trainer.max_steps=2", "trainer.updates_per_step=2")
+    f = factor("trainer.optimizer.decay=cosine", "shared.max_steps=2", "trainer.updates_per_step=2")
     assert f(1) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)  # update 2 of 4
     assert f(3) == pytest.approx(0.1, rel=1e-12)
 
@@ -51,7 +51,7 @@ def test_updates_per_step_count_in_the_run_length():
 def test_cosine_by_time_when_time_ends_the_run_first():
     now = [100.0]
     f = lr_factor(
-        load_config("tiny", ["max_time_s=60", "trainer.max_steps=1000000", "trainer.optimizer.decay=cosine"]),
+        load_config("tiny", ["max_time_s=60", "shared.max_steps=1000000", "trainer.optimizer.decay=cosine"]),
         lambda: now[0],
     )
     assert f(0) == pytest.approx(cosine(0.1, 1e-6), rel=1e-9)  # by steps: barely started
@@ -63,7 +63,7 @@ def test_cosine_by_time_when_time_ends_the_run_first():
 
 def test_steps_win_when_they_end_the_run_first():
     f = lr_factor(
-        load_config("tiny", ["max_time_s=3600", "trainer.max_steps=4", "trainer.optimizer.decay=cosine"]),
+        load_config("tiny", ["max_time_s=3600", "shared.max_steps=4", "trainer.optimizer.decay=cosine"]),
         lambda: 0.0,
     )
     assert f(1) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)

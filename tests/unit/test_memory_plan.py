@@ -72,7 +72,7 @@ def test_math_32b_fits_80_gb_gpus(tmp_path):
 def test_a_32b_actor_on_one_80_gb_gpu_does_not_fit(tmp_path):
     """61 GiB of bf16 weights leave ~9 GiB of KV cache (3 sequences of 9216 tokens), and a
     model-sized staging buffer cannot fit in the 8 GiB outside vLLM's share."""
-    lines = plan(tmp_path, "actor.llm.tensor_parallel_size=1", "actor.llm.stage_weights_on_host=false")
+    lines = plan(tmp_path, "shared.tensor_parallel_size=1", "actor.llm.stage_weights_on_host=false")
     actor = next(line for line in lines if "actor GPU" in line)
     assert actor.endswith("DOES NOT FIT") and "3 sequences" in actor
 
@@ -134,7 +134,7 @@ def test_math_32b_lora_fits_the_trainer_on_two_gpus_of_one_node(tmp_path):
     one = plan(tmp_path, "world.trainers=1", conf="math_32b_lora")
     assert next(line for line in one if "trainer GPU" in line).endswith("DOES NOT FIT")
     cfg = load_config("math_32b_lora", [f"model.path={tmp_path}"])
-    used = cfg.world.trainers + cfg.world.actors * cfg.actor.llm.tensor_parallel_size + cfg.world.preprocessor_gpus
+    used = cfg.world.trainers + cfg.world.actors * cfg.shared.tensor_parallel_size + cfg.world.preprocessor_gpus
     assert cfg.world.nodes == 1 and used <= cfg.world.gpus_per_node
 
 

@@ -122,7 +122,7 @@ def test_gpu_processes_share_their_nodes_cores():
     """On GPU nodes each pool process gets OMP_NUM_THREADS = the node's cores / its processes
     (OpenMP would give every process every core); a value the user set is kept."""
     cfg = load_config(
-        "tiny", ["world.gpus_per_node=8", "world.actors=4", "world.trainers=4", "actor.llm.tensor_parallel_size=1"]
+        "tiny", ["world.gpus_per_node=8", "world.actors=4", "world.trainers=4", "shared.tensor_parallel_size=1"]
     )
     specs = plan(cfg)
     on_node0 = [s for s in specs if s.node == 0]

@@ -11,10 +11,10 @@ from pipeline_rl.wire import RUN_NONCE_ENV, RUN_NONCE_FILE
 
 
 def test_each_start_writes_the_config_atomically_and_a_new_nonce(tmp_path):
-    cfg = load_config("tiny", [f"run_dir={tmp_path / 'run'}", "trainer.max_steps=7"])
+    cfg = load_config("tiny", [f"run_dir={tmp_path / 'run'}", "shared.max_steps=7"])
     resumed, first = prepare_run_dir(cfg, fresh=False)
     assert not resumed
-    assert load_saved_config(tmp_path / "run" / "config.yaml").trainer.max_steps == 7
+    assert load_saved_config(tmp_path / "run" / "config.yaml").shared.max_steps == 7
     assert (tmp_path / "run" / RUN_NONCE_FILE).read_text() == first
     (tmp_path / "run" / "checkpoints").mkdir()
     resumed, second = prepare_run_dir(cfg, fresh=False)

@@ -6,7 +6,7 @@ it with the chat template into the prompt; every later call must repeat the conv
 by content, so an environment may pass them back as dicts or as the returned objects) and add
 messages of other roles after the last reply. Those new messages alone are rendered and
 appended to the transcript (template.py). Sampling is the run's: temperature and top_p are
-actor.temperature and actor.top_p whatever a request asks (the trainer computes logprobs at
+shared.temperature and actor.top_p whatever a request asks (the trainer computes logprobs at
 them), max_tokens is capped at actor.max_new_tokens, n must be 1 (a group's attempts are
 separate episodes), stream must be false, other OpenAI options are ignored.
 """
@@ -49,8 +49,9 @@ def _same_turn(sent: dict, known: dict) -> bool:
 
 
 class ChatSession:
-    def __init__(self, llm: Any, actor: ActorConfig, template: str | None, tools: Tools | None):
+    def __init__(self, llm: Any, actor: ActorConfig, temperature: float, template: str | None, tools: Tools | None):
         self.llm, self.actor, self.template_text, self.tool_box = llm, actor, template, tools
+        self.temperature = temperature
         self.id = f"s{next(_sessions)}"
         self.loop = asyncio.get_running_loop()
         """The loop the engine requests run on (the HTTP endpoint's threads submit to it)."""
@@ -129,7 +130,7 @@ class ChatSession:
             prompt,
             n=1,
             max_tokens=limit,
-            temperature=self.actor.temperature,
+            temperature=self.temperature,
             top_p=self.actor.top_p,
             stop=[stop] if isinstance(stop, str) else stop,
         )

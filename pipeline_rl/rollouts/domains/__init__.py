@@ -71,7 +71,7 @@ async def sample(llm: Generator, prompt_ids: list[int], cfg: RunConfig) -> list[
         prompt_ids,
         n=cfg.actor.attempts,
         max_tokens=cfg.actor.max_new_tokens,
-        temperature=cfg.actor.temperature,
+        temperature=cfg.shared.temperature,
         top_p=cfg.actor.top_p,
     )
     return list(completions)

@@ -70,7 +70,7 @@ def runtime(cfg: RunConfig) -> AgentRuntime:
 
 
 async def episode(rt: AgentRuntime, llm: Any, cfg: RunConfig, problem: dict) -> Rollout:
-    session = ChatSession(llm, cfg.actor, rt.template, rt.tools)
+    session = ChatSession(llm, cfg.actor, cfg.shared.temperature, rt.template, rt.tools)
     key = rt.server.open(session) if rt.server else None
     try:
         reward = await rt.environment(session, problem)

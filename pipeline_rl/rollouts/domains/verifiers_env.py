@@ -128,7 +128,7 @@ def sample(session: ChatSession, state: Any, error_reward: float) -> Rollout:
 
 async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     env, template = runtime(cfg)
-    sessions = [ChatSession(llm, cfg.actor, template, None) for _ in range(cfg.actor.attempts)]
+    sessions = [ChatSession(llm, cfg.actor, cfg.shared.temperature, template, None) for _ in range(cfg.actor.attempts)]
     states = await asyncio.gather(*(episode(env, s, problem) for s in sessions))
     scored = [s for s in states if s is not None]
     if scored:
