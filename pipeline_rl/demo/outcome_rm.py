@@ -35,9 +35,10 @@ MAX_STEPS = 3000
 QUICK_STEPS = 600
 FULL = prm.Recipe("multistep_rm", target=0.9, class_target=0.8, lr=3e-4, eval_every=250)
 """The demo's outcome RM, from the demo's PRM."""
-QUICK = prm.Recipe("multistep_rm_quick", target=0.65, class_target=0.6, lr=3e-4, eval_every=100, steps=QUICK_STEPS)
+QUICK = prm.Recipe("multistep_rm_quick", target=0.6, class_target=0.45, lr=3e-4, eval_every=100, steps=QUICK_STEPS)
 """The tests' outcome RM, from the tests' PRM: separates right from wrong answers, in a fraction
-of FULL's time."""
+of FULL's time. Its fixed steps end at different rates on different CPUs (docs/testing.md);
+the targets are what the tests assert, below the lowest rates measured."""
 BASE = {FULL.name: prm.FULL, QUICK.name: prm.QUICK}
 """The PRM recipe each RM recipe starts from."""
 

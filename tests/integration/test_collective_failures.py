@@ -188,6 +188,7 @@ def _killed_receiver(cfg_path: str, addr: str, ready) -> None:
     streams = open_streams(cfg)
     reader = streams.reader("weights", WeightUpdate)
     receiver = WeightReceiver(addr, 1, 2, "gloo", cfg.world.collective_timeout_s)
+    ready.put("listening")
     while True:
         for entry in reader.read(timeout=0.5):
             receiver.receive(entry.record)
@@ -209,6 +210,9 @@ def test_a_trainer_whose_receiver_dies_exits_naming_it(tmp_path, tiny_model):
     ready = _SPAWN.Queue()
     receiver = _SPAWN.Process(target=_killed_receiver, args=(str(run_dir / "config.yaml"), addr, ready), daemon=True)
     receiver.start()
+    # The trainer waits only the collective timeout for the receiver to join its first
+    # broadcast: start it once the receiver is up (a loaded machine takes seconds to spawn one).
+    assert ready.get(timeout=120) == "listening"
     procs = start_ranks(run_dir, 1, env={WEIGHT_SYNC_ADDR_ENV: addr})
     try:
         assert ready.get(timeout=120) == 1
