@@ -3,7 +3,7 @@
     python scripts/config_reference.py            rewrite docs/config.md
     python scripts/config_reference.py --check    exit 1 when docs/config.md is out of date
 
-The schema (pipeline_rl/config/schema.py) documents each key once, as the docstring under its
+The schema (pipeline_rl/config/schema.py and pool_sections.py) documents each key once, as the docstring under its
 field; this page is generated from it so the two cannot disagree (tests/unit/test_config_reference.py).
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = ROOT / "pipeline_rl" / "config" / "schema.py"
+SCHEMA = [ROOT / "pipeline_rl" / "config" / name for name in ("schema.py", "pool_sections.py")]
 PAGE = ROOT / "docs" / "config.md"
 
 
@@ -43,8 +43,8 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
 
 
 def reference() -> str:
-    tree = ast.parse(SCHEMA.read_text())
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    trees = [ast.parse(path.read_text()) for path in SCHEMA]
+    classes = {n.name: n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)}
     sections: list[str] = []
 
     def section(cls_name: str, prefix: str) -> None:
@@ -71,7 +71,7 @@ def reference() -> str:
     section("RunConfig", "")
     head = (
         "# Every config key\n\n"
-        "Generated from `pipeline_rl/config/schema.py` by `python scripts/config_reference.py`; edit the\n"
+        "Generated from `pipeline_rl/config/schema.py` and `pool_sections.py` by `python scripts/config_reference.py`; edit the\n"
         "schema's docstrings, not this page. A config is `base.yaml`, then the named config (which may\n"
         "`extends:` another), then the dotted overrides of the command line; unknown keys are rejected\n"
         "with a suggestion. Choice-valued keys list their choices in `pipeline_rl/config/choices.py`.\n"

@@ -36,7 +36,7 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         "zero_optimization": zero,
         # DeepSpeed's check of the gradients before each bf16 update reads every gradient tensor
         # and waits on the device; the trainer checks the norm the update computes anyway
-        # instead (trainer._finite_norms), as it does for float32, which DeepSpeed never checks.
+        # instead (trainer/grad_norm.py), as it does for float32, which DeepSpeed never checks.
         "bf16": {"enabled": cfg.model.dtype == "bfloat16", "check_grad_overflow": False},
         "steps_per_print": 2**31 - 1,
     }

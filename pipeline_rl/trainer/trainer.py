@@ -44,6 +44,7 @@ from pipeline_rl.streams.api import Writer
 from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch, WeightUpdate
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
+from pipeline_rl.trainer.grad_norm import finite_norms
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
@@ -248,7 +249,7 @@ class Trainer:
         rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
-        norms: list = []  # each update's gradient norm, read once the step's results are
+        norms: list = []  # each update's gradient norm, read at the step's end with its metrics
         passes = [(epoch, i, u) for epoch in range(self.cfg.trainer.epochs) for i, u in enumerate(updates)]
         for epoch, i, u in passes:
             step_tokens, step_samples = gated[f"update{i}/tokens"], gated[f"update{i}/samples"]
@@ -312,7 +313,7 @@ class Trainer:
         # The per-update losses are means of their mini-batch: report the mean over updates.
         values["loss"] /= max(done, 1)
         values["pg_loss"] /= max(done, 1)
-        grad_norm = _finite_norms(norms, self.version + 1, self.saved_version)[-1] if done else None
+        grad_norm = finite_norms(norms, self.version + 1, self.saved_version)[-1] if done else None
         values.update(
             reward_mean=totals["rewards"] / max(totals["samples"], 1),
             samples=totals["samples"],
@@ -425,27 +426,6 @@ class Trainer:
         if self.sender is not None:
             self.sender.close()
         self.streams.close()
-
-
-class NonFiniteGradients(RuntimeError):
-    """An update was made from gradients that were not all finite."""
-
-
-def _finite_norms(norms: list, version: int, saved: int | None) -> list[float]:
-    """The updates' gradient norms as floats; raises NonFiniteGradients if one is not finite.
-    DeepSpeed does not check the gradients before an update (its check reads every gradient
-    tensor and waits on the device each update: deepspeed_config), and gives a norm of -1 when
-    one was inf or nan; the update is then already applied, so the run stops here, before
-    the weights are published or checkpointed."""
-    values = [float(n) for n in norms]
-    bad = [i for i, n in enumerate(values) if not (math.isfinite(n) and n >= 0)]
-    if bad:
-        raise NonFiniteGradients(
-            f"version {version}: the gradients of optimizer update {bad[0]} of the step were not finite "
-            f"(inf or nan; gradient norms {values}); the weights are not published or checkpointed: "
-            f"resume from the last checkpoint (version {saved}) after finding the cause (a loss plug-in returning inf or nan, or logprobs of -inf on trained tokens)"
-        )
-    return values
 
 
 def _init_distributed(cfg: RunConfig) -> None:

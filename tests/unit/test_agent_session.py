@@ -13,7 +13,7 @@ import pytest
 from fixtures.agent_checks import ScriptedEngine
 from fixtures.helpers import TESTS
 
-from pipeline_rl.config.schema import ActorConfig
+from pipeline_rl.config.pool_sections import ActorConfig
 from pipeline_rl.rollouts.agent.session import AgentError, ChatSession
 
 TEMPLATE = (TESTS / "fixtures" / "agent_chatml.jinja").read_text()

@@ -18,7 +18,7 @@ import itertools
 import time
 from typing import Any
 
-from pipeline_rl.config.schema import ActorConfig
+from pipeline_rl.config.pool_sections import ActorConfig
 from pipeline_rl.rollouts.agent.openai_types import ChatCompletion, Choice, Function, Message, ToolCall, Usage, as_dict
 from pipeline_rl.rollouts.agent.template import ChatTemplate
 from pipeline_rl.rollouts.agent.tool_calls import parse_reply

@@ -19,7 +19,7 @@ import shutil
 from typing import Any
 
 from pipeline_rl.config import ConfigError
-from pipeline_rl.config.schema import McpServerConfig
+from pipeline_rl.config.pool_sections import McpServerConfig
 from pipeline_rl.core.plugins import import_attr, load_plugin
 from pipeline_rl.rollouts.agent.mcp_server import McpServer, McpToolError
 from pipeline_rl.rollouts.rewards import RewardPool

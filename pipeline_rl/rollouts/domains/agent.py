@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_rl.config import ConfigError, RunConfig
-from pipeline_rl.config.schema import AgentConfig
+from pipeline_rl.config.pool_sections import AgentConfig
 from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.rollouts.agent.http import ChatServer
 from pipeline_rl.rollouts.agent.session import AgentError, ChatSession

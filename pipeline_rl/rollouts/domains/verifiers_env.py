@@ -30,7 +30,7 @@ import functools
 from typing import Any
 
 from pipeline_rl.config import ConfigError, RunConfig
-from pipeline_rl.config.schema import VerifiersConfig
+from pipeline_rl.config.pool_sections import VerifiersConfig
 from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.rollouts.agent.session import ChatSession
 from pipeline_rl.rollouts.domains.agent import chat_template

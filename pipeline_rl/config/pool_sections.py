@@ -1,0 +1,295 @@
+"""The pools' own config sections: the actor's (its engine, rollouts and their data), the
+preprocessor's and the trainer's, each read only by its pool (tests/unit/test_config_sections.py).
+The run's other sections and the whole `RunConfig` are in `schema.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline_rl.config.choices import (
+    ActorMode,
+    Attention,
+    LagGateMode,
+    LossKind,
+    LossNormalize,
+    LrDecay,
+    RatioLevel,
+)
+from pipeline_rl.wire import CACHE_ENV
+
+CACHE = f"${{oc.env:{CACHE_ENV},.cache}}"
+
+
+@dataclass
+class DatasetConfig:
+    loader: str = "jsonl"
+    """jsonl, parquet, or an import path `module:function` returning a list of problem dicts."""
+    train: str = CACHE + "/arithmetic/train.jsonl"
+    """Training problems."""
+    test: str = CACHE + "/arithmetic/test.jsonl"
+    """Held-out problems for evaluation."""
+
+
+@dataclass
+class LLMConfig:
+    kv_cache_gib: float = 1.0
+    """KV-cache size per engine in GiB (CPU needs it set explicitly)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs (fast start-up; on CPU also the faster path)."""
+    max_num_seqs: int = 256
+    """Most sequences one engine step batches."""
+    max_model_len: int = 256
+    """Longest prompt + completion the engine accepts."""
+    stage_weights_on_host: bool = False
+    """Keep each received weight update in host memory (pinned) instead of on the GPU: the GPU
+    then needs room for one bucket, not a copy of the whole model, and the swap copies to it
+    under the lock (a longer pause). Host memory: one model copy per receiver (per TP worker)."""
+
+
+@dataclass
+class MathRewardConfig:
+    """Reward of a math rollout (domain `math`) by what its final \\boxed{} answer is."""
+
+    correct: float = 1.0
+    """The last \\boxed{} answer equals the reference answer (checked with math-verify)."""
+    wrong: float = 0.0
+    """A readable last \\boxed{} answer that differs from the reference."""
+    no_answer: float = 0.0
+    """The completion finished without any \\boxed{} answer."""
+    unparsable: float = 0.0
+    """A \\boxed{} answer math-verify cannot read, or a check that failed or ran past actor.reward_timeout_s."""
+    truncated: float = 0.0
+    """The completion was cut off at actor.max_new_tokens (or the model length), whatever it contains."""
+
+
+@dataclass
+class McpServerConfig:
+    """One MCP tool server the agent domain starts over stdio (actor.agent.mcp_servers)."""
+
+    command: str = ""
+    """The program that runs the server, e.g. python or npx."""
+    args: list[str] = field(default_factory=list)
+    """Its arguments, e.g. the server script's path."""
+    env: dict[str, str] | None = None
+    """Its environment variables; null: the mcp package's default (a safe subset of the actor's)."""
+
+
+@dataclass
+class AgentConfig:
+    """Agent environments: `actor.domain: agent` runs `environment` against an OpenAI-style
+    client of the actor's engine (pipeline_rl/rollouts/agent/, docs/agents.md)."""
+
+    environment: str = ""
+    """The environment as `module:function`: `async def run(client, problem) -> float`, one
+    episode of one problem, returning its reward."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, each a documented function `module:function`
+    (pipeline_rl/rollouts/agent/tools.py); `client.tools` are their OpenAI schemas."""
+    mcp_servers: list[McpServerConfig] = field(default_factory=list)
+    """MCP tool servers (stdio) whose tools the model may call too; each actor starts its own
+    at its first episode and stops them at exit."""
+    tool_timeout_s: float = 10.0
+    """Time limit of one tool call; past it the tool's worker is killed (an MCP call is
+    abandoned) and the episode ends with an error."""
+    tool_workers: int = 2
+    """Worker processes per actor that run tool calls."""
+    max_turns: int = 8
+    """Most model turns of one episode; one more ends it with an error."""
+    chat_template: str | None = None
+    """Path to a Jinja chat template; null: the tokenizer's own."""
+    error_reward: float = 0.0
+    """Reward of an episode that ended with an error (a failed tool, too many turns, a full context)."""
+    http: bool = False
+    """Also serve each episode's client over HTTP (`client.base_url`, OpenAI's
+    POST .../v1/chat/completions), for environments in another process."""
+    http_host: str = "127.0.0.1"
+    """Address the HTTP endpoint listens on (0.0.0.0 for environments on other machines)."""
+    http_port: int = 0
+    """Its port; 0: any free one (a fixed port serves only one actor per node)."""
+
+
+@dataclass
+class VerifiersConfig:
+    """Environments of the verifiers library (the `verifiers` extra): `actor.domain: verifiers`
+    runs `environment`'s own rollout and rubric on the actor's engine
+    (pipeline_rl/rollouts/domains/verifiers_env.py). Its chat client is the agent domain's, so
+    actor.agent.chat_template, max_turns and error_reward apply to it too."""
+
+    environment: str = ""
+    """`module:function` returning a verifiers Environment, called with `args`; or the id of an
+    installed verifiers environment package, loaded with `verifiers.load_environment(id, **args)`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of that function."""
+
+
+@dataclass
+class ActorConfig:
+    mode: ActorMode = ActorMode["async"]
+    """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
+    (generate one batch with the current policy, wait for the update, repeat)."""
+    domain: str = "arithmetic"
+    """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent, verifiers) or `module:function`."""
+    attempts: int = 8
+    """Completions sampled per problem (the group size)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_new_tokens: int = 16
+    """Longest completion."""
+    max_groups_in_flight: int = 64
+    """Most groups one actor generates at once (continuous batching fills the engine)."""
+    admission_lag: int | None = None
+    """How many versions behind the trainer a group may land and still be started
+    (pipeline_rl/actor/admission.py); null: shared.max_lag, so the lag gate rarely has anything
+    to drop. A larger value keeps actors generating when training is slow, and what then lands
+    beyond max_lag is dropped or masked by `trainer.lag_gate`. Ignored in sync mode."""
+    reward_timeout_s: float = 5.0
+    """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
+    reward_workers: int = 2
+    """Worker processes per actor that run reward checks under the time limit (pipeline_rl/rollouts/rewards.py)."""
+    math_reward: MathRewardConfig = field(default_factory=MathRewardConfig)
+    """Reward table of the math domain."""
+    eval_every_s: float = 30.0
+    """Actor 0 evaluates on held-out problems this often (0: never)."""
+    eval_problems: int = 200
+    """Held-out problems per evaluation."""
+    metrics_every_s: float = 5.0
+    """How often an actor publishes its metrics."""
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    """vLLM engine settings."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Where problems come from."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent environments (actor.domain: agent)."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """Environments of the verifiers library (actor.domain: verifiers)."""
+
+
+@dataclass
+class AdvantageConfig:
+    divide_by_std: bool = False
+    """Divide by the group's reward standard deviation."""
+    leave_one_out: bool = False
+    """Baseline each rollout by the mean of the *other* rollouts in its group."""
+    filter_zero: bool = True
+    """Skip (and count) groups whose advantages are all zero: they carry no gradient."""
+
+
+@dataclass
+class ScorerConfig:
+    cls: str = ""
+    """Import path `module:Class` of a scorer (see pipeline_rl/scorers/base.py)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the scorer's constructor."""
+
+
+@dataclass
+class PreprocessConfig:
+    seq_length: int = 2048
+    """Tokens per packed micro-batch."""
+    share_prompts: bool = False
+    """Pack a group's rollouts as one prompt followed by their completions, so the trainer
+    computes the prompt once per group. Uses an explicit [T, T] attention mask (sdpa/eager, not
+    flash-attention): worth it for short rows with long prompts and short answers."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Group-relative advantage options."""
+    scorers: list[ScorerConfig] = field(default_factory=list)
+    """Scorers run on every batch of groups, in order."""
+    batch_groups: int = 16
+    """Groups a preprocessor scores together."""
+
+
+@dataclass
+class LossConfig:
+    kind: LossKind = LossKind.reinforce
+    """reinforce: policy gradient with truncated importance weights; ppo: clipped ratio objective;
+    cispo: policy gradient with the importance weight clipped to the PPO range and detached."""
+    is_truncation: float = 5.0
+    """Upper bound of the importance weight in reinforce mode."""
+    ppo_clip: float = 0.2
+    """PPO clip range epsilon: the ratio is clipped to [1 - ppo_clip, 1 + ppo_clip_high] (ppo and
+    cispo)."""
+    ppo_clip_high: float | None = None
+    """Upper clip epsilon, when larger than the lower one (DAPO clip-higher, e.g. 0.28 with
+    ppo_clip 0.2: lets unlikely good tokens grow faster); null: ppo_clip."""
+    ratio: RatioLevel = RatioLevel.token
+    """token: one importance ratio per token; sequence: one per sequence (GSPO)."""
+    ratio_mask: float | None = None
+    """IcePop / masked importance sampling, c > 1: a token whose ratio exp(logprob - behaviour
+    logprob) lies outside [1/c, c] gets no gradient (it still counts in the normalisation), so
+    tokens the engine and the trainer disagree on, or that went far off-policy, cannot steer
+    the update; the share masked is the metric `ratio_masked_fraction`. null: no mask."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    function: str = "pipeline_rl.trainer.loss:policy_loss"
+    """The loss as `module:function`, called like `pipeline_rl.trainer.loss.policy_loss(inputs, cfg)` (the
+    contract is `pipeline_rl.trainer.loss.LossFn`); the options of this section reach it as `cfg`."""
+    normalize: LossNormalize = LossNormalize.token
+    """token: average over all tokens of the step; sequence: average per sequence, then over sequences."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Peak learning rate, reached at the end of warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up over this many optimizer updates (`trainer.epochs x updates_per_step` per step)."""
+    decay: LrDecay = LrDecay.constant
+    """What the lr does after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Where `decay: cosine` ends, as a fraction of lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables; DeepSpeed's own default would be 1.0)."""
+    offload: bool = False
+    """Keep the optimizer state (fp32 master weights, both Adam moments: 12 bytes a parameter)
+    in host memory and step it on the CPU (DeepSpeed ZeRO-Offload with DeepSpeedCPUAdam, an op
+    DeepSpeed compiles on first use). Needs trainer.zero_stage >= 1."""
+
+
+@dataclass
+class TrainerConfig:
+    lag_gate: LagGateMode = LagGateMode.sample
+    """sample: drop a stale sample whole; token: mask only its tokens older than max_lag."""
+    updates_per_step: int = 1
+    """Optimizer updates per step: the step's micro-batches are split, in order, into this many
+    mini-batches, each normalised on its own and followed by an optimizer update (the later
+    ones are off-policy; the importance ratios and clipping correct for it). The policy version
+    counts steps, not updates. At most the step's micro-batches per rank are used."""
+    epochs: int = 1
+    """Passes over the step's samples: each pass makes `updates_per_step` optimizer updates on
+    the same micro-batches (PPO's epochs), so a step makes `epochs x updates_per_step` updates.
+    Later passes are off-policy by the updates before them (the ratio clip bounds them). Meant
+    for trainers that wait for actors on devices of their own; on a shared 2-core CPU two
+    passes learned slower (docs/learning.md)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (0-3)."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    stop_grace_s: float | None = None
+    """How long a normal stop (SIGTERM, Ctrl-C, max_time_s, the watchdog) waits for trainers to
+    finish their micro-batch and write the final checkpoint before killing them; null: derived
+    from the model size (pipeline_rl/launch/budget.py, printed by `--dry-run`)."""
+    weight_bucket_mb: int = 256
+    """Size of one weight-broadcast bucket."""
+    gradient_checkpointing: bool = False
+    """Each decoder layer keeps only its input for backward and runs again there: activations of
+    one hidden state per token and layer (plus one layer's at a time) for about a third more
+    forward work. Long micro-batches of large models need it (`--dry-run` shows the plan)."""
+    attention: Attention = Attention.auto
+    """Attention kernel for packed rows; works with gradient checkpointing either way."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy-gradient loss settings."""
