@@ -23,7 +23,9 @@ starting weights (for tests and generation-only runs).
 Failures: a reward check that fails is counted and shown with its last error text (the
 rollout gets the failure reward); a rollout that raises is logged, counted and skipped. The
 actor exits non-zero when its engine has failed (at once, whether or not a rollout is in
-flight) and when MAX_CONSECUTIVE_FAILURES rollouts in a row fail (a broken domain).
+flight) and when MAX_CONSECUTIVE_FAILURES rollouts in a row fail (a broken domain). A failed
+weight update (a peer died) is logged and counted: the engine keeps its weights, and the
+actor takes the next update, from the group the trainer forms next.
 SIGTERM/SIGINT stop it cleanly (exit 0).
 
 Lost groups: a group that no step will take (its rollout raised here; or a preprocessor's
@@ -32,9 +34,10 @@ gives its admission slot back, so the actor makes another group instead of waiti
 that never lands. Counted by cause in `groups_lost/*` metrics and the status line.
 
 Resume: RUN_DIR/positions/actorI.json holds how many groups the actor has written, how many
-problems it has drawn, and how many of its groups were reported lost (with its position in
-the "lost" stream); a restarted actor goes on from there (and counts groups from at least
-checkpoint version x share, see admission.py).
+problems it has drawn, how many of its groups were reported lost (with its position in the
+"lost" stream) and how many were in flight; a restarted actor (the run resumed, or the
+launcher replaced a dead one) goes on from there (and counts groups from at least checkpoint
+version x share, see admission.py), its groups in flight at the last save counted lost.
 """
 
 from __future__ import annotations
@@ -166,6 +169,9 @@ class Actor:
         self.admission.started = max(saved.get("written", 0) - self.lost_total, self.admission.first_group_of(version))
         self.written = self.admission.started + self.lost_total
         self.drawn = saved.get("problems", 0)
+        # Groups in flight when the actor last stopped (killed, or the run stopped): never
+        # written, so their admission slots are free again (`written` counts only what landed).
+        self.lost_stopped = int(saved.get("lost_stopped", 0)) + int(saved.get("in_flight", 0))
         self.incarnation = f"{int(time.time() * 1000):x}"
         self.metrics = MetricsLogger(cfg, self.name, self.streams)
 
@@ -193,8 +199,6 @@ class Actor:
                     # Fatal even when no rollout is in flight to fail (admission may be waiting
                     # for a version that this engine can no longer receive).
                     raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
-                if self.llm.group_failure is not None:
-                    raise self.llm.group_failure
                 while len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()
@@ -222,14 +226,14 @@ class Actor:
                     blocked_since = self._unblock(blocked_since, reopen=True)
                     self._log_metrics(len(tasks))
                     next_metrics = now + self.cfg.actor.metrics_every_s
-                self._save(force=False)
+                self._save(force=False, in_flight=len(tasks))
         finally:
             for task in list(tasks) + ([eval_task] if eval_task else []):
                 task.cancel()
             await asyncio.gather(*tasks, *([eval_task] if eval_task else []), return_exceptions=True)
             self._unblock(blocked_since)
             self._take_lost()
-            self._save(force=True)
+            self._save(force=True, in_flight=len(tasks))
             self._log_metrics(0)
 
     def _zero_adapter(self) -> Path:
@@ -370,9 +374,11 @@ class Actor:
             "reward_errors_total": self.reward_errors_total,
             "last_reward_error": self.last_reward_error,
             "rollout_errors_total": self.rollout_errors_total,
-            "groups_lost_total": self.lost_total + self.rollout_errors_total,
-            # By cause: rollout (the domain raised), scorer, decode (reported by the preprocessors).
+            "groups_lost_total": self.lost_total + self.rollout_errors_total + self.lost_stopped,
+            # By cause: rollout (the domain raised), stopped (in flight when this actor last
+            # stopped or was killed), scorer, decode (reported by the preprocessors).
             "groups_lost/rollout_total": self.rollout_errors_total,
+            "groups_lost/stopped_total": self.lost_stopped,
             **{f"groups_lost/{cause}_total": n for cause, n in sorted(self.lost_by_cause.items())},
             "last_rollout_error": self.last_rollout_error,
             **self.agent_stats.take(),  # turns, tool calls and errors of agent episodes
@@ -389,7 +395,7 @@ class Actor:
             f"{step - self.admission.max_lag} (has {self.llm.version}; {in_flight} groups in flight)"
         )
 
-    def _save(self, force: bool) -> None:
+    def _save(self, force: bool, in_flight: int) -> None:
         now = time.monotonic()
         if force or now - self._saved_at >= SAVE_EVERY_S:
             self.writer.flush()  # `written` counts groups in the stream, never ones still buffered
@@ -399,6 +405,8 @@ class Actor:
                     "problems": self.drawn,
                     "lost": self.lost_total,
                     "lost_position": self.lost_reader.position(),
+                    "lost_stopped": self.lost_stopped,
+                    "in_flight": in_flight,
                 }
             )
             self._saved_at = now

@@ -193,8 +193,11 @@ class LLMClient:
         self._closed = threading.Event()
         self._error: BaseException | None = None
         self.group_failure: WeightGroupFailed | None = None
-        """Why the weight-update group failed (names the member that did not finish), or None:
-        the actor stops on it (a peer is dead or hung; the run must stop, not drift apart)."""
+        """The last failure of the weight-update group (it names the member that did not
+        finish), or None. The engine keeps its weights and the receiver joins the group the
+        sender forms next: a dead peer is the launcher's to restart or to stop the run on."""
+        self._incarnation: str | None = None
+        """The sender's incarnation at the last update received (Receiver.incarnation)."""
         # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), which vLLM's annotation
         # types as the general EngineCoreClient.
         self._scheduler = engine.engine_core.engine_core.scheduler  # pyright: ignore[reportAttributeAccessIssue]
@@ -418,7 +421,15 @@ class LLMClient:
             if isinstance(e, WeightGroupFailed):
                 self.group_failure = e
             return False
-        if update.version <= self.hook.version:
+        restarted = self._incarnation is not None and receiver.incarnation != self._incarnation
+        self._incarnation = receiver.incarnation
+        if restarted:
+            log.warning(
+                "the trainer restarted: version %d replaces version %d (from the new trainer's checkpoint)",
+                update.version,
+                self.hook.version,
+            )
+        elif update.version <= self.hook.version:
             self.updates_skipped += 1
             log.info("skipped weight update %d: engine already has version %d", update.version, self.hook.version)
             return False

@@ -46,7 +46,7 @@ from safetensors.torch import save as save_safetensors
 
 from pipeline_rl.engine.vllm_hook import Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, encode
-from pipeline_rl.weight_sync import DIAGNOSE_S, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
+from pipeline_rl.weight_sync import DIAGNOSE_S, INCARNATION, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,7 @@ class TensorParallelReceiver:
         host, _, port = addr.rpartition(":")
         self._host, self._port = host, int(port)
         self._store: dist.TCPStore | None = None
+        self.incarnation: str | None = None
 
     def receive(self, update: WeightUpdate) -> Staged:
         ticket = f"{update.version}-{uuid.uuid4().hex[:8]}"
@@ -207,6 +208,7 @@ class TensorParallelReceiver:
                 self._store = dist.TCPStore(
                     self._host, self._port, self.world_size, is_master=False, timeout=self.timeout
                 )
+                self.incarnation = self._store.get(INCARNATION).decode()
             # A worker whose transfer fails reports it within the timeout and its diagnosis.
             self._store.wait(keys, self.timeout + timedelta(seconds=2 * DIAGNOSE_S))
             statuses = [self._store.get(k).decode() for k in keys]

@@ -91,6 +91,11 @@ class Staged:
 class Receiver(Protocol):
     """An engine's end of the weight broadcast (`SwapGate.receiver`)."""
 
+    incarnation: str | None
+    """The sender's incarnation as of the last update received (weight_sync.group.INCARNATION):
+    when it changes, the trainer restarted from a checkpoint, and its versions start over
+    from there."""
+
     def receive(self, update: WeightUpdate) -> Staged:
         """Take part in the broadcast `update` announces (no lock held); raises
         weight_sync.StaleUpdate when the sender has moved past it."""

@@ -12,7 +12,9 @@ Policy version = steps done. A step is `updates_per_step` optimizer updates (one
 each over its own consecutive share of the micro-batches, repeated for `epochs` passes over
 them; a step whose samples the gate dropped entirely advances the version without an update.
 Every `weight_update_interval` versions rank 0 gathers the full weights (all ranks take part
-under ZeRO-3) and broadcasts them to the actors; every `checkpoint_every` versions, at
+under ZeRO-3) and broadcasts them to the actors in the weight-update group (one that died is
+left out, its replacement joins at a later version; MAX_FAILED_UPDATES failures in a row stop
+the trainer); every `checkpoint_every` versions, at
 max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (pipeline_rl/trainer/checkpoint.py)
 and a restart resumes from it.
 """
@@ -51,10 +53,14 @@ from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
 from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.steps import StepCollector, update_slices
-from pipeline_rl.weight_sync import WeightSender, backend_for, group_ranks, member_names
+from pipeline_rl.weight_sync import WeightGroupFailed, WeightSender, backend_for, group_ranks, member_names
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_UPDATES = 3
+"""Weight updates failed in a row after which the trainer stops (raises the last failure): one
+failure is a member lost; several in a row, a group that cannot form."""
 
 
 class Trainer:
@@ -123,6 +129,9 @@ class Trainer:
         self.trained_position = self.reader.position()
         self.saved_version = self.version if found is not None else None
         self.sender: WeightSender | None = None
+        self.failed_updates = 0
+        """Weight updates failed in a row (MAX_FAILED_UPDATES)."""
+        self.failed_updates_total = 0
         self.weights_writer: Writer | None = None
         addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
@@ -377,8 +386,6 @@ class Trainer:
             return {}
         assert self.sender is not None, "rank 0 broadcasts only with a sender"
         try:
-            # Raises WeightGroupFailed naming the actor that died or hangs: the trainer stops with
-            # it, as the actors whose group failed do, rather than train on for actors that are gone.
             seconds = self.sender.send(
                 self.version,
                 (pair for chunk in chunks for pair in chunk),
@@ -386,10 +393,24 @@ class Trainer:
                 bucket_mb=bucket_mb,
                 specs=parameter_specs(self.published),
             )
+        except WeightGroupFailed as e:
+            # An actor died or hangs: its replacement (the launcher's) joins a later group, the
+            # others take the next version. Updates that keep failing stop the trainer.
+            self.failed_updates += 1
+            self.failed_updates_total += 1
+            if self.failed_updates >= MAX_FAILED_UPDATES:
+                raise
+            log.warning("%s; the weight-update group re-forms at the next version", e)
+            return {"weight_update_failed_total": self.failed_updates_total}
         finally:
             for _ in chunks:  # leave the last gather, and finish any the other ranks are still in
                 pass
-        return {"weight_broadcast_s": seconds}
+        self.failed_updates = 0
+        return {
+            "weight_broadcast_s": seconds,
+            "weight_update_members": len(self.sender.members) - 1,
+            "weight_update_failed_total": self.failed_updates_total,
+        }
 
     def _announce(self, update: WeightUpdate) -> None:
         assert self.weights_writer is not None

@@ -41,9 +41,16 @@ returns views into it. Those views are overwritten by the next receive(): the en
 reload copies them into its own weights before the receiver thread receives again
 (LLMClient's receiver thread receives, swaps, and only then reads the next announcement).
 
-The group is built lazily by the first transfer and rebuilt after a failure: the sender
-gives each group it builds a new name (store key "group", set before the announcement), and a
-receiver whose group has another name joins it before receiving. A receiver that reads an
+The group is built lazily by the first transfer and rebuilt after a failure, or when a receiver
+registers: the sender gives each group it builds a new name (store key "group", set before the
+announcement) and its members (store key "members/NAME"), and a receiver whose group has
+another name joins it before receiving, at its index among the members. Membership follows who
+is there, so that a run goes on when an actor dies and takes its replacement back: a receiver
+registers ("ready/RANK") when it connects to the store; the sender forms a new group when the
+registered receivers differ from the group's members (one store round trip per update when all
+are registered); the first group waits for every receiver, a later one takes those registered
+by then; a member found gone by a failed transfer is unregistered. An update whose group was formed without a receiver
+raises NotMember there (it joins from the next version, which forms a group with it). A receiver that reads an
 announcement older than "latest" or than "plan" (an actor restarted after that transfer
 ended) skips it. A receiver whose store connection broke (the trainer restarted) connects
 again.
@@ -60,8 +67,10 @@ The timeout of every wait is `world.collective_timeout_s` (pipeline_rl/collectiv
 from pipeline_rl.weight_sync.group import (
     DIAGNOSE_S,
     HEARTBEAT_S,
+    INCARNATION,
     SENDER,
     Keep,
+    NotMember,
     PeerGone,
     StaleUpdate,
     WeightGroupFailed,
@@ -75,8 +84,10 @@ from pipeline_rl.weight_sync.sender import WeightSender
 __all__ = [
     "DIAGNOSE_S",
     "HEARTBEAT_S",
+    "INCARNATION",
     "SENDER",
     "Keep",
+    "NotMember",
     "PeerGone",
     "StaleUpdate",
     "WeightGroupFailed",

@@ -68,6 +68,27 @@ class StaleUpdate(Exception):
     """An announcement whose transfer is already over; the receiver did not take part."""
 
 
+class NotMember(StaleUpdate):
+    """An announcement of a group formed without this receiver (it registered after the sender
+    chose the members, or the sender found it gone): it takes part from the next version."""
+
+
+def ready_key(rank: int) -> str:
+    """Store key a receiver of weight-update rank `rank` sets once it can join a group."""
+    return f"ready/{rank}"
+
+
+def members_key(group: str) -> str:
+    """Store key of the ranks (a JSON list, the sender's 0 first) of the group named `group`;
+    a member's rank within the group is its index there."""
+    return f"members/{group}"
+
+
+INCARNATION = "incarnation"
+"""Store key the sender sets once when it starts: a receiver told by it that the trainer
+restarted accepts versions older than its own (the restarted trainer's, from its checkpoint)."""
+
+
 def _split_host_port(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
@@ -105,6 +126,8 @@ class Endpoint:
         # time), with the buffers the subclass allocates for it: neither a packing buffer nor
         # receive memory is allocated (and page-faulted), nor any view taken, per update.
         self._layout: Layout | None = None
+        self.gone: list[int] = []
+        """The ranks the last failed transfer found gone (their heartbeats stood still)."""
 
     def _kept_layout(self, update: WeightUpdate, plan: str | None) -> Layout | None:
         """The kept layout, when `update` and `plan` (unless None) have it."""
@@ -163,6 +186,7 @@ class Endpoint:
     def _failed(self, store: dist.Store | None, version: int, started: float, error: Exception) -> WeightGroupFailed:
         """This member's transfer of `version` failed: name the members that are gone."""
         what = f"weight update {version} failed after {time.monotonic() - started:.1f} s: {error}"
+        self.gone = []
         try:
             if store is None:
                 raise RuntimeError("no store connection")
@@ -173,6 +197,7 @@ class Endpoint:
                 f"{what}; the weight-sync store at {self.host}:{self.port} is unreachable ({e}): "
                 f"{SENDER} (weight-update rank 0, the sender) is gone"
             )
+        self.gone = gone
         if not gone:
             return WeightGroupFailed(f"{what}; every other member is alive (a hung collective or a network fault?)")
         named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in gone)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -12,10 +13,14 @@ import torch.distributed as dist
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, aligned, check_announcement
 from pipeline_rl.weight_sync.group import (
+    INCARNATION,
     Endpoint,
     Keep,
+    NotMember,
     StaleUpdate,
+    members_key,
     new_group,
+    ready_key,
 )
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,8 @@ class WeightReceiver(Endpoint):
         self._names: list[str] = []
         self._received = -1
         """Version of the last update received in the current group."""
+        self.incarnation: str | None = None
+        """The sender's incarnation (group.INCARNATION) as of the last connection to its store."""
         self._start_heartbeat()
         self.stage_on_host = stage_on_host
         if stage_on_host:
@@ -125,7 +132,12 @@ class WeightReceiver(Endpoint):
             raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {newest}")
         if name.decode() != self._group_name:
             assert self._store is not None  # _store_get connected it
-            self._group = new_group(self._store, name.decode(), self.rank, self.world_size, self.backend, self.timeout)
+            self._drop_group()
+            members = json.loads(self._store.get(members_key(name.decode())))
+            if self.rank not in members:
+                raise NotMember(f"weight update {update.version}'s group was formed without this receiver")
+            group_rank = members.index(self.rank)
+            self._group = new_group(self._store, name.decode(), group_rank, len(members), self.backend, self.timeout)
             self._group_name = name.decode()
             self._received = -1
 
@@ -225,8 +237,12 @@ class WeightReceiver(Endpoint):
         self._connect().set(key, value)
 
     def _connect(self) -> dist.TCPStore:
+        """The sender's store, connected (and this receiver registered in it) if it was not."""
         if self._store is None:
-            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+            store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+            self.incarnation = store.get(INCARNATION).decode()
+            store.set(ready_key(self.rank), "1")
+            self._store = store
             self._beat_connected()
         return self._store
 

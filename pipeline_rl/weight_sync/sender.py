@@ -15,8 +15,11 @@ import torch.distributed as dist
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, dtype_name, flat_span, plan_buckets
 from pipeline_rl.weight_sync.group import (
+    INCARNATION,
     Endpoint,
+    members_key,
     new_group,
+    ready_key,
 )
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,11 @@ class WeightSender(Endpoint):
             self.host, self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
         )
         self._store.set("members", json.dumps(members or [f"rank {r}" for r in range(world_size)]))
+        self._store.set(INCARNATION, uuid.uuid4().hex)
+        self._formed = False
+        """Whether a group was formed before (the first waits for every receiver)."""
+        self.members: list[int] = []
+        """The weight-update ranks of the current group (0 first), for logs and tests."""
         self._start_heartbeat()
         self._beat_connected()
         self._pack: torch.Tensor | None = None
@@ -73,7 +81,9 @@ class WeightSender(Endpoint):
             raise RuntimeError("WeightSender.send after close()")
         started = time.monotonic()
         try:
-            if self._group is None:
+            reform = self._group_name is None or self._registered() != self.members[1:]
+            if reform:
+                self._drop_group()
                 self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
                 self._store.set("group", self._group_name)
             update = self._announcement(version, specs, bucket_mb)
@@ -84,17 +94,43 @@ class WeightSender(Endpoint):
                 self._store.set("plan", f"{version}:{plan}")
                 self._published = plan
             announce(update)
-            if self._group is None:
-                assert self._group_name is not None
-                self._group = new_group(self._store, self._group_name, 0, self.world_size, self.backend, self.timeout)
-            self._send_messages(update, layout, iter(named_tensors), check)
+            if reform:
+                self._form_group()
+            if self._group is not None:
+                self._send_messages(update, layout, iter(named_tensors), check)
         except ValueError:  # the tensors differ from the announcement: the sender's own fault
             self._drop_group()
             raise
         except Exception as e:
             self._drop_group()
-            raise self._failed(self._store, version, started, e) from e
+            failure = self._failed(self._store, version, started, e)
+            for rank in self.gone:  # left out of the next group until they register again
+                self._store.delete_key(ready_key(rank))
+            raise failure from e
         return time.perf_counter() - start
+
+    def _form_group(self) -> None:
+        """Choose the members of the group just named and build it: at the first update every
+        receiver (waiting up to the timeout, as a collective would), later the receivers
+        registered by then (a member found gone is unregistered; a replacement registers when
+        it connects). No group when no receiver is registered: the update is announced only."""
+        assert self._store is not None and self._group_name is not None
+        if not self._formed:
+            self._formed = True
+            self._store.wait([ready_key(r) for r in range(1, self.world_size)], self.timeout)
+        members = [0, *self._registered()]
+        self.members = members
+        self._store.set(members_key(self._group_name), json.dumps(members))
+        if len(members) > 1:
+            self._group = new_group(self._store, self._group_name, 0, len(members), self.backend, self.timeout)
+
+    def _registered(self) -> list[int]:
+        """The receivers' ranks registered in the store (one round trip when all are)."""
+        assert self._store is not None
+        receivers = range(1, self.world_size)
+        if self._store.check([ready_key(r) for r in receivers]):
+            return list(receivers)
+        return [r for r in receivers if self._store.check([ready_key(r)])]
 
     def _announcement(
         self, version: int, specs: list[tuple[str, list[int], torch.dtype]], bucket_mb: int

@@ -390,7 +390,7 @@ def test_failed_updates_keep_the_last_complete_version(setup):
     os.kill(sender.pid, signal.SIGKILL)
     wait_for(lambda: failures(client) == count + 1, 30, "the killed transfer to be counted")
     assert time.monotonic() - started < TIMEOUT_S
-    # What the actor stops with (actor.py): the failure names the sender that is gone.
+    # What the actor logs and goes on from (actor.py): the failure names the sender that is gone.
     assert isinstance(client.group_failure, PeerGone)
     assert "trainer0 (weight-update rank 0, the sender) is gone" in str(client.group_failure)
     assert client.version == 4 and greedy(client) == serving
@@ -410,6 +410,16 @@ def test_failed_updates_keep_the_last_complete_version(setup):
     command(setup.sender, "send 7 7 ok")
     assert setup.sender.stdout.readline().startswith("sent 7")
     wait_for(lambda: client.version == 7, 30, "version 7 in the engine")
+
+    # The trainer restarts from a checkpoint older than the engine's version (it died before
+    # checkpointing 7): the engine takes the new trainer's version, though it is lower.
+    setup.sender.kill()
+    setup.start_sender()
+    setup.wait_ready()
+    command(setup.sender, "send 5 5 ok")
+    assert setup.sender.stdout.readline().startswith("sent 5")
+    wait_for(lambda: client.version == 5, 30, "version 5 of the restarted trainer in the engine")
+    assert all(v == [5] * len(v) for _, v in greedy(client))
 
 
 if __name__ == "__main__":
