@@ -160,6 +160,12 @@ class WorldConfig:
     process stops naming the peer. It must exceed the longest legitimate wait inside a collective:
     trainer ranks wait at a checkpoint's barrier while rank 0 writes the Hugging Face weights
     (`--dry-run` prints that estimate)."""
+    max_restarts: int = 3
+    """Restarts of one process within an hour before the run stops, naming it: a lost actor or
+    preprocessor is started again in its slot (it resumes from its position file), a lost
+    trainer rank restarts the trainer pool from the last checkpoint while the actors and
+    preprocessors go on (pipeline_rl/launch/restarts.py; `--dry-run` prints the policy). 0: any
+    lost process stops the run. One-node runs only: on Ray a lost process stops the run."""
     disk_gib_per_s: float = 1.0
     """Assumed read and write bandwidth of the file system under run_dir and model.path, GiB/s
     (one shared stream: every rank's checkpoint shards together). The plan's checkpoint-write and

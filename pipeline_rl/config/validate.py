@@ -51,6 +51,7 @@ def validate(cfg: RunConfig) -> None:
     for key in [
         "shared.max_lag",
         "world.gpus_per_node",
+        "world.max_restarts",
         "trainer.checkpoint_every",
         "model.logprob_chunk_tokens",
         "trainer.optimizer.warmup_steps",

@@ -401,8 +401,13 @@ class LLMClient:
                 self.update_failures += 1
                 time.sleep(1.0)
                 continue
-            for entry in entries:
-                self.apply_update(receiver, entry.record)
+            try:
+                for entry in entries:
+                    self.apply_update(receiver, entry.record)
+            except BaseException as e:  # a bug here would leave the engine on its weights for good
+                log.exception("the weight receiver thread failed")
+                self._error = e
+                return
 
     def apply_update(self, receiver: Receiver, update: WeightUpdate) -> bool:
         """Receive one announced update and swap it in (the swap contract: engine/vllm_hook.py);

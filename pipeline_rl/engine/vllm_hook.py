@@ -331,6 +331,10 @@ class LocalReceiver:
     def __init__(self, hook: WeightSwapHook, endpoint: WeightReceiver):
         self.hook, self.endpoint = hook, endpoint
 
+    @property
+    def incarnation(self) -> str | None:
+        return self.endpoint.incarnation
+
     def receive(self, update: WeightUpdate) -> Staged:
         with self.hook.streams.receiving():
             tensors = self.endpoint.receive(update)

@@ -20,6 +20,7 @@ from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.memory_plan import memory_plan
 from pipeline_rl.launch.placement import Node, child_env, describe, plan
 from pipeline_rl.launch.redis_server import start_redis, wait_port
+from pipeline_rl.launch.restarts import TRAINER_POOL, RestartPolicy
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor, describe_exit, last_lines
 from pipeline_rl.scorers import check_scorers
@@ -41,7 +42,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 class Launcher(RunLoop):
-    """One node: every process is a child of this launcher."""
+    """One node: every process is a child of this launcher, which restarts lost ones in their
+    slots (launch/restarts.py)."""
+
+    heals = True
 
     def __init__(self, cfg: RunConfig, nonce: str):
         super().__init__(cfg)
@@ -80,7 +84,15 @@ class Launcher(RunLoop):
         child = failure.child
         reason = describe_exit(failure.code) if child.name != "redis" else "redis-server stopped"
         summary = f"process {child.name} failed: {reason}"
-        return Failure(summary, str(child.log_path), last_lines(child.log_path), failure.code == PEER_GONE_EXIT), False
+        tail = last_lines(child.log_path)
+        return Failure(summary, str(child.log_path), tail, failure.code == PEER_GONE_EXIT, child.name), False
+
+    def pool_processes(self) -> set[str]:
+        return {s.name for s in self.specs}
+
+    def restart(self, what: str) -> None:
+        trainers = {s.name for s in self.specs if s.pool == "trainer"}
+        self.supervisor.respawn(trainers if what == TRAINER_POOL else {what})
 
     def stop_all(self, graceful: bool) -> None:
         trainers = {s.name for s in self.specs if s.pool == "trainer"}
@@ -119,6 +131,7 @@ def main(argv: list[str]) -> int:
                 ports = ", ".join(f"{key}={port}" for key, port in run_ports(cfg).items())
                 print(f"ports: {ports} (outside Ray's worker ports {lo}-{hi})")
             print("\n".join(budget_lines(cfg)))
+            print(RestartPolicy(cfg.world.max_restarts, None).describe(on_ray(cfg)))
             if cfg.world.gpus_per_node:
                 lines = memory_plan(cfg)
                 print("\n".join(lines))

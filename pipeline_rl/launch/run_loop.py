@@ -1,8 +1,10 @@
 """A run from start to end, written once for one node (launcher.py) and for Ray (ray_driver.py):
 prepare the run directory, build the demo model when it is missing, start, watch (the status
-line, the watchdog, the time limit, Ctrl-C/SIGTERM, the report of a failed process), stop, plot.
+line, the watchdog, the time limit, Ctrl-C/SIGTERM, the restart or the report of a failed
+process: launch/restarts.py), stop, plot.
 
-A backend (a RunLoop subclass) says only how its processes start, are polled and stop; `run`
+A backend (a RunLoop subclass) says only how its processes start, are polled, restarted and
+stop; `run`
 and `RunLoop.watch` decide the rest, and with which exit code: 0 when the trainers finished (or
 max_time_s), 1 when a process or a node failed, 3 when the watchdog found no progress, 130 on
 a signal.
@@ -22,9 +24,11 @@ from typing import TYPE_CHECKING
 
 from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.launch.budget import run_limits
+from pipeline_rl.launch.restarts import RESTART_WINDOW_S, TRAINER_POOL, RestartPolicy, restart_target
 from pipeline_rl.launch.run_dir import prepare_run_dir
 from pipeline_rl.launch.supervisor import PEER_REPORT_WAIT_S
 from pipeline_rl.launch.watchdog import Watchdog
+from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams.records import Metrics
 from pipeline_rl.wire import Topic
 
@@ -43,6 +47,8 @@ class Failure:
     caused_by_peer: bool = False
     """It failed because a peer is gone (supervisor.PEER_GONE_EXIT): that peer's failure, when
     it comes, is the one to report."""
+    process: str = ""
+    """The process that failed (a pool process's name, or a service's: redis)."""
 
 
 def end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:
@@ -97,11 +103,17 @@ class StatusFeed:
 
 
 class RunLoop:
+    heals = False
+    """Whether this backend restarts lost processes (`restart`); when not, world.max_restarts
+    does not apply and any lost process stops the run."""
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.stop_reason: str | None = None
         # Sized by the model (launch/budget.py): a 32B checkpoint takes minutes, a tiny one seconds.
         self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
+        self.restarts = RestartPolicy(cfg.world.max_restarts if self.heals else 0, Path(cfg.run_dir) / "restarts.jsonl")
+        self._restart_metrics: MetricsLogger | None = None
 
     def start(self) -> None:
         """Start the run's services (Redis) and every process of the plan."""
@@ -113,6 +125,14 @@ class RunLoop:
 
     def stop_all(self, graceful: bool) -> None:
         """Stop every process: when graceful, trainers first, with trainer_stop_grace_s to checkpoint."""
+        raise NotImplementedError
+
+    def pool_processes(self) -> set[str]:
+        """The names of the run's pool processes (what restarts may replace)."""
+        return set()
+
+    def restart(self, what: str) -> None:
+        """Start `what` again (a process's name, or restarts.TRAINER_POOL: every trainer rank)."""
         raise NotImplementedError
 
     def request_stop(self, signum, _frame) -> None:
@@ -141,6 +161,8 @@ class RunLoop:
         try:
             while True:
                 failure, done = self.poll()
+                if failure is not None and self.heal(failure, streams, watchdog):
+                    continue
                 if failure is not None and failure.caused_by_peer:
                     if noticed is None:
                         noticed, noticed_until = failure, time.time() + PEER_REPORT_WAIT_S
@@ -161,6 +183,8 @@ class RunLoop:
                     return self.finish(f"max_time_s={self.cfg.max_time_s:g} reached", code=0)
                 for record in feed.drain(timeout=0.5):
                     watchdog.observe(record)
+                    if self.restarts.pending:
+                        self.note_recovery(record)
                 stall = watchdog.stalled()
                 if stall is not None:
                     print(f"\n{stall}\nstopping the run", file=sys.stderr, flush=True)
@@ -169,6 +193,40 @@ class RunLoop:
         finally:
             feed.stop()
             status.close()
+
+    def heal(self, failure: Failure, streams: Streams, watchdog: Watchdog) -> bool:
+        """Restart what `failure` takes down when the policy allows it (True); else False,
+        with the restarts already spent added to the failure's summary."""
+        what = restart_target(failure.process, self.pool_processes())
+        if what is None:
+            return False
+        if not self.restarts.allows(what):
+            failure.summary += self.restarts.spent(what)
+            return False
+        restart = self.restarts.record(what, failure.process, failure.summary)
+        print(
+            f"\n{failure.summary}; restarting {what} (restart {restart.number} of "
+            f"{self.restarts.max_restarts} within {RESTART_WINDOW_S / 3600:g} h, world.max_restarts). "
+            f"Last lines of {failure.log_path}:\n{failure.log_tail}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.restart(what)
+        if what == TRAINER_POOL:
+            watchdog.restarted()  # the versions start again from the checkpoint
+        if self._restart_metrics is None:
+            self._restart_metrics = MetricsLogger(self.cfg, "launcher", streams)
+        self._restart_metrics.log(self.restarts.counts())
+        return True
+
+    def note_recovery(self, record: Metrics) -> None:
+        step = record.process == "trainer0" and "version" in record.values and "waiting_on" not in record.values
+        restart = self.restarts.recovered(record.process, step, record.time)
+        if restart is None:
+            return
+        print(f"\n{restart.what} is back {restart.recovered_s:g} s after {restart.died} was lost", flush=True)
+        assert self._restart_metrics is not None
+        self._restart_metrics.log({**self.restarts.counts(), "recovery_s": restart.recovered_s})
 
     def fail(self, failure: Failure, noticed: Failure | None = None) -> int:
         """Stop everyone and report `failure`; `noticed` is an earlier failure caused by a peer

@@ -40,6 +40,8 @@ class Child:
     log_path: Path
     expected_exit: bool
     """True for processes whose exit 0 means the run is done (trainers)."""
+    argv: list[str]
+    env: dict[str, str]
 
 
 class ChildFailed(Exception):
@@ -82,9 +84,23 @@ class Supervisor:
                 start_new_session=True,
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
-        child = Child(name, proc, log_path, expected_exit)
+        child = Child(name, proc, log_path, expected_exit, argv, env)
         self.children.append(child)
         return child
+
+    def respawn(self, names: set[str]) -> None:
+        """Kill the children called `names` (their process groups; at once: a rank whose peer
+        died cannot checkpoint anyway) and start each again with its command line."""
+        old = [c for c in self.children if c.name in names]
+        for child in old:
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            child.proc.wait()
+        self.children = [c for c in self.children if c.name not in names]
+        for child in old:
+            self.spawn(child.name, child.argv, child.env, child.expected_exit)
 
     def poll(self) -> tuple[ChildFailed | None, bool]:
         """(the first failure, one that is not PEER_GONE_EXIT if there is one; whether every

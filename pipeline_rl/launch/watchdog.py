@@ -48,6 +48,11 @@ class Watchdog:
                 self.longest_interval = max(self.longest_interval, now - self.version_at)
             self.version, self.version_at, self.first_version_seen = version, now, True
 
+    def restarted(self) -> None:
+        """The trainer pool restarted: its versions come again from its checkpoint, after a
+        start-up (held to the start-up limit)."""
+        self.version, self.version_at, self.first_version_seen = 0, self.clock(), False
+
     def limit_s(self) -> float:
         if not self.first_version_seen:
             return self.startup_s

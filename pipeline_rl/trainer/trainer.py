@@ -135,6 +135,7 @@ class Trainer:
         self.weights_writer: Writer | None = None
         addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
+        self.zero3 = cfg.trainer.zero_stage == 3
         if rank == 0 and addr:
             backend = backend_for(cfg.world.gpus_per_node)
             tp = cfg.shared.tensor_parallel_size
@@ -154,6 +155,12 @@ class Trainer:
     def _waiting(self, what: str) -> None:
         if self.metrics is not None:
             self.metrics.heartbeat(what, version=self.version)
+        # A replacement actor that registered while no step runs gets the current weights now:
+        # it may be the one whose groups the next step waits for. Under ZeRO-3 every rank would
+        # have to join the gathers: it waits for the next step's update there.
+        if self.sender is not None and not self.zero3 and self.sender.has_joiners():
+            log.info("a receiver joined the weight-update group: sending version %d again", self.version)
+            self._publish_weights()
 
     def train(self, stop: Callable[[], bool]) -> int:
         cfg = self.cfg

@@ -124,6 +124,10 @@ class WeightSender(Endpoint):
         if len(members) > 1:
             self._group = new_group(self._store, self._group_name, 0, len(members), self.backend, self.timeout)
 
+    def has_joiners(self) -> bool:
+        """Whether a receiver registered that the current group lacks (after the first group)."""
+        return self._formed and self._store is not None and not set(self._registered()) <= set(self.members)
+
     def _registered(self) -> list[int]:
         """The receivers' ranks registered in the store (one round trip when all are)."""
         assert self._store is not None

@@ -142,9 +142,7 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
     results = {rank: _SPAWN.Queue() for rank in (1, 2)}
 
     def start(rank: int):
-        proc = _SPAWN.Process(
-            target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True
-        )
+        proc = _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
         proc.start()
         assert results[rank].get(timeout=120) == (rank, 0, "ready")
         return proc

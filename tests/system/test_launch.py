@@ -18,6 +18,16 @@ import pytest
 import torch
 from fixtures.faulty_domain import MALFORMED
 from fixtures.helpers import CACHE, ROOT, TESTS, RedisServer, free_port, hf_model
+from fixtures.launches import (
+    QUICK,
+    launch,
+    pool_process_once_running,
+    ports,
+    run_processes,
+    stop,
+    stream_records,
+    trainer_steps,
+)
 
 from pipeline_rl.config import load_saved_config
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
@@ -31,89 +41,6 @@ from pipeline_rl.trainer.replay import replay_path
 from pipeline_rl.wire import CACHE_ENV, Topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
-
-# Small, quick settings: a few steps of 4 groups x 4 attempts, weights after every step.
-QUICK = [
-    "actor.attempts=4",
-    "shared.groups_per_step=4",
-    "actor.max_groups_in_flight=8",
-    "actor.eval_every_s=0",
-    "actor.metrics_every_s=1",
-    "shared.max_lag=2",
-    "metrics.tensorboard=false",
-    "metrics.plot_at_end=true",
-    "max_time_s=0",
-]
-
-
-def ports() -> list[str]:
-    """Ports of the run's own process groups: tests never share them."""
-    return [f"world.trainer_port={free_port()}", f"world.weight_sync_port={free_port()}"]
-
-
-def launch(run_dir: Path, *overrides: str, env: dict | None = None, wait: bool = True, timeout: float = 300):
-    argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", *QUICK, *ports(), *overrides]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    if not wait:
-        return proc
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        stop(proc)
-    return proc.returncode, out
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C a launcher a failed test leaves behind (it then stops its own processes)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def run_processes(run_dir: Path) -> dict[int, str]:
-    """Live processes started for this run directory (none may survive a run): pid -> command."""
-    found = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in args and "pipeline_rl." in args:
-            found[int(cmdline.parent.name)] = args
-    return found
-
-
-def pool_process_once_running(proc: subprocess.Popen, run_dir: Path, module: str, timeout: float) -> int:
-    """The pid of the run's `pipeline_rl.<module>` process, once the actor has written a group."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and not list((run_dir / "streams" / "actor").glob("*.jsonl")):
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-    found = [pid for pid, args in run_processes(run_dir).items() if f"-m pipeline_rl.{module} " in args]
-    assert found, f"no {module} process among {run_processes(run_dir)}"
-    return found[0]
-
-
-def stream_records(run_dir: Path, topic: str) -> list[dict]:
-    records = []
-    for path in sorted((run_dir / "streams" / topic).glob("*.jsonl")):
-        records += [orjson.loads(line) for line in path.read_bytes().splitlines() if line.endswith(b"}")]
-    return records
-
-
-def trainer_steps(run_dir: Path) -> list[dict]:
-    """The trainer's per-step records (its heartbeats carry a version too, but no step was trained)."""
-    records = read_metrics(run_dir)
-    return [
-        r
-        for r in records
-        if r["process"] == "trainer0" and "version" in r["values"] and "waiting_on" not in r["values"]
-    ]
 
 
 def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
@@ -200,7 +127,7 @@ def test_tensor_parallel_actor_trains(tmp_path, tiny_model):
 
 def test_kill_9_of_one_process_stops_the_run(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "shared.max_steps=1000", wait=False)
+    proc = launch(run_dir, "shared.max_steps=1000", "world.max_restarts=0", wait=False)
     try:
         os.kill(pool_process_once_running(proc, run_dir, "preprocess", 180), signal.SIGKILL)
         killed_at = time.time()
@@ -219,7 +146,9 @@ def test_a_dead_tensor_parallel_worker_stops_the_run_naming_the_actor(tmp_path, 
     receiving a weight update or waiting for one; the launcher stops the run and says it was
     actor0."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "shared.tensor_parallel_size=2", "shared.max_steps=100000", wait=False)
+    proc = launch(
+        run_dir, "shared.tensor_parallel_size=2", "shared.max_steps=100000", "world.max_restarts=0", wait=False
+    )
     try:
         children = psutil.Process(pool_process_once_running(proc, run_dir, "actor", 300)).children()
         workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]

@@ -24,8 +24,9 @@ def exits(code: int, after_s: float) -> list[str]:
 
 
 def watch(tmp_path, children: dict[str, list[str]]) -> tuple[int, float]:
-    """Run the launcher's loop over these children (trainer0 is the one expected to finish)."""
-    cfg = load_config("tiny", [f"run_dir={tmp_path}"])
+    """Run the launcher's loop over these children (trainer0 is the one expected to finish),
+    restarting none (a restart policy would replace them: tests/system/test_restarts.py)."""
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "world.max_restarts=0"])
     launcher = Launcher(cfg, nonce="x")
     for name, argv in children.items():
         launcher.supervisor.spawn(name, argv, env={}, expected_exit=name.startswith("trainer"))
