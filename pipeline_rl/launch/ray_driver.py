@@ -13,9 +13,10 @@ takes its workers with it, so their `run` calls fail at once when the worker's s
 A node that vanishes without closing them (a power cut, a partition) or freezes with its sockets
 open (a hung kernel: connections are still accepted, nothing answers) is found by the driver's
 own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that must be answered
-within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. Either
-stops the run; the report names the process, its node (Ray node id and address) and, for a
-lost node, every process it held. The start, watch and stop sequence is the one-node launcher's
+within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. A lost
+node stops the run; the report names the process, its node (Ray node id and address) and
+every process the node held. A lost process on a node that is still there is restarted in its
+bundle (launch/restarts.py) until world.max_restarts is spent. The start, watch and stop sequence is the one-node launcher's
 (run_loop.py); this module supplies how processes start, are polled and stop.
 """
 
@@ -42,6 +43,7 @@ from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
 from pipeline_rl.launch.placement import Node, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
+from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, describe_exit, last_lines
 from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
@@ -153,12 +155,19 @@ class Hosted:
     run: Any
     """The ObjectRef of its `run` call: (exit code, log tail)."""
     log_path: Path
+    bundle: int
+    """Its bundle of the placement group (a restart starts it there again)."""
+    argv: list[str]
+    env: dict[str, str]
+    gpus: float
     result: tuple[int | None, str] | None = None
     """Once `run` has returned: (exit code, or None when the Ray worker itself is gone; log tail
     or what became of the worker)."""
 
 
 class RayRun(RunLoop):
+    heals = True
+
     def __init__(self, cfg: RunConfig, pg: PlacementGroup, found: list[Bundle], nodes: list[RayNode], nonce: str):
         super().__init__(cfg)
         self.pg, self.found, self.nodes, self.nonce = pg, found, nodes, nonce
@@ -183,7 +192,7 @@ class RayRun(RunLoop):
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         ).remote(name, argv, env, os.getcwd(), str(log_path), RAY_WORKER_ONLY)
-        return Hosted(name, pool, self.nodes[bundle], actor, actor.run.remote(), log_path)
+        return Hosted(name, pool, self.nodes[bundle], actor, actor.run.remote(), log_path, bundle, argv, env, gpus)
 
     def start_redis(self) -> None:
         """Check trainer rank 0's node first (binary, port), start the server there, and wait for
@@ -303,13 +312,29 @@ class RayRun(RunLoop):
                 summary = lost if h.node in dead else f"{lost}. Then {summary}"
             # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
             log_tail = tail if code is not None else last_lines(h.log_path)
-            return Failure(summary, str(h.log_path), log_tail, code == PEER_GONE_EXIT and not dead), False
+            # A lost node is not healed (its bundles would have to move): only a lost process.
+            process = "" if dead or h.pool == "redis" else h.name
+            return Failure(summary, str(h.log_path), log_tail, code == PEER_GONE_EXIT and not dead, process), False
         gone = self._probe_nodes()
         if gone is not None:
             first = next(h for h in self._everyone() if h.node.id == gone.id)
             return Failure(self._lost_node_summary(gone), str(first.log_path), last_lines(first.log_path)), False
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         return None, bool(trainers) and all(h.result is not None for h in trainers)
+
+    def pool_processes(self) -> set[str]:
+        return {h.name for h in self.hosted}
+
+    def restart(self, what: str) -> None:
+        """Start `what` again in its bundle, on the same node (a lost node is not healed)."""
+        targets = [h for h in self.hosted if (h.pool == "trainer" if what == TRAINER_POOL else h.name == what)]
+        self._signal(targets, signal.SIGKILL)
+        self._wait(targets, STOP_GRACE_S)
+        for old in targets:
+            ray.kill(old.actor, no_restart=True)
+            new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus)
+            self.hosted[self.hosted.index(old)] = new
+            print(f"started {new.name} again on {new.node}", flush=True)
 
     def _signal(self, targets: list[Hosted], sig: int) -> None:
         for h in targets:

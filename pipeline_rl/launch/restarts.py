@@ -113,14 +113,10 @@ class RestartPolicy:
         """The policy, as `--dry-run` prints it."""
         if self.max_restarts == 0:
             return "restarts: none (world.max_restarts=0): any lost process stops the run"
-        if on_ray:
-            return (
-                f"restarts: world.max_restarts={self.max_restarts} applies to one-node runs only; "
-                "on Ray any lost process stops the run"
-            )
+        where = "its Ray bundle, on the same node (a lost node stops the run)" if on_ray else "its slot"
         return (
             f"restarts: up to {self.max_restarts} per process within {RESTART_WINDOW_S / 3600:g} h "
-            "(world.max_restarts): a lost actor or preprocessor is started again in its slot, a lost "
+            f"(world.max_restarts): a lost actor or preprocessor is started again in {where}, a lost "
             "trainer rank restarts the trainer pool from the last checkpoint; Redis is not restarted"
         )
 

@@ -3,7 +3,8 @@
 PACK strategy puts trainer0, preprocessor0 and actor0 on three different nodes), with the
 run's own Redis and gloo. A node removed mid-run (its raylet, its Ray workers and its pool
 processes killed) must stop the run within 45 s, naming the node and what ran on it; running
-again resumes from the last checkpoint and trains no group twice. A process whose node does
+again resumes from the last checkpoint and trains no group twice. A pool process killed on a
+node that stays is started again there, and the run goes on. A process whose node does
 not see the driver's run directory is refused."""
 
 from __future__ import annotations
@@ -287,6 +288,37 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     # ...and no group was given to two steps, before the node was lost, after it, or across.
     twice = {gid: steps for gid, steps in steps_of.items() if len(steps) > 1}
     assert not twice, f"groups in more than one step: {twice}"
+    assert run_processes(run_dir, driver.redis_port) == {}
+
+
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on(cluster, tmp_path, tiny_model):
+    """kill -9 actor0's process (its node stays): the driver starts it again in its bundle, the
+    replacement generates on weights sent after the kill, and the run reaches max_steps."""
+    run_dir = tmp_path / "run"
+    final = 10
+    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
+    try:
+        run_until(driver, run_dir, versions=3, timeout=300)
+        (pid,) = [
+            pid
+            for pid, args in run_processes(run_dir, driver.redis_port).items()
+            if "-m pipeline_rl.actor " in args and args.endswith("--index 0")
+        ]
+        psutil.Process(pid).kill()
+        killed_at = time.time()
+        code = driver.wait(timeout=300)
+    finally:
+        driver.stop()
+    out = driver.out
+    assert code == 0, out[-4000:]
+    assert "failed: killed by SIGKILL; restarting actor0 (restart 1 of 1" in out, out[-4000:]
+    assert "started actor0 again on node" in out
+    assert trainer_versions(run_dir)[-1] == final
+    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
+    assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]
     assert run_processes(run_dir, driver.redis_port) == {}
 
 

@@ -60,7 +60,8 @@ def test_the_dry_run_says_what_the_policy_does():
     assert "any lost process stops the run" in RestartPolicy(0, None).describe(on_ray=False)
     one_node = RestartPolicy(3, None).describe(on_ray=False)
     assert "up to 3 per process within 1 h" in one_node and "trainer pool from the last checkpoint" in one_node
-    assert "on Ray any lost process stops the run" in RestartPolicy(3, None).describe(on_ray=True)
+    on_ray = RestartPolicy(3, None).describe(on_ray=True)
+    assert "in its Ray bundle, on the same node (a lost node stops the run)" in on_ray
 
 
 def test_launch_dry_run_prints_the_restart_policy(tmp_path, capsys):
