@@ -6,12 +6,12 @@ time, side by side.
     python scripts/bench_faults.py [--budget-s 300] [--actor-at 0.33] [--trainer-at 0.66]
         [--out runs/bench_faults] [override ...]
 
-The faults are timed from the run's first trainer step. A fault's cost is how much later the
-faulted run reaches a version than the clean run did (the last time it reached it: a restarted
-trainer trains the steps after its checkpoint again), taken just before the next fault (or at
-the last version both runs reached) minus the same delay at the fault. Prints those costs, each
-restart's recovery time (RUN_DIR/restarts.jsonl) and both runs' final reward; writes
-OUT/faults.json and OUT/reward_through_faults.png.
+The faults are timed from the run's first trainer step. A fault's cost is the time its run
+lost: from the fault to the next one (or the run's end) the faulted run went from version a to
+version b; the clean run took t_clean(b) - t_clean(a) for that, and the rest of the interval is
+the cost (all of it when the run made no progress: a stall). Prints those costs, each restart's
+recovery time (RUN_DIR/restarts.jsonl) and both runs' final reward; writes OUT/faults.json and
+OUT/reward_through_faults.png.
 """
 
 from __future__ import annotations
@@ -85,20 +85,24 @@ def run(run_dir: Path, budget_s: float, overrides: list[str], faults: list[tuple
     return done
 
 
-def reached(run_dir: Path) -> tuple[dict[int, float], float]:
-    """Per version, the last time (since the first step) the trainer reached it; the first step's time."""
+def curve(run_dir: Path) -> tuple[list[tuple[float, int]], float]:
+    """(seconds since the first step, version) of every trainer step; the first step's time."""
     found = steps(run_dir)
     t0 = found[0]["time"]
-    last: dict[int, float] = {}
-    for r in found:
-        last[r["values"]["version"]] = r["time"] - t0
-    return last, t0
+    return [(r["time"] - t0, r["values"]["version"]) for r in found], t0
 
 
-def delay(faulted: dict[int, float], clean: dict[int, float], version: int) -> float:
-    common = [v for v in faulted if v in clean and v <= version]
-    v = max(common)
-    return faulted[v] - clean[v]
+def first_reached(points: list[tuple[float, int]], version: int) -> float:
+    return next(t for t, v in points if v >= version)
+
+
+def lost_s(faulted: list[tuple[float, int]], clean: list[tuple[float, int]], start: dict, end_s: float) -> float:
+    """The seconds the faulted run lost between a fault (`start`: its time and version) and
+    end_s, against the clean run's pace over the same versions."""
+    reached = max([v for t, v in faulted if start["at_s"] <= t <= end_s], default=start["version"])
+    reached = min(max(reached, start["version"]), clean[-1][1])
+    clean_s = first_reached(clean, reached) - first_reached(clean, start["version"])
+    return end_s - start["at_s"] - clean_s
 
 
 def main() -> None:
@@ -117,14 +121,11 @@ def main() -> None:
     schedule = [(args.actor_at * args.budget_s, "actor"), (args.trainer_at * args.budget_s, "trainer")]
     done = run(faults_dir, args.budget_s, overrides, schedule)
 
-    clean, clean_t0 = reached(clean_dir)
-    faulted, faulted_t0 = reached(faults_dir)
-    last_common = min(max(clean), max(faulted))
-    marks = [f["version"] for f in done] + [last_common]
-    costs = []
-    for i, fault in enumerate(done):
-        cost = delay(faulted, clean, marks[i + 1]) - delay(faulted, clean, fault["version"])
-        costs.append({**fault, "cost_s": round(cost, 1)})
+    clean, clean_t0 = curve(clean_dir)
+    faulted, faulted_t0 = curve(faults_dir)
+    run_end = max(r["time"] for r in read_metrics(faults_dir)) - faulted_t0
+    ends = [f["at_s"] for f in done[1:]] + [run_end]
+    costs = [{**f, "cost_s": round(lost_s(faulted, clean, f, end), 1)} for f, end in zip(done, ends)]
     lines = (faults_dir / "restarts.jsonl").read_bytes().splitlines()
     restarts = list({(r["what"], r["at"]): r for r in map(json.loads, lines)}.values())
     curves = {}
@@ -136,7 +137,7 @@ def main() -> None:
         "faults": costs,
         "restarts": [{k: r[k] for k in ("what", "died", "recovered_s")} for r in restarts],
         "final_reward": {name: learning_curve.final(curve) for name, curve in curves.items()},
-        "final_version": {"clean": max(clean), "faults": max(faulted)},
+        "final_version": {"clean": clean[-1][1], "faults": faulted[-1][1]},
     }
     (args.out / "faults.json").write_text(json.dumps(result, indent=2))
     for c in costs:
@@ -144,11 +145,11 @@ def main() -> None:
     for r in result["restarts"]:
         print(f"restart of {r['what']} ({r['died']} lost): back after {r['recovered_s']} s")
     print(f"final reward: clean {result['final_reward']['clean']}, with faults {result['final_reward']['faults']}")
-    print(f"final version: clean {max(clean)}, with faults {max(faulted)}")
+    print(f"final version: clean {clean[-1][1]}, with faults {faulted[-1][1]}")
     plot(args.out / "reward_through_faults.png", curves, clean, faulted, costs)
 
 
-def plot(path: Path, curves: dict, clean: dict[int, float], faulted: dict[int, float], costs: list[dict]) -> None:
+def plot(path: Path, curves: dict, clean: list, faulted: list, costs: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,8 +159,8 @@ def plot(path: Path, curves: dict, clean: dict[int, float], faulted: dict[int, f
     for name, curve in curves.items():
         smooth = learning_curve.moving_average(curve)
         top.plot([t for t, _ in smooth], [r for _, r in smooth], label=name)
-    for name, versions in (("clean", clean), ("faults", faulted)):
-        bottom.plot(list(versions.values()), list(versions.keys()), label=name)
+    for name, points in (("clean", clean), ("faults", faulted)):
+        bottom.plot([t for t, _ in points], [v for _, v in points], label=name)
     for c in costs:
         for ax in (top, bottom):
             ax.axvline(c["at_s"], color="grey", linestyle=":")

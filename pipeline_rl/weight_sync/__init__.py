@@ -46,10 +46,13 @@ registers: the sender gives each group it builds a new name (store key "group", 
 announcement) and its members (store key "members/NAME"), and a receiver whose group has
 another name joins it before receiving, at its index among the members. Membership follows who
 is there, so that a run goes on when an actor dies and takes its replacement back: a receiver
-registers ("ready/RANK") when it connects to the store; the sender forms a new group when the
-registered receivers differ from the group's members (one store round trip per update when all
-are registered); the first group waits for every receiver, a later one takes those registered
-by then; a member found gone by a failed transfer is unregistered. An update whose group was formed without a receiver
+registers ("ready/RANK", set to a token of its own) when it connects to the store; the sender
+forms a new group when the registrations differ from the group's members (a rank registered
+under a new token is a replacement process; two store round trips per update when all are
+registered); the first group waits for every receiver, a later one takes those registered by
+then; a member found gone by a failed transfer is unregistered. A trainer that waits for data
+sends its weights again when a receiver joins (trainer.py), so a replacement of the only actor
+gets current weights. An update whose group was formed without a receiver
 raises NotMember there (it joins from the next version, which forms a group with it). A receiver that reads an
 announcement older than "latest" or than "plan" (an actor restarted after that transfer
 ended) skips it. A receiver whose store connection broke (the trainer restarted) connects

@@ -74,13 +74,14 @@ class NotMember(StaleUpdate):
 
 
 def ready_key(rank: int) -> str:
-    """Store key a receiver of weight-update rank `rank` sets once it can join a group."""
+    """Store key a receiver of weight-update rank `rank` sets, to a token of its own, once it
+    can join a group."""
     return f"ready/{rank}"
 
 
 def members_key(group: str) -> str:
-    """Store key of the ranks (a JSON list, the sender's 0 first) of the group named `group`;
-    a member's rank within the group is its index there."""
+    """Store key of the members of the group named `group`: a JSON list of [rank, token], the
+    sender's [0, ""] first; a member's rank within the group is its index there."""
     return f"members/{group}"
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,9 @@ class WeightReceiver(Endpoint):
         """Version of the last update received in the current group."""
         self.incarnation: str | None = None
         """The sender's incarnation (group.INCARNATION) as of the last connection to its store."""
+        self.token = uuid.uuid4().hex
+        """This receiver's registration (group.ready_key): a replacement of the same rank has
+        another, so the sender tells it from the member it replaces."""
         self._start_heartbeat()
         self.stage_on_host = stage_on_host
         if stage_on_host:
@@ -133,10 +137,10 @@ class WeightReceiver(Endpoint):
         if name.decode() != self._group_name:
             assert self._store is not None  # _store_get connected it
             self._drop_group()
-            members = json.loads(self._store.get(members_key(name.decode())))
-            if self.rank not in members:
+            members = [tuple(m) for m in json.loads(self._store.get(members_key(name.decode())))]
+            if (self.rank, self.token) not in members:
                 raise NotMember(f"weight update {update.version}'s group was formed without this receiver")
-            group_rank = members.index(self.rank)
+            group_rank = members.index((self.rank, self.token))
             self._group = new_group(self._store, name.decode(), group_rank, len(members), self.backend, self.timeout)
             self._group_name = name.decode()
             self._received = -1
@@ -241,7 +245,7 @@ class WeightReceiver(Endpoint):
         if self._store is None:
             store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
             self.incarnation = store.get(INCARNATION).decode()
-            store.set(ready_key(self.rank), "1")
+            store.set(ready_key(self.rank), self.token)
             self._store = store
             self._beat_connected()
         return self._store

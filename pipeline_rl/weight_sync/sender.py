@@ -40,6 +40,9 @@ class WeightSender(Endpoint):
         """Whether a group was formed before (the first waits for every receiver)."""
         self.members: list[int] = []
         """The weight-update ranks of the current group (0 first), for logs and tests."""
+        self._tokens: dict[int, str] = {}
+        """Rank -> registration token of each receiver in the current group: a rank registered
+        under another token is a replacement (a new process), to take in by a new group."""
         self._start_heartbeat()
         self._beat_connected()
         self._pack: torch.Tensor | None = None
@@ -81,7 +84,7 @@ class WeightSender(Endpoint):
             raise RuntimeError("WeightSender.send after close()")
         started = time.monotonic()
         try:
-            reform = self._group_name is None or self._registered() != self.members[1:]
+            reform = self._group_name is None or self._registered() != self._tokens
             if reform:
                 self._drop_group()
                 self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
@@ -105,7 +108,7 @@ class WeightSender(Endpoint):
             self._drop_group()
             failure = self._failed(self._store, version, started, e)
             for rank in self.gone:  # left out of the next group until they register again
-                self._store.delete_key(ready_key(rank))
+                self._unregister(rank)
             raise failure from e
         return time.perf_counter() - start
 
@@ -118,23 +121,37 @@ class WeightSender(Endpoint):
         if not self._formed:
             self._formed = True
             self._store.wait([ready_key(r) for r in range(1, self.world_size)], self.timeout)
-        members = [0, *self._registered()]
+        self._tokens = self._registered()
+        members = [0, *self._tokens]
         self.members = members
-        self._store.set(members_key(self._group_name), json.dumps(members))
+        self._store.set(members_key(self._group_name), json.dumps([[0, ""], *self._tokens.items()]))
         if len(members) > 1:
             self._group = new_group(self._store, self._group_name, 0, len(members), self.backend, self.timeout)
 
     def has_joiners(self) -> bool:
         """Whether a receiver registered that the current group lacks (after the first group)."""
-        return self._formed and self._store is not None and not set(self._registered()) <= set(self.members)
+        if not self._formed or self._store is None:
+            return False
+        return any(self._tokens.get(rank) != token for rank, token in self._registered().items())
 
-    def _registered(self) -> list[int]:
-        """The receivers' ranks registered in the store (one round trip when all are)."""
+    def _registered(self) -> dict[int, str]:
+        """Rank -> registration token of the receivers registered in the store (two round trips
+        when all are)."""
         assert self._store is not None
         receivers = range(1, self.world_size)
-        if self._store.check([ready_key(r) for r in receivers]):
-            return list(receivers)
-        return [r for r in receivers if self._store.check([ready_key(r)])]
+        keys = [ready_key(r) for r in receivers]
+        if not self._store.check(keys):
+            receivers = [r for r in receivers if self._store.check([ready_key(r)])]
+            keys = [ready_key(r) for r in receivers]
+        return {r: v.decode() for r, v in zip(receivers, self._store.multi_get(keys) if keys else [])}
+
+    def _unregister(self, rank: int) -> None:
+        """Take out the registration the current group has of `rank` (not a replacement's, made
+        since under a token of its own)."""
+        assert self._store is not None
+        key = ready_key(rank)
+        if self._store.check([key]) and self._store.get(key).decode() == self._tokens.get(rank):
+            self._store.delete_key(key)
 
     def _announcement(
         self, version: int, specs: list[tuple[str, list[int], torch.dtype]], bucket_mb: int

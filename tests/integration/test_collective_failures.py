@@ -149,7 +149,10 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
 
     procs = [start(1), start(2)]
 
+    announced = []
+
     def announce(update):
+        announced.append(update)
         for q in queues.values():
             q.put(update)
 
@@ -180,6 +183,21 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         sender.send(5, _weights(5), announce, bucket_mb=1)
         assert sender.members == [0, 1, 2]
         assert reports(5) == {1: "ok", 2: "ok"}
+
+        # Rank 2 dies between two updates (no transfer fails) and its replacement registers by
+        # reading an announcement already made: the sender tells it from the member it replaces
+        # (what a trainer waiting for that actor's groups asks before sending its weights again).
+        procs[-1].kill()
+        procs[-1].join(10)
+        queues[2], results[2] = _SPAWN.Queue(), _SPAWN.Queue()
+        assert not sender.has_joiners()
+        procs.append(start(2))
+        queues[2].put(announced[-1])  # update 5, of a group formed without it: registered all the same
+        assert _report(results[2], 5).startswith("NotMember")
+        assert sender.has_joiners()
+        sender.send(6, _weights(6), announce, bucket_mb=1)
+        assert sender.members == [0, 1, 2]
+        assert reports(6) == {1: "ok", 2: "ok"}
     finally:
         for p in procs:
             p.kill()
