@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def launch(run_dir: Path, budget_s: float, overrides: list[str]) -> subprocess.P
 def run(run_dir: Path, budget_s: float, overrides: list[str], faults: list[tuple[float, str]]) -> list[dict]:
     """One run; `faults`: (seconds after the first step, pool module to kill). Returns the
     faults as done: the time (since the first step) and the trainer version at each."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # no step of an earlier run may start the clock
     proc = launch(run_dir, budget_s, overrides)
     done: list[dict] = []
     first: float | None = None
