@@ -65,6 +65,10 @@ RUN_NONCE_ENV = "PIPELINE_RL_RUN_NONCE"
 """The nonce the launcher wrote into the run directory (RUN_NONCE_FILE) for this start: a pool
 process refuses to run unless it reads the same (pipeline_rl/launch/run_dir.py)."""
 
+LAUNCHED_AT_ENV = "PIPELINE_RL_LAUNCHED_AT"
+"""When the launcher started the run (time.time()): the start of max_time_s, from which a
+trainer pool restarted mid-run goes on with a schedule by time (trainer/model.py lr_factor)."""
+
 RUN_NONCE_FILE = "run.nonce"
 """File of the run directory that holds the nonce of the launcher's latest start."""
 

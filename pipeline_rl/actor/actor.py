@@ -169,9 +169,14 @@ class Actor:
         self.admission.started = max(saved.get("written", 0) - self.lost_total, self.admission.first_group_of(version))
         self.written = self.admission.started + self.lost_total
         self.drawn = saved.get("problems", 0)
-        # Groups in flight when the actor last stopped (killed, or the run stopped): never
-        # written, so their admission slots are free again (`written` counts only what landed).
-        self.lost_stopped = int(saved.get("lost_stopped", 0)) + int(saved.get("in_flight", 0))
+        unsaved = self._count_unsaved(saved["stream_end"]) if "stream_end" in saved else 0
+        in_flight = int(saved.get("in_flight", 0))
+        self.written += unsaved
+        self.admission.started += unsaved
+        self.drawn += max(0, unsaved - in_flight)  # those started after the save
+        # Groups in flight when the actor last stopped (killed, or the run stopped) that did not
+        # land: their admission slots are free again (`written` counts only what landed).
+        self.lost_stopped = int(saved.get("lost_stopped", 0)) + max(0, in_flight - unsaved)
         self.incarnation = f"{int(time.time() * 1000):x}"
         self.metrics = MetricsLogger(cfg, self.name, self.streams)
 
@@ -402,6 +407,7 @@ class Actor:
             self.position.save(
                 {
                     "written": self.written,
+                    "stream_end": self.writer.ends.get(self.index),
                     "problems": self.drawn,
                     "lost": self.lost_total,
                     "lost_position": self.lost_reader.position(),
@@ -410,6 +416,22 @@ class Actor:
                 }
             )
             self._saved_at = now
+
+    def _count_unsaved(self, stream_end: str | None) -> int:
+        """The groups this actor's partition got after the last position save (`stream_end`;
+        None: the save came before the first group landed), up to SAVE_EVERY_S of them when
+        the actor was killed: they landed, so admission and the problem order go on after them
+        (else every later group lands a step later than admission predicts, and the lag gate
+        drops it)."""
+        position = None if stream_end is None else {str(self.index): stream_end}
+        reader = self.streams.reader(Topic.ACTOR, RolloutGroup, partitions=(self.index,), position=position)
+        unsaved = 0
+        while entries := reader.read(timeout=0.0, max_count=4096):
+            unsaved += len(entries)
+        reader.close()
+        if unsaved:
+            log.info("%d groups reached the stream after the last position save: counted as written", unsaved)
+        return unsaved
 
     def close(self) -> None:
         self.llm.close()

@@ -165,8 +165,9 @@ class WorldConfig:
     preprocessor is started again in its slot (it resumes from its position file), a lost
     trainer rank restarts the trainer pool from the last checkpoint while the actors and
     preprocessors go on (pipeline_rl/launch/restarts.py; `--dry-run` prints the policy). 0: any
-    lost process stops the run. On Ray a process is started again in its bundle, on the same
-    node; a lost node stops the run."""
+    lost process stops the run. On Ray a process is started again in its bundle: on its node,
+    or where Ray places the bundle again after the node was lost; losing node 0 (trainer rank 0
+    and Redis) or a frozen node stops the run."""
     disk_gib_per_s: float = 1.0
     """Assumed read and write bandwidth of the file system under run_dir and model.path, GiB/s
     (one shared stream: every rank's checkpoint shards together). The plan's checkpoint-write and

@@ -25,7 +25,7 @@ from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor, describe_exit, last_lines
 from pipeline_rl.scorers import check_scorers
 from pipeline_rl.trainer.loss import load_loss
-from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
+from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -73,6 +73,7 @@ class Launcher(RunLoop):
                 str(spec.index),
             ]
             env = {**child_env(self.cfg, self.node, spec, self.specs), RUN_NONCE_ENV: self.nonce}
+            env[LAUNCHED_AT_ENV] = repr(self.launched_at)
             self.supervisor.spawn(spec.name, argv, env, expected_exit=spec.pool == "trainer")
         print(f"started {', '.join(s.name for s in self.specs)}; logs in {self.run_dir / 'logs'}", flush=True)
 

@@ -14,9 +14,10 @@ A node that vanishes without closing them (a power cut, a partition) or freezes 
 open (a hung kernel: connections are still accepted, nothing answers) is found by the driver's
 own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that must be answered
 within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. A lost
-node stops the run; the report names the process, its node (Ray node id and address) and
-every process the node held. A lost process on a node that is still there is restarted in its
-bundle (launch/restarts.py) until world.max_restarts is spent. The start, watch and stop sequence is the one-node launcher's
+process is restarted in its bundle (launch/restarts.py) until world.max_restarts is spent: on
+its node, or, when Ray marked the node dead, where Ray places the bundle again (a node with
+room). A lost node 0 (trainer rank 0 and Redis) or a frozen node stops the run; the report
+names the process, its node (Ray node id and address) and every process the node held. The start, watch and stop sequence is the one-node launcher's
 (run_loop.py); this module supplies how processes start, are polled and stop.
 """
 
@@ -46,7 +47,7 @@ from pipeline_rl.launch.process_host import ProcessHost
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, describe_exit, last_lines
-from pipeline_rl.wire import POOL_MODULES, RUN_NONCE_ENV
+from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
 
 PLACEMENT_REPORT_S = 30.0
 """While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
@@ -63,6 +64,12 @@ gives up on a node that vanished without closing its connections (a power cut) o
 5 x (10 s timeout + 3 s period), and until then the calls to its actors just wait."""
 NODE_PROBE_MISSES = 2
 """Consecutive probes a node must miss to count as gone."""
+RAY_MARKS_DEAD_S = 10.0
+"""How long Ray may take to mark a node dead whose raylet no longer answers before the driver
+takes it for frozen (not healed)."""
+NODE_MOVE_S = 120.0
+"""How long a restart waits for Ray to place a lost node's bundle on another node (the cluster
+may be adding one)."""
 REDIS_START_S = 30.0
 """How long the run's redis-server may take to answer its first PING."""
 RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
@@ -244,6 +251,7 @@ class RayRun(RunLoop):
             if spec.gpus:
                 del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
             env[RUN_NONCE_ENV] = self.nonce
+            env[LAUNCHED_AT_ENV] = repr(self.launched_at)
             argv = [sys.executable, "-m", POOL_MODULES[spec.pool], "--run-dir", str(self.run_dir)]
             self.hosted.append(
                 self._start(spec.name, spec.pool, i, argv + ["--index", str(spec.index)], env, float(len(spec.gpus)))
@@ -312,8 +320,7 @@ class RayRun(RunLoop):
                 summary = lost if h.node in dead else f"{lost}. Then {summary}"
             # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
             log_tail = tail if code is not None else last_lines(h.log_path)
-            # A lost node is not healed (its bundles would have to move): only a lost process.
-            process = "" if dead or h.pool == "redis" else h.name
+            process = h.name if self._restartable(h, dead) else ""
             return Failure(summary, str(h.log_path), log_tail, code == PEER_GONE_EXIT and not dead, process), False
         gone = self._probe_nodes()
         if gone is not None:
@@ -322,19 +329,54 @@ class RayRun(RunLoop):
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         return None, bool(trainers) and all(h.result is not None for h in trainers)
 
+    def _restartable(self, h: Hosted, dead: list[RayNode]) -> bool:
+        """Whether the failure of `h` is one a restart heals: a pool process on a live node,
+        or on a node Ray has marked dead that did not hold trainer rank 0 and Redis (node 0:
+        every process reaches them at its address). Any other failure next to a lost node,
+        and a node that only stopped answering (frozen), stop the run."""
+        if h.pool == "redis":
+            return False
+        if not dead:
+            return True
+        if h.node not in dead or any(n.id == self.nodes[0].id for n in dead):
+            return False
+        deadline = time.monotonic() + RAY_MARKS_DEAD_S
+        while any(_cluster_nodes().get(n.id, {}).get("Alive", False) for n in dead):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
     def pool_processes(self) -> set[str]:
         return {h.name for h in self.hosted}
 
     def restart(self, what: str) -> None:
-        """Start `what` again in its bundle, on the same node (a lost node is not healed)."""
+        """Start `what` again in its bundle: on the same node, or where Ray placed the bundle
+        again after its node was lost (NODE_MOVE_S)."""
         targets = [h for h in self.hosted if (h.pool == "trainer" if what == TRAINER_POOL else h.name == what)]
         self._signal(targets, signal.SIGKILL)
         self._wait(targets, STOP_GRACE_S)
         for old in targets:
             ray.kill(old.actor, no_restart=True)
+            if old.node.id in self.lost:
+                self.nodes[old.bundle] = self._moved(old.bundle)
             new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus)
             self.hosted[self.hosted.index(old)] = new
             print(f"started {new.name} again on {new.node}", flush=True)
+
+    def _moved(self, bundle: int) -> RayNode:
+        """The live node Ray placed `bundle` on after its node was lost (Ray places a dead
+        node's bundles again once the cluster has room), waiting up to NODE_MOVE_S."""
+        deadline = time.monotonic() + NODE_MOVE_S
+        while True:
+            node_id = placement_group_table(self.pg)["bundles_to_node_id"].get(bundle)
+            info = _cluster_nodes().get(node_id or "")
+            if node_id and node_id not in self.lost and info is not None and info["Alive"]:
+                cpus = int(info.get("Resources", {}).get("CPU", 1))
+                return RayNode(node_id, info["NodeManagerAddress"], int(info["NodeManagerPort"]), cpus)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray placed bundle {bundle} on no live node within {NODE_MOVE_S:.0f} s")
+            time.sleep(1.0)
 
     def _signal(self, targets: list[Hosted], sig: int) -> None:
         for h in targets:

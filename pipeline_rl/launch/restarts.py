@@ -113,7 +113,12 @@ class RestartPolicy:
         """The policy, as `--dry-run` prints it."""
         if self.max_restarts == 0:
             return "restarts: none (world.max_restarts=0): any lost process stops the run"
-        where = "its Ray bundle, on the same node (a lost node stops the run)" if on_ray else "its slot"
+        where = (
+            "its Ray bundle (where Ray places it again when its node is lost; a lost node 0 or a frozen "
+            "node stops the run)"
+            if on_ray
+            else "its slot"
+        )
         return (
             f"restarts: up to {self.max_restarts} per process within {RESTART_WINDOW_S / 3600:g} h "
             f"(world.max_restarts): a lost actor or preprocessor is started again in {where}, a lost "

@@ -110,6 +110,8 @@ class RunLoop:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.stop_reason: str | None = None
+        self.launched_at = time.time()
+        """Passed to the processes (wire.LAUNCHED_AT_ENV): where max_time_s starts for them too."""
         # Sized by the model (launch/budget.py): a 32B checkpoint takes minutes, a tiny one seconds.
         self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
         self.restarts = RestartPolicy(cfg.world.max_restarts if self.heals else 0, Path(cfg.run_dir) / "restarts.jsonl")
@@ -211,7 +213,11 @@ class RunLoop:
             file=sys.stderr,
             flush=True,
         )
-        self.restart(what)
+        try:
+            self.restart(what)
+        except RuntimeError as e:  # no place to start it again
+            failure.summary += f"; restarting {what} failed: {e}"
+            return False
         if what == TRAINER_POOL:
             watchdog.restarted()  # the versions start again from the checkpoint
         if self._restart_metrics is None:

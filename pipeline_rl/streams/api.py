@@ -131,6 +131,9 @@ class Writer:
         self._closing = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.ends: dict[int, str] = {}
+        """Per partition, a reader's position right after this writer's last record there that
+        reached the stream (set by the backend as a batch lands; complete after flush())."""
 
     def write(self, record: Any, partition: int | None = None) -> None:
         """Append `record` to `partition`, or round-robin over the writer's partitions."""

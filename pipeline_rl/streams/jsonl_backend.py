@@ -90,6 +90,7 @@ class JsonlWriter(Writer):
             while view:
                 view = view[os.write(fd, view) :]
             self._ends[partition] = size + len(lines)
+            self.ends[partition] = str(size + len(lines))
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 

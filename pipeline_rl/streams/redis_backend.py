@@ -102,9 +102,10 @@ class RedisWriter(Writer):
                 conn, batch = self._conn, self._unconfirmed
                 assert conn is not None
                 errors = []
-                for _ in batch:
+                for partition, _ in batch:
                     try:
-                        conn.read_response()
+                        entry_id = conn.read_response()
+                        self.ends[partition] = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                     except redis.ResponseError as e:
                         errors.append(e)
                 self._unconfirmed = []

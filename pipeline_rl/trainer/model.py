@@ -83,12 +83,16 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torc
     return torch.optim.AdamW(params, fused=torch.cuda.is_available(), **kwargs)
 
 
-def lr_factor(cfg: RunConfig, clock: Callable[[], float] = time.monotonic) -> Callable[[int], float]:
+def lr_factor(
+    cfg: RunConfig, clock: Callable[[], float] = time.time, started: float | None = None
+) -> Callable[[int], float]:
     """LR multiplier of optimizer update s (0-based): linear up to 1 over `warmup_steps`; then
     constant, or a half cosine down to `min_lr_ratio` whose progress is the larger of the updates
-    made of `shared.max_steps` and, when the run is bounded by time, the wall time spent (since
-    this call) of `max_time_s`."""
-    o, started = cfg.trainer.optimizer, clock()
+    made of `shared.max_steps` and, when the run is bounded by time, the wall time spent of
+    `max_time_s` since `started` (the launch: a trainer restarted mid-run goes on where the run
+    is; by default this call)."""
+    o = cfg.trainer.optimizer
+    started = clock() if started is None else started
     updates = cfg.shared.max_steps * cfg.trainer.updates_per_step * cfg.trainer.epochs
 
     def factor(s: int) -> float:

@@ -54,9 +54,16 @@ from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, m
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.steps import StepCollector, update_slices
 from pipeline_rl.weight_sync import WeightGroupFailed, WeightSender, backend_for, group_ranks, member_names
-from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
+from pipeline_rl.wire import LAUNCHED_AT_ENV, WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
+
+
+def launched_at() -> float | None:
+    """When the launcher started the run (wire.LAUNCHED_AT_ENV), or None when started by hand."""
+    value = os.environ.get(LAUNCHED_AT_ENV)
+    return float(value) if value else None
+
 
 MAX_FAILED_UPDATES = 3
 """Weight updates failed in a row after which the trainer stops (raises the last failure): one
@@ -95,7 +102,7 @@ class Trainer:
             optimizer=optimizer,
             config=deepspeed_config(cfg),
             # DeepSpeed's annotation names the old _LRScheduler base; any LRScheduler works.
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)),  # pyright: ignore[reportArgumentType]
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, started=launched_at())),  # pyright: ignore[reportArgumentType]
         )
         self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
         offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""

@@ -2,9 +2,10 @@
 `cluster_utils.Cluster`: one raylet per "node", each with 1 CPU, so the placement group's
 PACK strategy puts trainer0, preprocessor0 and actor0 on three different nodes), with the
 run's own Redis and gloo. A node removed mid-run (its raylet, its Ray workers and its pool
-processes killed) must stop the run within 45 s, naming the node and what ran on it; running
-again resumes from the last checkpoint and trains no group twice. A pool process killed on a
-node that stays is started again there, and the run goes on. A process whose node does
+processes killed) must stop the run within 45 s without restarts, naming the node and what ran
+on it; running again resumes from the last checkpoint and trains no group twice. With
+restarts, a pool process killed on a node that stays is started again there, and the actor of a
+lost node on the node added in its place; the run goes on. A process whose node does
 not see the driver's run directory is refused."""
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     reached."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
-    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", "world.max_restarts=0")
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
         placed = driver.placed()
@@ -316,6 +317,35 @@ def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on
     assert code == 0, out[-4000:]
     assert "failed: killed by SIGKILL; restarting actor0 (restart 1 of 1" in out, out[-4000:]
     assert "started actor0 again on node" in out
+    assert trainer_versions(run_dir)[-1] == final
+    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
+    assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]
+    assert run_processes(run_dir, driver.redis_port) == {}
+
+
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on(cluster, tmp_path, tiny_model):
+    """The actor's node is lost and the cluster gets a new node: Ray places the actor's bundle
+    there, the driver starts actor0 on it, and the run reaches max_steps on the weights the
+    trainer sends it."""
+    run_dir = tmp_path / "run"
+    final = 12
+    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
+    try:
+        run_until(driver, run_dir, versions=3, timeout=300)
+        node_id, held, killed_at = kill_node(cluster, driver, run_dir, "actor0")
+        assert held == ["actor0"]
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+        code = driver.wait(timeout=400)
+    finally:
+        driver.stop()
+    out = driver.out
+    assert code == 0, out[-4000:]
+    assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
+    moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
+    assert moved and moved[0] != node_id, out[-3000:]
     assert trainer_versions(run_dir)[-1] == final
     after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
     assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]

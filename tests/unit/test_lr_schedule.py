@@ -67,3 +67,11 @@ def test_steps_win_when_they_end_the_run_first():
         lambda: 0.0,
     )
     assert f(1) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)
+
+
+def test_a_trainer_started_mid_run_goes_on_with_the_schedule_by_time():
+    """A trainer pool restarted 30 s into a 60 s run (the launch time comes from the launcher)
+    takes the decay from half-way, not from its own start."""
+    cfg = load_config("tiny", ["max_time_s=60", "shared.max_steps=1000000", "trainer.optimizer.decay=cosine"])
+    f = lr_factor(cfg, lambda: 130.0, started=100.0)
+    assert f(0) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)

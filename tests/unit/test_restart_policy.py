@@ -61,7 +61,7 @@ def test_the_dry_run_says_what_the_policy_does():
     one_node = RestartPolicy(3, None).describe(on_ray=False)
     assert "up to 3 per process within 1 h" in one_node and "trainer pool from the last checkpoint" in one_node
     on_ray = RestartPolicy(3, None).describe(on_ray=True)
-    assert "in its Ray bundle, on the same node (a lost node stops the run)" in on_ray
+    assert "in its Ray bundle (where Ray places it again when its node is lost" in on_ray
 
 
 def test_launch_dry_run_prints_the_restart_policy(tmp_path, capsys):
