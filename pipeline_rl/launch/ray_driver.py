@@ -15,8 +15,9 @@ open (a hung kernel: connections are still accepted, nothing answers) is found b
 own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that must be answered
 within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. A lost
 process is restarted in its bundle (launch/restarts.py) until world.max_restarts is spent: on
-its node, or, when Ray marked the node dead, where Ray places the bundle again (a node with
-room). A lost node 0 (trainer rank 0 and Redis) or a frozen node stops the run; the report
+its node, or, when its node is lost (Ray marked it dead, or its raylet refuses connections),
+where Ray places the bundle again (a node with room). A lost node 0 (trainer rank 0 and Redis),
+or a node that stopped answering (frozen, or cut off before Ray marks it dead) stops the run; the report
 names the process, its node (Ray node id and address) and every process the node held. The start, watch and stop sequence is the one-node launcher's
 (run_loop.py); this module supplies how processes start, are polled and stop.
 """
@@ -64,9 +65,6 @@ gives up on a node that vanished without closing its connections (a power cut) o
 5 x (10 s timeout + 3 s period), and until then the calls to its actors just wait."""
 NODE_PROBE_MISSES = 2
 """Consecutive probes a node must miss to count as gone."""
-RAY_MARKS_DEAD_S = 10.0
-"""How long Ray may take to mark a node dead whose raylet no longer answers before the driver
-takes it for frozen (not healed)."""
 NODE_MOVE_S = 120.0
 """How long a restart waits for Ray to place a lost node's bundle on another node (the cluster
 may be adding one)."""
@@ -150,6 +148,19 @@ def node_alive(node: RayNode, cluster: dict[str, dict[str, Any]]) -> bool:
         return False
     finally:
         channel.close()
+
+
+def raylet_gone(node: RayNode) -> bool:
+    """Whether the node's raylet port refuses connections: its process died and the machine
+    still answers (a lost raylet, as opposed to a frozen or cut-off node, whose connections
+    hang and whose processes may still run)."""
+    try:
+        socket.create_connection((node.ip, node.raylet_port), timeout=RAYLET_PROBE_S).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 @dataclass
@@ -325,27 +336,26 @@ class RayRun(RunLoop):
         gone = self._probe_nodes()
         if gone is not None:
             first = next(h for h in self._everyone() if h.node.id == gone.id)
-            return Failure(self._lost_node_summary(gone), str(first.log_path), last_lines(first.log_path)), False
+            process = first.name if self._restartable(first, [gone]) else ""
+            summary = self._lost_node_summary(gone)
+            return Failure(summary, str(first.log_path), last_lines(first.log_path), False, process), False
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         return None, bool(trainers) and all(h.result is not None for h in trainers)
 
     def _restartable(self, h: Hosted, dead: list[RayNode]) -> bool:
         """Whether the failure of `h` is one a restart heals: a pool process on a live node,
-        or on a node Ray has marked dead that did not hold trainer rank 0 and Redis (node 0:
-        every process reaches them at its address). Any other failure next to a lost node,
-        and a node that only stopped answering (frozen), stop the run."""
+        or on a lost node (Ray marked it dead, or its raylet's port refuses connections: the
+        machine answers, the raylet is gone) that is not node 0 (trainer rank 0 and Redis: every process reaches
+        them at its address). Any other failure next to a lost node, and a node that only
+        stopped answering (frozen, or cut off), stop the run."""
         if h.pool == "redis":
             return False
         if not dead:
             return True
         if h.node not in dead or any(n.id == self.nodes[0].id for n in dead):
             return False
-        deadline = time.monotonic() + RAY_MARKS_DEAD_S
-        while any(_cluster_nodes().get(n.id, {}).get("Alive", False) for n in dead):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
-        return True
+        cluster = _cluster_nodes()
+        return all(not cluster.get(n.id, {}).get("Alive", False) or raylet_gone(n) for n in dead)
 
     def pool_processes(self) -> set[str]:
         return {h.name for h in self.hosted}

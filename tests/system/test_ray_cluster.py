@@ -120,6 +120,11 @@ def run_processes(run_dir: Path, redis_port: int) -> dict[int, str]:
     return found
 
 
+def without_raylet_dumps(out: str) -> str:
+    """The driver's output without the state dumps a killed raylet's log adds (pages of them)."""
+    return "\n".join(line for line in out.splitlines() if "[state-dump]" not in line)
+
+
 def trainer_versions(run_dir: Path) -> list[int]:
     return [
         r["values"]["version"]
@@ -299,7 +304,7 @@ def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on
     """kill -9 actor0's process (its node stays): the driver starts it again in its bundle, the
     replacement generates on weights sent after the kill, and the run reaches max_steps."""
     run_dir = tmp_path / "run"
-    final = 10
+    final = 200  # a run that lasts: the tiny one makes a version in a fraction of a second here
     driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
@@ -314,7 +319,7 @@ def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on
     finally:
         driver.stop()
     out = driver.out
-    assert code == 0, out[-4000:]
+    assert code == 0, without_raylet_dumps(out)[-4000:]
     assert "failed: killed by SIGKILL; restarting actor0 (restart 1 of 1" in out, out[-4000:]
     assert "started actor0 again on node" in out
     assert trainer_versions(run_dir)[-1] == final
@@ -331,7 +336,7 @@ def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on
     there, the driver starts actor0 on it, and the run reaches max_steps on the weights the
     trainer sends it."""
     run_dir = tmp_path / "run"
-    final = 12
+    final = 200
     driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
@@ -342,7 +347,7 @@ def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on
     finally:
         driver.stop()
     out = driver.out
-    assert code == 0, out[-4000:]
+    assert code == 0, without_raylet_dumps(out)[-4000:]
     assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
     moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
     assert moved and moved[0] != node_id, out[-3000:]

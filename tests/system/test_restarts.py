@@ -63,7 +63,7 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     them within REPLACED_WITHIN_S; the trainer reaches max_steps; the groups the dead actor
     had in flight (its position file, frozen by SIGSTOP before the kill) are counted lost."""
     run_dir = tmp_path / "run"
-    final = 40  # far more groups after the kill than an actor gets ahead of the trainer by
+    final = 100  # far more groups after the kill than an actor gets ahead of the trainer by
     proc = launch(
         run_dir, f"shared.max_steps={final}", "trainer.checkpoint_every=0", "world.max_restarts=2", wait=False
     )
