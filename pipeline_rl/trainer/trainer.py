@@ -12,9 +12,9 @@ Policy version = steps done. A step is `updates_per_step` optimizer updates (one
 each over its own consecutive share of the micro-batches, repeated for `epochs` passes over
 them; a step whose samples the gate dropped entirely advances the version without an update.
 Every `weight_update_interval` versions rank 0 gathers the full weights (all ranks take part
-under ZeRO-3) and broadcasts them to the actors in the weight-update group (one that died is
-left out, its replacement joins at a later version; MAX_FAILED_UPDATES failures in a row stop
-the trainer); every `checkpoint_every` versions, at
+under ZeRO-3) and broadcasts them to the actors in the weight-update group (trainer/publisher.py:
+one that died is left out, its replacement joins at a later version); every `checkpoint_every`
+versions, at
 max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (pipeline_rl/trainer/checkpoint.py)
 and a restart resumes from it.
 """
@@ -42,32 +42,20 @@ from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.lora import trained_parameters
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams import open_streams
-from pipeline_rl.streams.api import Writer
-from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch, WeightUpdate
+from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
 from pipeline_rl.trainer.grad_norm import finite_norms
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
-from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
+from pipeline_rl.trainer.model import deepspeed_config, launched_at, load_model, lr_factor, make_optimizer
+from pipeline_rl.trainer.publisher import WeightPublisher
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.steps import StepCollector, update_slices
-from pipeline_rl.weight_sync import WeightGroupFailed, WeightSender, backend_for, group_ranks, member_names
-from pipeline_rl.wire import LAUNCHED_AT_ENV, WEIGHT_SYNC_ADDR_ENV, Topic
+from pipeline_rl.wire import Topic
 
 log = logging.getLogger(__name__)
-
-
-def launched_at() -> float | None:
-    """When the launcher started the run (wire.LAUNCHED_AT_ENV), or None when started by hand."""
-    value = os.environ.get(LAUNCHED_AT_ENV)
-    return float(value) if value else None
-
-
-MAX_FAILED_UPDATES = 3
-"""Weight updates failed in a row after which the trainer stops (raises the last failure): one
-failure is a member lost; several in a row, a group that cannot form."""
 
 
 class Trainer:
@@ -135,22 +123,7 @@ class Trainer:
         self.collector = StepCollector(source, rank)
         self.trained_position = self.reader.position()
         self.saved_version = self.version if found is not None else None
-        self.sender: WeightSender | None = None
-        self.failed_updates = 0
-        """Weight updates failed in a row (MAX_FAILED_UPDATES)."""
-        self.failed_updates_total = 0
-        self.weights_writer: Writer | None = None
-        addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
-        self.broadcast = bool(addr)  # unset: no actors to update (tests, benchmarks)
-        self.zero3 = cfg.trainer.zero_stage == 3
-        if rank == 0 and addr:
-            backend = backend_for(cfg.world.gpus_per_node)
-            tp = cfg.shared.tensor_parallel_size
-            _, world = group_ranks(0, cfg.world.actors, tp)
-            self.sender = WeightSender(
-                addr, world, backend, cfg.world.collective_timeout_s, member_names(cfg.world.actors, tp)
-            )
-            self.weights_writer = self.streams.writer(Topic.WEIGHTS)
+        self.publisher = WeightPublisher(cfg, rank, self.streams)
 
     def _all_reduce(self, named: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
         """`named` reduced over the ranks by `op` in one collective, by name (every rank passes
@@ -165,9 +138,9 @@ class Trainer:
         # A replacement actor that registered while no step runs gets the current weights now:
         # it may be the one whose groups the next step waits for. Under ZeRO-3 every rank would
         # have to join the gathers: it waits for the next step's update there.
-        if self.sender is not None and not self.zero3 and self.sender.has_joiners():
+        if self.publisher.has_joiners():
             log.info("a receiver joined the weight-update group: sending version %d again", self.version)
-            self._publish_weights()
+            self.publisher.publish(self.version, self.published)
 
     def train(self, stop: Callable[[], bool]) -> int:
         cfg = self.cfg
@@ -212,7 +185,7 @@ class Trainer:
                 dead_letters=self.reader.dead_letters,
             )
             if self.version % cfg.shared.weight_update_interval == 0:
-                values.update(self._publish_weights())
+                values.update(self.publisher.publish(self.version, self.published))
             if cfg.trainer.checkpoint_every and self.version % cfg.trainer.checkpoint_every == 0:
                 values["checkpoint_s"] = self.save()
             if self.metrics is not None:
@@ -387,50 +360,6 @@ class Trainer:
         )
         return loss, stats, mismatch
 
-    def _publish_weights(self) -> dict:
-        """Rank 0 broadcasts the current weights to the actors; under ZeRO-3 every rank takes part
-        in the gathers."""
-        if not self.broadcast:
-            return {}
-        bucket_mb = self.cfg.trainer.weight_bucket_mb
-        chunks = gathered_chunks(self.published, self.rank, bucket_mb)
-        if self.rank != 0:
-            for _ in chunks:
-                pass
-            return {}
-        assert self.sender is not None, "rank 0 broadcasts only with a sender"
-        try:
-            seconds = self.sender.send(
-                self.version,
-                (pair for chunk in chunks for pair in chunk),
-                announce=self._announce,
-                bucket_mb=bucket_mb,
-                specs=parameter_specs(self.published),
-            )
-        except WeightGroupFailed as e:
-            # An actor died or hangs: its replacement (the launcher's) joins a later group, the
-            # others take the next version. Updates that keep failing stop the trainer.
-            self.failed_updates += 1
-            self.failed_updates_total += 1
-            if self.failed_updates >= MAX_FAILED_UPDATES:
-                raise
-            log.warning("%s; the weight-update group re-forms at the next version", e)
-            return {"weight_update_failed_total": self.failed_updates_total}
-        finally:
-            for _ in chunks:  # leave the last gather, and finish any the other ranks are still in
-                pass
-        self.failed_updates = 0
-        return {
-            "weight_broadcast_s": seconds,
-            "weight_update_members": len(self.sender.members) - 1,
-            "weight_update_failed_total": self.failed_updates_total,
-        }
-
-    def _announce(self, update: WeightUpdate) -> None:
-        assert self.weights_writer is not None
-        self.weights_writer.write(update)
-        self.weights_writer.flush()
-
     def save(self) -> float:
         """Write a checkpoint of the current version (unless it is already saved); returns seconds."""
         if self.saved_version == self.version:
@@ -458,8 +387,7 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        if self.sender is not None:
-            self.sender.close()
+        self.publisher.close()
         self.streams.close()
 
 
