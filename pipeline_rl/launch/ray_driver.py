@@ -30,7 +30,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,14 +173,14 @@ class Hosted:
     run: Any
     """The ObjectRef of its `run` call: (exit code, log tail)."""
     log_path: Path
-    bundle: int
-    """Its bundle of the placement group (a restart starts it there again)."""
-    argv: list[str]
-    env: dict[str, str]
-    gpus: float
     result: tuple[int | None, str] | None = None
     """Once `run` has returned: (exit code, or None when the Ray worker itself is gone; log tail
     or what became of the worker)."""
+    bundle: int = 0
+    """Its bundle of the placement group (a restart starts it there again)."""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    gpus: float = 0.0
 
 
 class RayRun(RunLoop):
@@ -210,7 +210,10 @@ class RayRun(RunLoop):
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         ).remote(name, argv, env, os.getcwd(), str(log_path), RAY_WORKER_ONLY)
-        return Hosted(name, pool, self.nodes[bundle], actor, actor.run.remote(), log_path, bundle, argv, env, gpus)
+        run = actor.run.remote()
+        return Hosted(
+            name, pool, self.nodes[bundle], actor, run, log_path, bundle=bundle, argv=argv, env=env, gpus=gpus
+        )
 
     def start_redis(self) -> None:
         """Check trainer rank 0's node first (binary, port), start the server there, and wait for
