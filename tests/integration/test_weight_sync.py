@@ -124,6 +124,12 @@ class Setup:
     def wait_ready(self) -> None:
         assert self.sender.stdout.readline().strip() == "ready"
 
+    def restart_sender(self) -> None:
+        """Kill the sender and start another at the same address (a trainer that died)."""
+        self.sender.kill()
+        self.start_sender()
+        self.wait_ready()
+
     def close(self) -> None:
         self.client.close()
         for sender in self.senders:
@@ -404,18 +410,14 @@ def test_failed_updates_keep_the_last_complete_version(setup):
     assert all(v == [6] * len(v) for _, v in greedy(client))
 
     # The trainer dies between updates and restarts: the receiver's store connection is stale.
-    setup.sender.kill()
-    setup.start_sender()
-    setup.wait_ready()
+    setup.restart_sender()
     command(setup.sender, "send 7 7 ok")
     assert setup.sender.stdout.readline().startswith("sent 7")
     wait_for(lambda: client.version == 7, 30, "version 7 in the engine")
 
     # The trainer restarts from a checkpoint older than the engine's version (it died before
     # checkpointing 7): the engine takes the new trainer's version, though it is lower.
-    setup.sender.kill()
-    setup.start_sender()
-    setup.wait_ready()
+    setup.restart_sender()
     command(setup.sender, "send 5 5 ok")
     assert setup.sender.stdout.readline().startswith("sent 5")
     wait_for(lambda: client.version == 5, 30, "version 5 of the restarted trainer in the engine")

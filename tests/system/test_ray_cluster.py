@@ -125,6 +125,16 @@ def without_raylet_dumps(out: str) -> str:
     return "\n".join(line for line in out.splitlines() if "[state-dump]" not in line)
 
 
+def went_on(driver: Driver, run_dir: Path, code: int, final: int, killed_at: float) -> None:
+    """The run whose actor0 was lost at `killed_at` ended well: exit 0, max_steps reached, the
+    replacement generated on weights it was sent, no process left."""
+    assert code == 0, without_raylet_dumps(driver.out)[-4000:]
+    assert trainer_versions(run_dir)[-1] == final
+    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
+    assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]
+    assert run_processes(run_dir, driver.redis_port) == {}
+
+
 def trainer_versions(run_dir: Path) -> list[int]:
     return [
         r["values"]["version"]
@@ -319,13 +329,9 @@ def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on
     finally:
         driver.stop()
     out = driver.out
-    assert code == 0, without_raylet_dumps(out)[-4000:]
+    went_on(driver, run_dir, code, final, killed_at)
     assert "failed: killed by SIGKILL; restarting actor0 (restart 1 of 1" in out, out[-4000:]
     assert "started actor0 again on node" in out
-    assert trainer_versions(run_dir)[-1] == final
-    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
-    assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]
-    assert run_processes(run_dir, driver.redis_port) == {}
 
 
 @pytest.mark.redis
@@ -347,14 +353,10 @@ def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on
     finally:
         driver.stop()
     out = driver.out
-    assert code == 0, without_raylet_dumps(out)[-4000:]
+    went_on(driver, run_dir, code, final, killed_at)
     assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
     moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
     assert moved and moved[0] != node_id, out[-3000:]
-    assert trainer_versions(run_dir)[-1] == final
-    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
-    assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]
-    assert run_processes(run_dir, driver.redis_port) == {}
 
 
 @pytest.mark.redis
