@@ -3,7 +3,8 @@ failure report the launcher shows.
 
 `python -m pipeline_rl.<pool> --run-dir RUN_DIR --index I` checks that RUN_DIR is the directory
 its launcher prepared (pipeline_rl/launch/run_dir.py), reads RUN_DIR/config.yaml and runs the
-pool's body until it returns or SIGTERM/SIGINT asks it to stop (then it exits 0).
+pool's body on its view of it (pipeline_rl/config/pool_view.py: the other pools' sections
+withheld) until it returns or SIGTERM/SIGINT asks it to stop (then it exits 0).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig, load_saved_config
+from pipeline_rl.config.pool_view import for_pool
 from pipeline_rl.weight_sync.group import PeerGone
 from pipeline_rl.wire import PEER_GONE_EXIT, RUN_NONCE_ENV, RUN_NONCE_FILE
 
@@ -66,7 +68,7 @@ def run_pool_process(pool: str, body: Body, argv: list[str] | None = None) -> in
         check_run_dir(args.run_dir, name)
         cfg = load_saved_config(args.run_dir / "config.yaml")
         cfg.run_dir = str(args.run_dir)
-        summary = body(cfg, args.index, stopping.is_set)
+        summary = body(for_pool(cfg, pool), args.index, stopping.is_set)
     except Exception as e:
         log.exception("%s failed", name)
         print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -86,10 +86,11 @@ def check_scorers(cfg: RunConfig) -> list[type[Scorer]]:
 
 
 def load_scorers(cfg: RunConfig) -> list[Scorer]:
-    """Check (`check_scorers`), import and build the scorers of `cfg.preprocess.scorers`, in
-    order. A constructor that rejects its kwargs fails with the config key."""
+    """Import and build the scorers of `cfg.preprocess.scorers`, in order (the launcher ran
+    `check_scorers` before starting the pool). A constructor that rejects its kwargs fails with
+    the config key."""
     scorers = []
-    for i, (cls, spec) in enumerate(zip(check_scorers(cfg), cfg.preprocess.scorers)):
+    for i, (cls, spec) in enumerate(zip(scorer_classes(cfg), cfg.preprocess.scorers)):
         try:
             scorers.append(cls(cfg, **dict(spec.kwargs)))
         except (TypeError, ValueError) as e:
