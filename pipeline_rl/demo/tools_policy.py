@@ -117,7 +117,7 @@ def _finetune(model, template: ChatTemplate, tokenizer, train: list[dict], test:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     start, step, greedy = time.time(), 0, 0.0
     model.train()
-    while schedule.learned_at is None or step < schedule.learned_at + tiny_model.DECAY_STEPS:
+    while schedule.decay_from is None or step < schedule.decay_from + tiny_model.DECAY_STEPS:
         if step >= MAX_STEPS:
             raise RuntimeError(f"{NAME}: held-out tool transcripts {greedy:.3f} greedy in {MAX_STEPS} steps")
         batch = [transcript(template, eos, rng.choice(train), rng.random() < TOOL_SHARE) for _ in range(BATCH)]
@@ -129,8 +129,8 @@ def _finetune(model, template: ChatTemplate, tokenizer, train: list[dict], test:
         step += 1
         if step % EVAL_EVERY == 0:
             greedy = tiny_model.greedy_accuracy(model, *held_out["tool"])
-            if greedy >= tiny_model.LEARNED and schedule.learned_at is None:
-                schedule.learned_at = step
+            if greedy >= tiny_model.LEARNED and schedule.decay_from is None:
+                schedule.decay_from = step
             print(f"{NAME}: step {step}, held-out tool transcripts greedy {greedy:.3f}", flush=True)
     if greedy < TOOL_MIN:
         raise RuntimeError(f"{NAME}: held-out tool transcripts {greedy:.3f} greedy < {TOOL_MIN}; try another --seed")
