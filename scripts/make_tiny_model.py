@@ -10,7 +10,8 @@ pipeline_rl/demo/outcome_rm.py); multistep_prm_quick and multistep_rm_quick are 
 recipes of the last two; family_byte_small, family_char_base, family_char_deep and
 family_byte_wide are the model family that scripts/bench_learning.py --family judges learning
 on (pipeline_rl/demo/family.py); tools_policy is the tool-use demo's policy (conf=tiny_tools,
-pipeline_rl/demo/tools_policy.py). A model's prerequisites are built first when missing.
+pipeline_rl/demo/tools_policy.py); tiny_moe is the mixture-of-experts policy
+(pipeline_rl/demo/tiny_moe.py). A model's prerequisites are built first when missing.
 
 DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 """

@@ -44,6 +44,11 @@ class SharedConfig:
     node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
     engine steps and every shard swaps between the same two steps (pipeline_rl/engine/tp_swap.py);
     the trainer's weight broadcast reaches every shard."""
+    routing_replay: bool = False
+    """Mixture-of-experts policies: the engine records the experts its routers chose for each
+    generated token, the rollout carries them, and the trainer's forward uses exactly those
+    experts for those tokens (the router's probabilities still computed and trained), so the
+    trainer scores the network that sampled. Needs an MoE model and tensor_parallel_size 1."""
 
 
 @dataclass

@@ -106,6 +106,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"bad value for 'shared.tensor_parallel_size': {cfg.shared.tensor_parallel_size}, expected >= 1"
         )
+    if cfg.shared.routing_replay and cfg.shared.tensor_parallel_size > 1:
+        raise ConfigError(
+            "'shared.routing_replay' records routes in the engine's one worker: it needs "
+            f"'shared.tensor_parallel_size' 1, got {cfg.shared.tensor_parallel_size}"
+        )
     lora = cfg.model.lora
     if lora is not None:
         if not 1 <= lora.rank <= 512:

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
+from pipeline_rl.engine.cpu_experts import ExpertRepack
 from pipeline_rl.engine.host_copy import HostSpans
 
 log = logging.getLogger(__name__)
@@ -320,12 +321,20 @@ class EngineWeights:
         model = model_runner.get_model()
         self.plan: LoadPlan | None = None
         self.plan_refused: str | None = "no checkpoint to plan from"
+        self._repack = ExpertRepack([])
         if checkpoint is not None:
             try:
                 required = set(expected_shapes) - self._optional
                 self.plan = LoadPlan.capture(model, checkpoint, required, perform=not placeholders)
+                self._repack = ExpertRepack.of(model)
+                if self._repack.layers:
+                    self.plan.copies = {
+                        name: [(self._repack.redirect(dst), *view) for dst, *view in pairs]
+                        for name, pairs in self.plan.copies.items()
+                    }
                 self.plan_refused = None
-            except PlanRefused as e:
+            except (PlanRefused, ValueError) as e:
+                self.plan = None
                 self.plan_refused = str(e)
                 log.warning("weight swaps load through vLLM's reload_weights (slower): %s", e)
         self._tied = _tied_modules(model)
@@ -376,10 +385,12 @@ class EngineWeights:
         caller makes sure no forward pass runs meanwhile (`synchronize`: LoadPlan.copy)."""
         if update.host is not None:
             update.host.copy()
+            self._repack.repack()
             return
         if update.pairs is not None:
             assert self.plan is not None  # prepare bound it
             self.plan.copy(update.pairs, synchronize)
+            self._repack.repack()
             return
         self._runner.reload_weights(weights_iterator=iter(update.named or ()))
         for module in self._tied:

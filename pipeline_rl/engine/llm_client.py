@@ -33,9 +33,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pipeline_rl.config import RunConfig
 from pipeline_rl.engine.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request, single_slot_cpu_lora
 from pipeline_rl.engine.engine_weights import keep_cpu_linear_weights
+from pipeline_rl.engine.routes import RouteRecorder
 from pipeline_rl.engine.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
 from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
 from pipeline_rl.streams.api import Reader
@@ -59,6 +62,9 @@ class Completion:
     finish_reason: str
     """stop, length, or abort."""
     text: str
+    routes: np.ndarray | None = None
+    """With routing replay: the experts each token was routed to, uint8 (tokens, MoE layers,
+    top_k), NO_ROUTE for the last token (engine/routes.py)."""
 
 
 @dataclass
@@ -71,6 +77,7 @@ class _Request:
     """(index of the first token, version): the version from that token on."""
     engine_id: str = ""
     """vLLM's internal request id (the scheduler's key)."""
+    prompt_len: int = 0
 
     def versions(self, n: int) -> list[int]:
         versions = [self.segments[0][1]] * n
@@ -175,9 +182,18 @@ def cpu_thread_binds(workers: int, cores: list[int]) -> str:
 
 
 class LLMClient:
-    def __init__(self, engine: LLMEngine, hook: SwapGate, tokenizer: TokenizerLike, lora: Any = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        hook: SwapGate,
+        tokenizer: TokenizerLike,
+        lora: Any = None,
+        routes: RouteRecorder | None = None,
+    ):
         self.engine = engine
         self.hook = hook
+        self.routes = routes
+        """With routing replay, what records each token's experts."""
         self.tokenizer = tokenizer
         self.lora = lora
         """The LoRARequest every request names (the policy's adapter slot), or None."""
@@ -229,9 +245,15 @@ class LLMClient:
             request = lora_request(adapter_dir)
             engine.add_lora(request)  # loads it into a slot (in every worker)
             engine.pin_lora(POLICY_LORA_ID)  # and keeps it there
+        routes = None
+        if cfg.shared.routing_replay:
+            # before the hook, which then gates the recorder's wrapper of the forward pass
+            runner = engine.model_executor.driver_worker.worker.model_runner  # pyright: ignore[reportAttributeAccessIssue]
+            top_k = engine.vllm_config.model_config.get_num_experts_per_tok()
+            routes = RouteRecorder(runner, top_k)
         installer = TensorParallelSwapHook if tp > 1 else WeightSwapHook
         hook = installer.install(engine, model_path, version, adapter_dir)
-        return cls(engine, hook, engine.get_tokenizer(), request)
+        return cls(engine, hook, engine.get_tokenizer(), request, routes)
 
     def weight_receiver(
         self, addr: str, actor_index: int, actors: int, backend: str, timeout_s: float, stage_on_host: bool = False
@@ -293,7 +315,9 @@ class LLMClient:
         ids = [str(next(self._ids)) for _ in range(n)]
         with self._cv:
             for i, rid in enumerate(ids):
-                self._incoming.append((rid, list(prompt_ids), params, _Request(group, i, [])))
+                self._incoming.append(
+                    (rid, list(prompt_ids), params, _Request(group, i, [], prompt_len=len(prompt_ids)))
+                )
             self._cv.notify()
         try:
             return await group.future
@@ -327,7 +351,12 @@ class LLMClient:
                         _post(request.group, None, e)
                         continue
                     self._requests[rid] = request
-                aborts = [rid for rid in aborts if self._requests.pop(rid, None) is not None]
+                aborted = [self._requests.pop(rid, None) for rid in aborts]
+                aborts = [rid for rid, request in zip(aborts, aborted) if request is not None]
+                if self.routes is not None:
+                    for request in aborted:
+                        if request is not None:
+                            self.routes.forget(request.engine_id)
                 if aborts:
                     self.engine.abort_request(aborts)
                 if self._requests:
@@ -375,8 +404,11 @@ class LLMClient:
                 raise RuntimeError(f"request {out.request_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
             self.tokens_generated += len(token_ids)
             group = request.group
+            routes = None
+            if self.routes is not None:
+                routes = self.routes.routes(request.engine_id, request.prompt_len, len(token_ids))
             group.completions[request.index] = Completion(
-                token_ids, logprobs, request.versions(len(token_ids)), seq.finish_reason or "abort", seq.text
+                token_ids, logprobs, request.versions(len(token_ids)), seq.finish_reason or "abort", seq.text, routes
             )
             group.remaining -= 1
             if group.remaining == 0:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from pipeline_rl.config import ConfigError, RunConfig, load_config, on_ray, parse_overrides
+from pipeline_rl.config.model_fit import check_model_fit
 from pipeline_rl.config.validate import RAY_WORKER_PORTS, run_ports
 from pipeline_rl.launch.budget import budget_lines, checkpoint_timeout
 from pipeline_rl.launch.bundles import bundles, describe_bundles
@@ -106,6 +107,7 @@ def check_plugins(cfg: RunConfig) -> None:
     and check them, so that a bad one fails here, at launch, rather than in a pool minutes later
     (raises ConfigError)."""
     check_scorers(cfg)
+    check_model_fit(cfg)
     load_loss(cfg.trainer.loss)
     if cfg.actor.domain == "agent":
         from pipeline_rl.rollouts.domains.agent import load_agent

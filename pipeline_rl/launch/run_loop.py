@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.config.model_fit import check_model_fit
 from pipeline_rl.launch.budget import run_limits
 from pipeline_rl.launch.restarts import RESTART_WINDOW_S, TRAINER_POOL, RestartPolicy, restart_target
 from pipeline_rl.launch.run_dir import prepare_run_dir
@@ -262,6 +263,7 @@ def run(cfg: RunConfig, fresh: bool, backend: Callable[[str], RunLoop], where: s
         wipe_redis(cfg)
     print(f"{'resuming' if resumed else 'starting'} run '{cfg.name}' in {cfg.run_dir}{where}", flush=True)
     ensure_tiny_model(cfg)
+    check_model_fit(cfg)  # again: the model may have been built just now
     loop = backend(nonce)
     loop.install_signal_handlers()
     try:
