@@ -54,8 +54,9 @@ def save_random(dest: Path, seed: int = 0, router_scale: float = 1.0) -> Path:
     torch.manual_seed(seed)
     model = make_moe_model(tokenizer)
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.mul_(router_scale)
+        for name, weight in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                weight.mul_(router_scale)
     tiny_model.save_model(model, tokenizer, {"recipe": "random", "seed": seed}, Path(dest))
     return Path(dest)
 

@@ -61,7 +61,7 @@ class ExpertRepack:
             config = experts.moe_config
             if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
                 raise ValueError(f"{name}: vLLM padded the experts' intermediate size; swaps cannot copy into it")
-            staging = {p: torch.empty_like(layer._parameters[p]) for p in PACKED}
+            staging = {p: torch.empty_like(getattr(layer, p)) for p in PACKED}
             layers.append(_Packed(layer, experts.isa, staging))
         return cls(layers)
 

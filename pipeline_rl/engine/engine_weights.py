@@ -328,10 +328,15 @@ class EngineWeights:
                 self.plan = LoadPlan.capture(model, checkpoint, required, perform=not placeholders)
                 self._repack = ExpertRepack.of(model)
                 if self._repack.layers:
-                    self.plan.copies = {
-                        name: [(self._repack.redirect(dst), *view) for dst, *view in pairs]
-                        for name, pairs in self.plan.copies.items()
-                    }
+                    self.plan = LoadPlan(
+                        {
+                            name: [
+                                (self._repack.redirect(dst), shape, stride, offset)
+                                for dst, shape, stride, offset in pairs
+                            ]
+                            for name, pairs in self.plan.copies.items()
+                        }
+                    )
                 self.plan_refused = None
             except (PlanRefused, ValueError) as e:
                 self.plan = None
