@@ -10,21 +10,18 @@ pass that read it, the step after it was sampled, so the last token of a complet
 (`NO_ROUTE`): nothing the trainer scores depends on them. Prompt positions are dropped: the
 trainer routes the prompt itself.
 
-Routes are packed as uint8 (fewer than 255 experts), one (layers, top_k) block per token, and
-cross processes as base64 (`encode_routes` / `decode_routes`).
+Routes are uint8, one (layers, top_k) block per token (their wire form: core/routes.py).
 """
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-NO_ROUTE = 255
-"""Expert id of a route the engine did not record (the trainer's router decides)."""
+from pipeline_rl.core.routes import NO_ROUTE
 
 
 @dataclass(frozen=True)
@@ -35,10 +32,6 @@ class RouteShape:
     """MoE layers of the model, in order."""
     top_k: int
     """Experts each router picks per token."""
-
-    @property
-    def per_token(self) -> int:
-        return self.layers * self.top_k
 
 
 def moe_routers(model: torch.nn.Module) -> list[Any]:
@@ -102,20 +95,3 @@ class RouteRecorder:
     def forget(self, engine_id: str) -> None:
         """Drop an aborted request's routes."""
         self._by_request.pop(engine_id, None)
-
-
-def encode_routes(routes: np.ndarray) -> str:
-    """Base64 of a (tokens, layers, top_k) uint8 array, for a record."""
-    return base64.b64encode(np.ascontiguousarray(routes, dtype=np.uint8).tobytes()).decode("ascii")
-
-
-def decode_routes(text: str, shape: RouteShape, tokens: int, where: str) -> np.ndarray:
-    """The (tokens, layers, top_k) array of `encode_routes`; raises ValueError naming `where`
-    when the length does not fit."""
-    raw = base64.b64decode(text, validate=True)
-    if len(raw) != tokens * shape.per_token:
-        raise ValueError(
-            f"{where}: routes of {len(raw)} bytes for {tokens} tokens of {shape.layers} layers x top-{shape.top_k} "
-            f"(expected {tokens * shape.per_token})"
-        )
-    return np.frombuffer(raw, dtype=np.uint8).reshape(tokens, shape.layers, shape.top_k)

@@ -25,11 +25,14 @@ import copy
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from pipeline_rl.core.routes import decode_routes, encode_routes, no_routes
 from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch, Rollout
 
 PAD_TOKEN_ID = 0
 """Any id the vocabulary has will do: the token is masked out and attends only to itself."""
-TOKEN_FIELDS = ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs")
+TOKEN_FIELDS = ("input_ids", "loss_mask", "advantages", "old_logprobs", "versions", "ref_logprobs", "routes")
 """Sequence fields with one value per token."""
 
 
@@ -51,6 +54,8 @@ class Sequence:
     prefix: int = 0
     """> 0: this sequence holds only its completion and attends to the first `prefix` tokens
     (the prompt) of its block's head, the nearest earlier sequence with prefix 0."""
+    routes: np.ndarray | None = None
+    """With routing replay: a row of routes per token (pipeline_rl/core/routes.py)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -61,11 +66,16 @@ class Sequence:
 
 
 def rollout_sequence(rollout: Rollout, advantages: list[float], group_id: str, seq_length: int) -> Sequence:
-    """Lay out prompt + completion; prompt tokens get mask 0, advantage 0, logprob 0, version -1."""
+    """Lay out prompt + completion; prompt tokens get mask 0, advantage 0, logprob 0, version -1
+    and no routes. Raises ValueError naming the group when the routes do not fit the completion."""
     p = len(rollout.prompt_ids)
     c = len(rollout.completion_ids)
     mask = rollout.mask if rollout.mask is not None else [1] * c
     ref = None if rollout.ref_logprobs is None else [0.0] * p + rollout.ref_logprobs
+    routes = None
+    if rollout.routes is not None:
+        completion = decode_routes(rollout.routes, c, f"group {group_id}")
+        routes = np.concatenate([no_routes(p, completion.shape[1]), completion])
     seq = Sequence(
         input_ids=rollout.prompt_ids + rollout.completion_ids,
         loss_mask=[0] * p + list(mask),
@@ -76,6 +86,7 @@ def rollout_sequence(rollout: Rollout, advantages: list[float], group_id: str, s
         group_id=group_id,
         reward=rollout.reward,
         sample_version=-1,
+        routes=routes,
     )
     if len(seq) > seq_length:
         seq.truncated = True
@@ -159,6 +170,7 @@ def deal(sizes: list[int], ranks: int) -> list[list[int]]:
 def _micro_batch(
     seqs: list[Sequence], step: int, index: int, count: int, step_tokens: int, step_samples: int, with_ref: bool
 ) -> MicroBatch:
+    """One micro-batch of `seqs`; their routes, when they have them, in one block."""
     shared = any(s.prefix for s in seqs)
     mb = MicroBatch(
         step=step,
@@ -194,10 +206,15 @@ def _micro_batch(
         mb.rewards.append(s.reward)
     mb.ref_logprobs = ref_logprobs if with_ref else None
     mb.prefix_lengths = [s.prefix for s in seqs] if shared else None
+    routes = [s.routes for s in seqs if s.routes is not None]
+    if routes:
+        assert len(routes) == len(seqs), "every sequence of a step has routes, or none does"
+        mb.routes = encode_routes(np.concatenate(routes))
     return mb
 
 
-def padding_sequence(with_ref: bool) -> Sequence:
+def padding_sequence(with_ref: bool, route_width: int | None = None) -> Sequence:
+    """A one-token sequence that trains nothing; with `route_width`, one row of no routes."""
     return Sequence(
         input_ids=[PAD_TOKEN_ID],
         loss_mask=[0],
@@ -208,6 +225,7 @@ def padding_sequence(with_ref: bool) -> Sequence:
         group_id=PAD_GROUP_ID,
         reward=0.0,
         sample_version=-1,
+        routes=None if route_width is None else no_routes(1, route_width),
     )
 
 
@@ -222,6 +240,16 @@ def pack_step(sequences: list[Sequence], step: int, ranks: int, seq_length: int)
         missing = [s.group_id for s in sequences if s.ref_logprobs is None]
         if missing:
             raise ValueError(f"step {step}: groups {sorted(set(missing))} lack ref_logprobs while others have them")
+    widths = {s.routes.shape[1] for s in sequences if s.routes is not None}
+    if widths:
+        missing = sorted({s.group_id for s in sequences if s.routes is None})
+        if missing or len(widths) > 1:
+            raise ValueError(
+                f"step {step}: routes of {sorted(widths)} bytes per token"
+                + (f", and groups {missing} without routes" if missing else "")
+                + ": every rollout of a routing-replay run carries one MoE model's routes"
+            )
+    route_width = next(iter(widths), None)
     step_tokens = sum(s.loss_tokens for s in sequences)
     step_samples = sum(1 for s in sequences if s.loss_tokens > 0)
     units = blocks(sequences)
@@ -234,7 +262,7 @@ def pack_step(sequences: list[Sequence], step: int, ranks: int, seq_length: int)
     out = []
     for rank_bins in dealt:
         chosen = [bins[i] for i in rank_bins]
-        chosen += [[padding_sequence(with_ref)]] * (count - len(chosen))
+        chosen += [[padding_sequence(with_ref, route_width)]] * (count - len(chosen))
         out.append(
             [_micro_batch(seqs, step, i, count, step_tokens, step_samples, with_ref) for i, seqs in enumerate(chosen)]
         )

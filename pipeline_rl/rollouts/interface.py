@@ -28,6 +28,9 @@ class Sample(Protocol):
     finish_reason: str
     """stop, length, or abort."""
     text: str
+    routes: Any
+    """With routing replay, the experts each token was routed to (a uint8 numpy array of
+    tokens x MoE layers x top_k); else None."""
 
 
 class Generator(Protocol):

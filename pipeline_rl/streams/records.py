@@ -44,6 +44,9 @@ class Rollout:
     """Extra per-token rewards (e.g. a turn's reward on its last token), added to the advantage."""
     ref_logprobs: list[float] | None = None
     """Per completion token: logprob under a reference/teacher model, set by a reference scorer."""
+    routes: str | None = None
+    """With routing replay: per completion token, the experts the engine's MoE routers sent it to
+    (pipeline_rl/core/routes.py: base64 rows of MoE layers x top_k bytes). None: no replay."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,6 +103,9 @@ class MicroBatch:
     prefix_lengths: list[int] | None = None
     """Per sequence, with shared prompts: tokens of its block's head it attends to first (0 for
     a head; see pipeline_rl/core/logprobs.py). None: every sequence stands alone."""
+    routes: str | None = None
+    """With routing replay: one row of routes per token of input_ids (pipeline_rl/core/routes.py;
+    NO_ROUTE on prompt, environment and padding tokens)."""
     kind: str = Kind.MICRO_BATCH
 
 

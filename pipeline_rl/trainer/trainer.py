@@ -52,6 +52,7 @@ from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
 from pipeline_rl.trainer.model import deepspeed_config, launched_at, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.publisher import WeightPublisher
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
+from pipeline_rl.trainer.routing_replay import RoutingReplay
 from pipeline_rl.trainer.steps import StepCollector, update_slices
 from pipeline_rl.wire import Topic
 
@@ -77,6 +78,7 @@ class Trainer:
             model.gradient_checkpointing_enable()
             if cfg.model.lora is not None:  # the frozen embeddings' output must carry grad into the checkpoints
                 model.enable_input_require_grads()
+        self.routing = RoutingReplay(model) if cfg.shared.routing_replay else None
         self.published = trained_parameters(model)
         """What a weight update and a checkpoint's model carry: all parameters, or the adapter."""
         log.info(
@@ -332,6 +334,11 @@ class Trainer:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """The loss plug-in's (loss, stats) and the micro-batch's `consistency_sums`."""
         dev = micro_batch_inputs(mb, loss_mask, self.device)
+        if self.routing is not None:
+            where = f"step {mb.step}, micro-batch {mb.index}"
+            if mb.routes is None:
+                raise ValueError(f"{where} has no routes, and shared.routing_replay is set")
+            self.routing.set(mb.routes, len(mb.input_ids), where, self.device)
         wanted = [t for t, m in enumerate(loss_mask) if m > 0]
         logprobs, entropy = packed_logprobs(
             self.engine,

@@ -18,9 +18,11 @@ from fixtures.swap_checks import swap_during_generation
 from safetensors.torch import load_file, save_file
 
 from pipeline_rl.config import load_config
+from pipeline_rl.core.logprobs import packed_logprobs
+from pipeline_rl.core.routes import NO_ROUTE, encode_routes, no_routes
 from pipeline_rl.demo.tiny_moe import TOP_K, save_random
 from pipeline_rl.engine.llm_client import LLMClient
-from pipeline_rl.engine.routes import NO_ROUTE
+from pipeline_rl.trainer.routing_replay import RoutingReplay
 
 pytestmark = pytest.mark.vllm
 
@@ -173,3 +175,41 @@ def test_a_swap_into_the_cpu_experts_takes_effect_at_the_next_decode_step(client
         )
     finally:
         hook.swap(weights_a.items(), hook.version + 1)
+
+
+def test_with_replay_the_trainer_scores_what_the_engine_sampled_at_lag_0(client, moe_model):
+    """The trainer's logprobs of the engine's tokens, same weights (lag 0), through the packed
+    forward the trainer uses. In fp32 the two route alike anyway; a bf16 trainer (the usual
+    GPU dtype) against the fp32 engine breaks near-ties the other way and sends some tokens to
+    other experts, which replay undoes."""
+    prompts = [client.tokenizer.encode(p) for p in ("Q: 12+34=", "Q: 7+8=", "hello there")]
+
+    async def run():
+        return await asyncio.gather(*(client.generate(p, 2, 64, 1.0, ignore_eos=True) for p in prompts))
+
+    groups = asyncio.run(run())
+    worst: dict[tuple[torch.dtype, bool], float] = {}
+    flipped = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        model = hf_moe(moe_model, {}).to(dtype)
+        replay = RoutingReplay(model)
+        for prompt, group in zip(prompts, groups):
+            for c in group:
+                ids = torch.tensor([prompt + c.token_ids])
+                P, n = len(prompt), len(c.token_ids)
+                rows = np.concatenate([no_routes(P, replay.width), c.routes.reshape(n, -1)])
+                for replayed in (True, False):
+                    replay.set(encode_routes(rows) if replayed else None, P + n, "test", torch.device("cpu"))
+                    with torch.no_grad():
+                        logprobs, _ = packed_logprobs(model, ids, torch.arange(P + n)[None], 1.0)
+                    diff = (logprobs[P:] - torch.tensor(c.logprobs)).abs().max().item()
+                    worst[dtype, replayed] = max(worst.get((dtype, replayed), 0.0), diff)
+                if dtype == torch.bfloat16:
+                    own, _ = hf_routes(model, prompt + c.token_ids)
+                    flipped += int((~(own[P : P + n - 1] == np.sort(c.routes[:-1], -1)).all((-1, -2))).sum())
+    print(f"worst |trainer - engine| logprob at lag 0: {worst}; bf16 tokens routed elsewhere: {flipped}")
+    # fp32: the dense models' tolerance (fixtures/swap_checks.py: summation orders over 4 layers)
+    assert worst[torch.float32, True] < 1e-3
+    # bf16: its own routers send some tokens elsewhere, and those tokens' logprobs are the worst
+    assert flipped > 0
+    assert worst[torch.bfloat16, False] > worst[torch.bfloat16, True]

@@ -198,3 +198,56 @@ def test_followers_without_a_head_are_rejected():
     group = share_prompt([rollout_sequence(make_rollout(4, 2), [1.0] * 2, "g", 64) for _ in range(2)], 4, 64)
     with pytest.raises(ValueError, match="no head"):
         pack_step(group[1:], step=0, ranks=1, seq_length=64)
+
+
+def with_routes(rollout: Rollout, width: int = 4, first: int = 0) -> Rollout:
+    """The rollout with routes: token i of the completion sent to experts first + i (mod 200)."""
+    import numpy as np
+
+    from pipeline_rl.core.routes import encode_routes
+
+    n = len(rollout.completion_ids)
+    rows = (np.arange(n)[:, None] + first + np.zeros((1, width), dtype=np.int64)) % 200
+    rollout.routes = encode_routes(rows.astype(np.uint8))
+    return rollout
+
+
+def test_routes_travel_with_their_tokens_through_truncation_sharing_and_padding():
+    import numpy as np
+
+    from pipeline_rl.core.routes import NO_ROUTE, decode_routes
+
+    seqs = [
+        rollout_sequence(with_routes(make_rollout(3, 5), first=10 * i), [1.0] * 5, f"g{i}", seq_length=7)
+        for i in range(3)
+    ]
+    # truncated to 7 tokens: the prompt's 3 rows of no routes, then the completion's first 4
+    assert seqs[0].truncated and seqs[0].routes is not None and seqs[0].routes.shape == (7, 4)
+    assert (seqs[0].routes[:3] == NO_ROUTE).all() and (seqs[0].routes[3:, 0] == [0, 1, 2, 3]).all()
+    shared = share_prompt(seqs, prompt_length=3, seq_length=20)
+    assert shared[1].routes is not None and (shared[1].routes[:, 0] == [10, 11, 12, 13]).all()
+    ranks = pack_step(shared, step=0, ranks=2, seq_length=20)
+    for mbs in ranks:
+        for packed in mbs:
+            mb = decode(encode(packed), MicroBatch)  # through the wire
+            assert mb.routes is not None
+            rows = decode_routes(mb.routes, len(mb.input_ids), "mb")
+            # a row of routes per token: no routes wherever nothing is trained
+            assert ((rows == NO_ROUTE).all(-1) | np.array(mb.loss_mask, dtype=bool)).all()
+    total = [decode_routes(mb.routes or "", len(mb.input_ids), "mb") for mbs in ranks for mb in mbs]
+    assert sum(len(t) for t in total) == sum(len(mb.input_ids) for mbs in ranks for mb in mbs)
+
+
+def test_a_step_with_routes_on_some_rollouts_only_is_refused_naming_the_groups():
+    seqs = [
+        rollout_sequence(with_routes(make_rollout(3, 5)), [1.0] * 5, "g0", seq_length=50),
+        rollout_sequence(make_rollout(3, 5), [1.0] * 5, "g1", seq_length=50),
+    ]
+    with pytest.raises(
+        ValueError, match=r"step 4: routes of \[4\] bytes per token, and groups \['g1'\] without routes"
+    ):
+        pack_step(seqs, step=4, ranks=1, seq_length=50)
+    bad = make_rollout(3, 5)
+    bad.routes = "AAAA"  # 3 bytes for 5 tokens
+    with pytest.raises(ValueError, match="group g2: routes of 3 bytes do not split into 5 tokens"):
+        rollout_sequence(bad, [1.0] * 5, "g2", seq_length=50)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from pipeline_rl.core.routes import encode_routes, no_routes
 from pipeline_rl.streams.records import Rollout
 
 
@@ -21,6 +24,8 @@ class Transcript:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.mask: list[int] = []
+        self.routes: list[np.ndarray] | None = []
+        """With routing replay, each turn's and each environment message's rows of routes."""
         self.turns = 0
         self.finish_reason = ""
 
@@ -40,6 +45,11 @@ class Transcript:
         self.logprobs += completion.logprobs
         self.versions += completion.versions
         self.mask += [1] * n
+        routes = getattr(completion, "routes", None)
+        if routes is None or self.routes is None:
+            self.routes = None
+        else:
+            self.routes.append(routes.reshape(n, -1))
         self.turns += 1
         self.finish_reason = completion.finish_reason
 
@@ -51,6 +61,8 @@ class Transcript:
         self.logprobs += [0.0] * n
         self.versions += [-1] * n
         self.mask += [0] * n
+        if self.routes:
+            self.routes.append(no_routes(n, self.routes[0].shape[1]))
 
     def rollout(self, reward: float, finish_reason: str | None = None, **metadata: Any) -> Rollout:
         if not self.turns:
@@ -63,5 +75,6 @@ class Transcript:
             reward=float(reward),
             finish_reason=finish_reason or self.finish_reason,
             mask=list(self.mask),
+            routes=encode_routes(np.concatenate(self.routes)) if self.routes else None,
             metadata={"turns": self.turns, **metadata},
         )

@@ -40,6 +40,7 @@ from typing import Any, cast
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.core.plugins import load_plugin
+from pipeline_rl.core.routes import encode_routes
 from pipeline_rl.rollouts.interface import Generator, RolloutFn, Sample
 from pipeline_rl.streams.records import Rollout
 
@@ -77,6 +78,11 @@ async def sample(llm: Generator, prompt_ids: list[int], cfg: RunConfig) -> list[
     return list(completions)
 
 
+def _routes(completion: Sample) -> str | None:
+    routes = getattr(completion, "routes", None)  # a plug-in's own Sample may predate routes
+    return None if routes is None else encode_routes(routes)
+
+
 def make_rollout(
     prompt_ids: list[int], completion: Sample, reward: float, error: str | None = None, **metadata: Any
 ) -> Rollout:
@@ -91,5 +97,6 @@ def make_rollout(
         versions=list(completion.versions),
         reward=float(reward),
         finish_reason=completion.finish_reason,
+        routes=_routes(completion),
         metadata=metadata,
     )
