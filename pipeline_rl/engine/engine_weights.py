@@ -37,6 +37,7 @@ from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 from pipeline_rl.engine.cpu_experts import ExpertRepack
+from pipeline_rl.engine.fused_experts import per_expert
 from pipeline_rl.engine.host_copy import HostSpans
 
 log = logging.getLogger(__name__)
@@ -358,7 +359,9 @@ class EngineWeights:
         check_update(named_tensors, self._expected, self._optional)
 
     def prepare(self, named_tensors: Named) -> Prepared:
-        """Check an update and bind it to the copy plan (no lock needed); raises ValueError."""
+        """Check an update and bind it to the copy plan (no lock needed); raises ValueError. A
+        trainer's fused expert tensors are taken as the checkpoint's per-expert ones."""
+        named_tensors = per_expert(named_tensors)
         self.check(named_tensors)
         if self.plan is None:
             return Prepared(named=named_tensors)

@@ -158,11 +158,18 @@ def test_a_swap_mid_rollout_keeps_each_tokens_routes_with_the_weights_that_route
         hook.swap(weights_a.items(), hook.version + 1)
 
 
-def test_a_swap_into_the_cpu_experts_takes_effect_at_the_next_decode_step(client, moe_model, tmp_path):
+@pytest.mark.parametrize("names", ["checkpoint", "trainer"])
+def test_a_swap_into_the_cpu_experts_takes_effect_at_the_next_decode_step(client, moe_model, tmp_path, names):
     """vLLM's CPU kernel computes from repacked expert weights (engine/cpu_experts.py): the
-    swap's tokens after it are B's on A's cache, as for a dense model."""
+    swap's tokens after it are B's on A's cache, as for a dense model; whether the update names
+    one tensor per expert (the checkpoint) or the fused ones a transformers trainer holds."""
     weights_a = load_file(str(moe_model / "model.safetensors"))
     weights_b = perturbed(weights_a, seed=2)
+    if names == "trainer":
+        sent = dict(hf_moe(moe_model, weights_b, tmp_path / "sent").state_dict())
+        assert any(name.endswith("mlp.experts.gate_up_proj") for name in sent)
+    else:
+        sent = weights_b
     hook = client.hook
     try:
         swap_during_generation(
@@ -170,7 +177,7 @@ def test_a_swap_into_the_cpu_experts_takes_effect_at_the_next_decode_step(client
             moe_model,
             weights_a,
             weights_b,
-            lambda: hook.swap(weights_b.items(), hook.version + 1),
+            lambda: hook.swap(sent.items(), hook.version + 1),
             model_of=lambda weights: hf_moe(moe_model, {} if weights is weights_a else weights, tmp_path),
         )
     finally:
