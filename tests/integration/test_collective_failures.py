@@ -176,9 +176,14 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
 
         procs.append(start(2))  # the replacement, at the same rank
         sender.send(4, _weights(4), announce, bucket_mb=1)
-        assert sender.members == [0, 1]
         got = reports(4)
-        assert got[1] == "ok" and got[2].startswith("NotMember"), got
+        # A group takes the receivers registered by the time it is formed: the replacement, if
+        # it registered by then (under load it can), receives update 4; if not, it is told
+        # NotMember and receives nothing.
+        if sender.members == [0, 1]:
+            assert got[1] == "ok" and got[2].startswith("NotMember"), got
+        else:
+            assert sender.members == [0, 1, 2] and got == {1: "ok", 2: "ok"}, (sender.members, got)
 
         sender.send(5, _weights(5), announce, bucket_mb=1)
         assert sender.members == [0, 1, 2]
