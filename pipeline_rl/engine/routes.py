@@ -34,7 +34,7 @@ class RouteShape:
     """Experts each router picks per token."""
 
 
-def moe_routers(model: torch.nn.Module) -> list[Any]:
+def vllm_routers(model: torch.nn.Module) -> list[Any]:
     """The routers of a vLLM model's MoE layers, in layer order (empty for a dense model)."""
     return [m.router for m in model.modules() if hasattr(getattr(m, "router", None), "set_capture_fn")]
 
@@ -45,7 +45,7 @@ class RouteRecorder:
     request's completion routes over and forgets the request."""
 
     def __init__(self, runner: Any, top_k: int) -> None:
-        routers = moe_routers(runner.model)
+        routers = vllm_routers(runner.model)
         if not routers:
             raise ValueError("routing replay needs a mixture-of-experts model; the engine's model has no MoE layer")
         self.shape = RouteShape(len(routers), top_k)

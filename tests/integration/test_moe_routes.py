@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 from fixtures.helpers import perturbed
-from fixtures.swap_checks import swap_during_generation
+from fixtures.swap_checks import generate_with_swap, swap_during_generation
 from safetensors.torch import load_file, save_file
 
 from pipeline_rl.config import load_config
@@ -121,19 +119,7 @@ def test_a_swap_mid_rollout_keeps_each_tokens_routes_with_the_weights_that_route
     hook = client.hook
     old, new = hook.version, hook.version + 1
     prompt = client.tokenizer.encode("Q: 12+34=")
-    swap_after = 30
-
-    def swap_when_due(start: int):
-        while hook.forward_passes < start + swap_after:
-            time.sleep(0.0005)
-        hook.swap(weights_b.items(), new)
-
-    thread = threading.Thread(target=swap_when_due, args=(hook.forward_passes,))
-    thread.start()
-    try:
-        [c] = asyncio.run(client.generate(prompt, 1, 100, 0.0, ignore_eos=True))
-    finally:
-        thread.join()
+    c = generate_with_swap(client, prompt, 100, lambda: hook.swap(weights_b.items(), new), swap_after=30)
     try:
         s = c.versions.index(new)  # first token sampled by the new weights
         assert c.versions == [old] * s + [new] * (len(c.token_ids) - s) and s < len(c.token_ids) - 20
