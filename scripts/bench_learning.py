@@ -216,6 +216,21 @@ STABILITY = ("entropy", "behaviour_kl", "clip_fraction", "ess", "grad_norm")
 """Step metrics that explain a fall of the held-out reward, averaged over the run's last third."""
 
 
+CONSISTENCY = ("mismatch/lag0_kl", "mismatch/lag0_abs_logprob_diff")
+"""Step metrics of how far the trainer's logprobs are from the engine's on tokens of the version
+being trained (lag 0: the same weights), averaged over the whole run; with an MoE policy they
+show what routing replay (shared.routing_replay) removes."""
+
+
+def run_means(steps: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
+    means = {}
+    for key in keys:
+        values = [r["values"][key] for r in steps if isinstance(r["values"].get(key), (int, float))]
+        if values:
+            means[key.removeprefix("mismatch/")] = sum(values) / len(values)
+    return means
+
+
 def late_means(steps: list[dict]) -> dict[str, float]:
     tail = steps[len(steps) * 2 // 3 :]
     means = {}
@@ -280,6 +295,8 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         "cpu_per_version": cpu_per_version(records, steps),
         "costs": version_costs(records, steps),
         "late": late_means(steps),
+        "consistency": run_means(steps, CONSISTENCY),
+        "lag0_kl": series(steps, t0, CONSISTENCY[0]),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         # Agent runs: the actor's tool calls per training rollout, per metrics window.
         "tool_calls": series(records, t0, "agent/tool_calls_per_rollout"),
@@ -352,6 +369,28 @@ def save_tool_plots(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def save_lag0_plot(results: list[dict], path: Path) -> None:
+    """The trainer's KL to the engine on lag-0 tokens, per step, of each pipeline_rl run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r.get("lag0_kl"):
+            xs, ys = zip(*r["lag0_kl"])
+            ax.plot(xs, ys, label=r["mode"])
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("KL(engine || trainer), lag-0 tokens")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def report(results: list[dict], out: Path, conf: str) -> None:
     print(f"\n=== bench_learning: held-out mean reward (T=1), conf={conf}, {out.name} ===")
     print(f"(rewards are moving averages of {learning_curve.WINDOW} evaluations; drop: the worst fall after the best)")
@@ -365,6 +404,8 @@ def report(results: list[dict], out: Path, conf: str) -> None:
         )
         if r["late"]:
             print("        last third: " + ", ".join(f"{k} {v:.3g}" for k, v in r["late"].items()))
+        if r["consistency"]:
+            print("        whole run, lag 0: " + ", ".join(f"{k} {v:.3g}" for k, v in r["consistency"].items()))
         if r["costs"]:
             print("        s per version: " + ", ".join(f"{k} {v:.4f}" for k, v in r["costs"].items()))
         if r["mode"] != "trl":
@@ -388,6 +429,9 @@ def report(results: list[dict], out: Path, conf: str) -> None:
     if any(r.get("tool_calls") for r in results):
         save_tool_plots(results, out / "tool_calls.png")
         print(f"held-out reward and tool calls per rollout: {out / 'tool_calls.png'}")
+    if any(r.get("lag0_kl") for r in results):
+        save_lag0_plot(results, out / "lag0_kl.png")
+        print(f"lag-0 KL between trainer and engine: {out / 'lag0_kl.png'}")
     by = {r["mode"]: r for r in results}
     trl = by.get("trl")
     for name, pipe in by.items():

@@ -10,12 +10,17 @@ redis-server on a free port. Every process reports its peak RSS and its CPU time
 Goals: Redis layer >= 50% of raw Redis with 1 KB and with 64 KB records; JSONL >= 100 MB/s with
 1 KB records.
 
-    python scripts/bench_streams.py [--count-1k 20000] [--count-64k 1000] [--rounds 2]
+With `--routes-bytes N` it also runs both layers on the same groups carrying routing replay's
+routes (N bytes per token: MoE layers x top_k; base64 in the record, pipeline_rl/core/routes.py)
+and prints the bytes they add per token and the tokens/s with routes against without.
+
+    python scripts/bench_streams.py [--count-1k 20000] [--count-64k 1000] [--rounds 2] [--routes-bytes N]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import resource
@@ -37,10 +42,11 @@ RAW_BATCH_RECORDS, RAW_BATCH_BYTES = 256, 4 << 20
 RAW_MAXLEN = 100000  # same trimming as the layer's default (streams.redis.maxlen)
 
 
-def make_group(target_bytes: int) -> RolloutGroup:
-    """A RolloutGroup of 4 rollouts whose encoding is about `target_bytes` long."""
+def make_group(target_bytes: int, routes_bytes: int = 0) -> RolloutGroup:
+    """A RolloutGroup of 4 rollouts whose encoding is about `target_bytes` long; with
+    `routes_bytes`, the same tokens each carry that many bytes of routes besides."""
 
-    def build(tokens: int) -> RolloutGroup:
+    def build(tokens: int, routes: int = 0) -> RolloutGroup:
         rollouts = [
             Rollout(
                 prompt_ids=list(range(1000, 1000 + 16)),
@@ -49,13 +55,20 @@ def make_group(target_bytes: int) -> RolloutGroup:
                 versions=[3] * tokens,
                 reward=1.0,
                 finish_reason="stop",
+                routes=base64.b64encode(bytes((7 * i) % 128 for i in range(tokens * routes))).decode()
+                if routes
+                else None,
             )
             for r in range(4)
         ]
         return RolloutGroup(problem_id="p", group_id="g", rollouts=rollouts)
 
     per_token = (len(encode(build(200))) - len(encode(build(0)))) / 200
-    return build(max(0, round((target_bytes - len(encode(build(0)))) / per_token)))
+    return build(max(0, round((target_bytes - len(encode(build(0)))) / per_token)), routes_bytes)
+
+
+def group_tokens(record: RolloutGroup) -> int:
+    return sum(len(r.completion_ids) for r in record.rollouts)
 
 
 def codec_us(size: int) -> tuple[float, float]:
@@ -97,7 +110,7 @@ def redis_client(port: int):
 
 
 def role_writer(args) -> dict:
-    record = make_group(args.size)
+    record = make_group(args.size, args.routes)
     streams = open_streams(load_saved_config(Path(args.run_dir) / "config.yaml"))
     writer = streams.writer(TOPIC)
     t0, cpu0 = time.time(), cpu_s()
@@ -105,7 +118,13 @@ def role_writer(args) -> dict:
         writer.write(record)
     writer.flush()
     streams.close()
-    return {"t0": t0, "t_done": time.time(), "cpu_s": cpu_s() - cpu0, "bytes": len(encode(record)) * args.count}
+    return {
+        "t0": t0,
+        "t_done": time.time(),
+        "cpu_s": cpu_s() - cpu0,
+        "bytes": len(encode(record)) * args.count,
+        "tokens": group_tokens(record) * args.count,
+    }
 
 
 def role_reader(args) -> dict:
@@ -190,9 +209,10 @@ def spawn(role: str, common: list[str], workdir: Path) -> tuple[subprocess.Popen
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}), result
 
 
-def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict:
-    """kind: jsonl, redis (the stream layer) or raw (plain redis-py)."""
-    case_dir = workdir / f"{kind}-{size}"
+def run_case(kind: str, size: int, count: int, port: int, workdir: Path, routes: int = 0) -> dict:
+    """kind: jsonl, redis (the stream layer) or raw (plain redis-py); routes: bytes of routes per
+    token on every rollout (the stream layer only)."""
+    case_dir = workdir / f"{kind}-{size}-{routes}"
     case_dir.mkdir(parents=True)
     ready = case_dir / "ready"
     common = [
@@ -208,6 +228,8 @@ def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict
         str(case_dir / "run"),
         "--key",
         f"bench:raw:{size}",
+        "--routes",
+        str(routes),
     ]
     if kind != "raw":
         cfg = load_config(
@@ -236,6 +258,7 @@ def run_case(kind: str, size: int, count: int, port: int, workdir: Path) -> dict
     shutil.rmtree(case_dir / "run", ignore_errors=True)
     return {
         "records_s": count / seconds,
+        "tokens_s": w.get("tokens", 0) / seconds,
         "mb_s": w["bytes"] / seconds / 1e6,
         "seconds": seconds,
         "record_bytes": w["bytes"] // count,
@@ -252,10 +275,16 @@ def main() -> None:
     parser.add_argument("--count-1k", type=int, default=20000, help="records in the ~1 KB runs")
     parser.add_argument("--count-64k", type=int, default=1000, help="records in the ~64 KB runs")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each case; the best counts")
+    parser.add_argument(
+        "--routes-bytes",
+        type=int,
+        default=0,
+        help="also run both layers with routing replay's routes of this many bytes per token (MoE layers x top_k)",
+    )
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     for name in ("--result", "--run-dir", "--ready", "--key"):
         parser.add_argument(name, help=argparse.SUPPRESS)
-    for name in ("--size", "--count", "--port"):
+    for name in ("--size", "--count", "--port", "--routes"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
@@ -267,20 +296,27 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench_streams_"))
     server, port = start_redis(workdir)
     cases = [
-        (kind, size, count)
+        (kind, size, count, 0)
         for size, count in ((1024, args.count_1k), (65536, args.count_64k))
         for kind in ("jsonl", "redis", "raw")
     ]
+    if args.routes_bytes:
+        cases += [
+            (kind, size, count, args.routes_bytes)
+            for size, count in ((1024, args.count_1k), (65536, args.count_64k))
+            for kind in ("jsonl", "redis")
+        ]
     best: dict[tuple, dict] = {}
     try:
         # The machine is shared: run every case `rounds` times, interleaved, and keep the best.
         for round_ in range(args.rounds):
-            for kind, size, count in cases:
-                res = run_case(kind, size, count, port, workdir / f"round{round_}")
+            for kind, size, count, routes in cases:
+                res = run_case(kind, size, count, port, workdir / f"round{round_}", routes)
                 if res["dead"]:
                     raise SystemExit(f"{kind} {size} B: {res['dead']} dead letters")
-                if (kind, size) not in best or res["records_s"] > best[kind, size]["records_s"]:
-                    best[kind, size] = res
+                key = (kind, size, routes)
+                if key not in best or res["records_s"] > best[key]["records_s"]:
+                    best[key] = res
         redis_rss = redis_peak_rss_mb(server.pid)
     finally:
         server.terminate()
@@ -292,9 +328,9 @@ def main() -> None:
         f"{'case':<16}{'record':>9}{'records/s':>12}{'MB/s':>9}{'writer CPU':>12}{'reader CPU':>12}"
         f"{'writer RSS':>12}{'reader RSS':>12}"
     )
-    for kind, size, _ in cases:
-        res = best[kind, size]
-        name = "raw redis-py" if kind == "raw" else f"{kind} layer"
+    for kind, size, _, routes in cases:
+        res = best[kind, size, routes]
+        name = "raw redis-py" if kind == "raw" else f"{kind} layer" + ("+routes" if routes else "")
         print(
             f"{name:<16}{res['record_bytes']:>8}B{res['records_s']:>12,.0f}{res['mb_s']:>9.1f}"
             f"{res['writer_cpu_us']:>10.0f}us{res['reader_cpu_us']:>10.0f}us"
@@ -302,14 +338,26 @@ def main() -> None:
         )
     print(f"redis-server peak RSS: {redis_rss:.0f} MB")
     for size in (1024, 65536):
-        ratio = best["redis", size]["records_s"] / best["raw", size]["records_s"]
+        ratio = best["redis", size, 0]["records_s"] / best["raw", size, 0]["records_s"]
         enc, dec = codec_us(size)
         print(
             f"~{size // 1024} KB: redis layer / raw redis-py = {ratio:.2f} (goal >= 0.50); "
-            f"jsonl layer {best['jsonl', size]['mb_s']:.0f} MB/s"
+            f"jsonl layer {best['jsonl', size, 0]['mb_s']:.0f} MB/s"
             + (" (goal >= 100)" if size == 1024 else "")
             + f"; codec per record (raw does none): encode {enc:.0f} us, decode {dec:.0f} us"
         )
+    if args.routes_bytes:
+        for size in (1024, 65536):
+            plain, routed = make_group(size), make_group(size, args.routes_bytes)
+            added = (len(encode(routed)) - len(encode(plain))) / group_tokens(plain)
+            print(
+                f"~{size // 1024} KB of tokens with {args.routes_bytes} B of routes per token: the record grows by "
+                f"{added:.1f} B per token; tokens/s with routes / without: "
+                + ", ".join(
+                    f"{kind} {best[kind, size, args.routes_bytes]['tokens_s'] / best[kind, size, 0]['tokens_s']:.2f}"
+                    for kind in ("jsonl", "redis")
+                )
+            )
 
 
 def redis_peak_rss_mb(pid: int) -> float:

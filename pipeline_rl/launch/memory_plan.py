@@ -1,8 +1,9 @@
 """The GPU memory plan that `--dry-run` prints: what one actor GPU and one trainer GPU hold,
 estimated from the model's config.json and the run config, against world.gpu_memory_gib.
 
-An estimate for decoder-only models of the Llama / Qwen2 shape (attention with grouped KV
-heads, a gated MLP); it counts the large terms and leaves a margin for the rest:
+An estimate for decoder-only models of the Llama / Qwen2 / Qwen3 shape (attention with grouped KV
+heads, a gated MLP, or in MoE layers routed experts with an optional shared expert); it counts
+the large terms and leaves a margin for the rest:
 - actor GPU (vLLM, tensor parallel t): vLLM takes gpu_memory_utilization of the GPU for its
   shard of the weights (1/t), activations and the KV cache; the weight receiver's staging
   buffer lies outside it (a whole model, or one message when staged on host, where each TP
@@ -49,41 +50,97 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    head_dim: int | None = None
+    """Per attention head (Qwen3 sets it apart from hidden / heads); None: hidden / heads."""
+    qk_norm: bool = False
+    """Qwen3's RMSNorm of each head's queries and keys (head_dim weights each)."""
+    experts: int = 0
+    """Mixture of experts: routed experts per MoE layer (0: a dense model)."""
+    top_k: int = 0
+    """Experts the router picks per token."""
+    moe_intermediate: int = 0
+    """Each expert's MLP width."""
+    shared_expert_intermediate: int = 0
+    """Qwen2-MoE's shared expert, run for every token beside the routed ones (0: none)."""
+    moe_layers: int = 0
+    """Layers whose MLP is the experts; the others (decoder_sparse_step, mlp_only_layers) are dense."""
 
     @classmethod
     def read(cls, model_dir: str | Path) -> ModelShape:
         c = json.loads((Path(model_dir) / "config.json").read_text())
+        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        layers = c["num_hidden_layers"]
+        moe_layers = 0
+        if experts:
+            step = c.get("decoder_sparse_step") or 1
+            dense = set(c.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
         return cls(
             c["hidden_size"],
-            c["num_hidden_layers"],
+            layers,
             c["num_attention_heads"],
             c.get("num_key_value_heads", c["num_attention_heads"]),
             c["intermediate_size"],
             c["vocab_size"],
             bool(c.get("tie_word_embeddings", False)),
-            bool(c.get("attention_bias", c.get("model_type") == "qwen2")),  # Qwen2 has q/k/v biases
+            # Qwen2 and Qwen2-MoE have q/k/v biases
+            bool(c.get("attention_bias", c.get("qkv_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))),
+            head_dim=c.get("head_dim"),
+            qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
+            experts=experts,
+            top_k=c.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate=c.get("moe_intermediate_size") or (c["intermediate_size"] if experts else 0),
+            shared_expert_intermediate=c.get("shared_expert_intermediate_size") or 0,
+            moe_layers=moe_layers,
         )
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.head_size * self.heads
+
+    @property
     def kv_dim(self) -> int:
-        return self.hidden // self.heads * self.kv_heads
+        return self.head_size * self.kv_heads
+
+    @property
+    def moe_mlp_params(self) -> int:
+        """One MoE layer's MLP: the experts, the router, and the shared expert with its gate."""
+        h = self.hidden
+        shared = 3 * h * self.shared_expert_intermediate + h if self.shared_expert_intermediate else 0
+        return self.experts * 3 * h * self.moe_intermediate + self.experts * h + shared
 
     @property
     def params(self) -> int:
         h = self.hidden
-        layer = 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
+        attention = 2 * h * self.q_dim + 2 * h * self.kv_dim + 2 * h
         if self.qkv_bias:
-            layer += h + 2 * self.kv_dim
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+            attention += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attention += 2 * self.head_size
+        dense_mlp = 3 * h * self.intermediate
+        mlps = (self.layers - self.moe_layers) * dense_mlp + self.moe_layers * self.moe_mlp_params
+        return self.vocab * h * (1 if self.tied else 2) + self.layers * attention + mlps + h
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: only the top_k experts of each MoE layer."""
+        if not self.experts:
+            return self.params
+        idle = (self.experts - self.top_k) * 3 * self.hidden * self.moe_intermediate
+        return self.params - self.moe_layers * idle
 
     def lora_params(self, lora: LoraConfig, rank: int | None = None) -> int:
         """Elements of the LoRA adapter (A: rank x in, B: out x rank per target layer)."""
         h, kv, inter = self.hidden, self.kv_dim, self.intermediate
         per_layer = {
-            "q_proj": (h, h),
+            "q_proj": (h, self.q_dim),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
-            "o_proj": (h, h),
+            "o_proj": (self.q_dim, h),
             "gate_proj": (h, inter),
             "up_proj": (h, inter),
             "down_proj": (inter, h),
@@ -96,8 +153,13 @@ class ModelShape:
 
     @property
     def largest_tensor(self) -> int:
-        """Elements of the largest single tensor (the embedding, or an MLP matrix)."""
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+        """Elements of the largest single tensor the trainer sends: the embedding, an MLP matrix,
+        or (MoE) one layer's experts, which transformers keeps fused in one tensor."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.experts * 2 * self.moe_intermediate * self.hidden)
+
+    def routes_bytes_per_token(self) -> int:
+        """Routing replay's routes of one token on the stream: a byte per MoE layer and pick, in base64."""
+        return math.ceil(self.moe_layers * self.top_k * 4 / 3)
 
 
 def memory_plan(cfg: RunConfig) -> list[str]:
@@ -109,11 +171,25 @@ def memory_plan(cfg: RunConfig) -> list[str]:
 
 
 def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
-    """The plan, one line per item, each ending in 'fits' or 'DOES NOT FIT'."""
+    """The plan, one line per item; each line that weighs a GPU ends in 'fits' or 'DOES NOT FIT'."""
     gpu = cfg.world.gpu_memory_gib * GIB
     size = _BYTES[cfg.model.dtype]
     weights = shape.params * size
     lines = [f"memory: model {shape.params / 1e9:.2f} B parameters, {weights / GIB:.1f} GiB in {cfg.model.dtype}"]
+    if shape.experts:
+        lines.append(
+            f"memory: mixture of experts: {shape.experts} experts of width {shape.moe_intermediate} in "
+            f"{shape.moe_layers} of {shape.layers} layers, {shape.top_k} per token: {shape.active_params / 1e9:.2f} B "
+            "parameters active per token; every expert is held, as the trainer's whole model is"
+        )
+    if cfg.shared.routing_replay:
+        per_token = shape.routes_bytes_per_token()
+        tokens = cfg.shared.groups_per_step * cfg.actor.attempts * cfg.actor.max_new_tokens
+        lines.append(
+            f"streams: routing replay adds {per_token} B per generated token to the rollouts (base64 of "
+            f"{shape.moe_layers} MoE layers x top {shape.top_k}), up to {per_token * tokens / 2**20:.1f} MiB per step "
+            f"of {cfg.shared.groups_per_step} groups x {cfg.actor.attempts} attempts x {cfg.actor.max_new_tokens} tokens"
+        )
 
     llm = cfg.actor.llm
     tp = cfg.shared.tensor_parallel_size
@@ -191,11 +267,25 @@ def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) 
     RMSNorm's float32 copy of its input in a bf16 model, attention's float32 log-sum-exp per
     head and two float32 norm statistics; on CUDA, sdpa's kernels also keep contiguous copies of
     2 hidden vectors. Exact for transformers' Qwen2 on CPU (tests/unit/test_memory_plan.py); the
-    CUDA term as measured on an H100."""
+    CUDA term as measured on an H100. In an MoE layer the MLP's term is that of the top_k experts
+    a token goes to (each with its own copy of the token's hidden vector) and of the shared
+    expert, plus the router's float32 logits and probabilities; the figure is the mean over the
+    layers, dense and MoE."""
     h = shape.hidden
     upcast = 4 * h if size < 4 else 0
     kernel = 2 * size * h if cuda else 0
-    return size * (8 * h + 2 * shape.kv_dim + 4 * shape.intermediate) + upcast + kernel + 4 * shape.heads + 8
+    rest = size * (8 * h + 2 * shape.kv_dim) + upcast + kernel + 4 * shape.heads + 8
+    if shape.qk_norm:  # each head's query and key norm: its input and a float32 statistic
+        rest += size * (shape.q_dim + shape.kv_dim) + 4 * (shape.heads + shape.kv_heads)
+    dense_mlp = size * 4 * shape.intermediate
+    if not shape.moe_layers:
+        return rest + dense_mlp
+    # Per routed token: the gathered input, the gate/up output, the activation and product, and
+    # the expert's output with its routing weight.
+    routed = shape.top_k * (size * (2 * h + 4 * shape.moe_intermediate) + 4)
+    moe_mlp = routed + size * 4 * shape.shared_expert_intermediate + 2 * 4 * shape.experts
+    mlps = (shape.layers - shape.moe_layers) * dense_mlp + shape.moe_layers * moe_mlp
+    return rest + math.ceil(mlps / shape.layers)
 
 
 def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[str, int]:
