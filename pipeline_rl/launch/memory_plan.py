@@ -155,7 +155,11 @@ class ModelShape:
     def largest_tensor(self) -> int:
         """Elements of the largest single tensor the trainer sends: the embedding, an MLP matrix,
         or (MoE) one layer's experts, which transformers keeps fused in one tensor."""
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.experts * 2 * self.moe_intermediate * self.hidden)
+        return max(
+            self.vocab * self.hidden,
+            self.hidden * self.intermediate,
+            self.experts * 2 * self.moe_intermediate * self.hidden,
+        )
 
     def routes_bytes_per_token(self) -> int:
         """Routing replay's routes of one token on the stream: a byte per MoE layer and pick, in base64."""
@@ -263,7 +267,8 @@ the probabilities, and the gradient in bf16."""
 
 def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) -> int:
     """Bytes autograd saves per token in one decoder layer (Qwen2/Llama shape, sdpa): the inputs
-    of every matmul and norm (8 hidden, 2 kv and 4 intermediate vectors in the model's dtype),
+    of every matmul and norm (4 hidden, 4 query-sized, 2 kv and 4 intermediate vectors in the
+    model's dtype; a query is a hidden vector unless head_dim says otherwise),
     RMSNorm's float32 copy of its input in a bf16 model, attention's float32 log-sum-exp per
     head and two float32 norm statistics; on CUDA, sdpa's kernels also keep contiguous copies of
     2 hidden vectors. Exact for transformers' Qwen2 on CPU (tests/unit/test_memory_plan.py); the
@@ -274,7 +279,7 @@ def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) 
     h = shape.hidden
     upcast = 4 * h if size < 4 else 0
     kernel = 2 * size * h if cuda else 0
-    rest = size * (8 * h + 2 * shape.kv_dim) + upcast + kernel + 4 * shape.heads + 8
+    rest = size * (4 * h + 4 * shape.q_dim + 2 * shape.kv_dim) + upcast + kernel + 4 * shape.heads + 8
     if shape.qk_norm:  # each head's query and key norm: its input and a float32 statistic
         rest += size * (shape.q_dim + shape.kv_dim) + 4 * (shape.heads + shape.kv_heads)
     dense_mlp = size * 4 * shape.intermediate

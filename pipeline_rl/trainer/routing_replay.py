@@ -40,6 +40,13 @@ class RoutingReplay:
         """Bytes of one token's routes."""
         self._routes: torch.Tensor | None = None
         """(tokens, layers, top_k) expert ids (long), NO_ROUTE where the router decides."""
+        self._counted: set[int] = set()
+        """Layers whose routes of the current micro-batch are counted (checkpointing runs a
+        forward twice)."""
+        self._counts: list[torch.Tensor] = []
+        """Per counted layer forward: (token-layer pairs routed by the engine's routes, those of
+        them whose experts differ from the ones the trainer's router picked), kept on the device
+        so counting never waits for it."""
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(lambda module, args, output, layer=layer: self._replay(module, layer, output))
 
@@ -47,6 +54,7 @@ class RoutingReplay:
         """Route the next forward passes' `tokens` tokens by `routes` (a micro-batch's; None:
         every token by the trainer's routers). Raises ValueError naming `where` when they are not
         this model's routes."""
+        self._counted.clear()
         if routes is None:
             self._routes = None
             return
@@ -59,6 +67,14 @@ class RoutingReplay:
         table = torch.from_numpy(rows.reshape(tokens, len(self.routers), self.top_k).astype(np.int64))
         self._routes = table.to(device)
 
+    def take_counts(self) -> tuple[int, int]:
+        """(replayed, moved) token-layer pairs since the last call, and start counting again."""
+        if not self._counts:
+            return 0, 0
+        replayed, moved = torch.stack(self._counts).sum(dim=0).tolist()
+        self._counts = []
+        return int(replayed), int(moved)
+
     def _replay(self, module: torch.nn.Module, layer: int, output: Any) -> Any:
         if self._routes is None:
             return output
@@ -66,7 +82,13 @@ class RoutingReplay:
         given = self._routes[:, layer, :]
         if given.shape[0] != indices.shape[0]:
             raise ValueError(f"routing replay: routes for {given.shape[0]} tokens, the router saw {indices.shape[0]}")
-        chosen = torch.where(given == NO_ROUTE, indices, given)
+        recorded = given != NO_ROUTE
+        chosen = torch.where(recorded, given, indices)
+        if layer not in self._counted:
+            self._counted.add(layer)
+            rows = recorded.all(dim=-1)
+            same = (given.sort(dim=-1).values == indices.sort(dim=-1).values).all(dim=-1)
+            self._counts.append(torch.stack([rows.sum(), (rows & ~same).sum()]))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         picked = probs.gather(-1, chosen)
         if getattr(module, "norm_topk_prob", False):

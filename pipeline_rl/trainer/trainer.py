@@ -289,6 +289,8 @@ class Trainer:
         local: dict[str, float] = dict(zip(STAT_KEYS, sums.tolist()))
         local.update(rewards=rewards, samples=samples, step_tokens=tokens)
         local.update(zip(CONSISTENCY_KEYS, consistency.tolist()))
+        if self.routing is not None:
+            local["routes_replayed"], local["routes_moved"] = self.routing.take_counts()
         local.update({f"lag{lag}": lags.get(lag, 0) for lag in range(lo, hi + 1)})
         totals = self._all_reduce(local)
         values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
@@ -304,6 +306,21 @@ class Trainer:
                     "mismatch/lag0_kl": totals["lag0_kl"] / totals["lag0_tokens"],
                 }
             )
+        if totals["unswapped_tokens"]:
+            # The lag-0 tokens of rollouts no swap touched: a swap mid-rollout leaves the engine's
+            # KV cache computed by older weights, which the trainer's forward does not repeat.
+            values.update(
+                {
+                    "mismatch/unswapped_tokens": totals["unswapped_tokens"],
+                    "mismatch/unswapped_abs_logprob_diff": totals["unswapped_abs_diff"] / totals["unswapped_tokens"],
+                    "mismatch/unswapped_kl": totals["unswapped_kl"] / totals["unswapped_tokens"],
+                }
+            )
+        if totals.get("routes_replayed"):
+            # How often the engine's experts were not the ones the trainer's router would pick:
+            # what routing replay corrects (token-layer pairs of the step's forward passes).
+            values["routing/replayed"] = totals["routes_replayed"]
+            values["routing/moved_share"] = totals["routes_moved"] / totals["routes_replayed"]
         if totals["behaviour_tokens"]:
             # How far the trained policy has moved from the one that sampled: per-version step
             # size times the lag, the quantity the ratio clip and the lag gate control.
@@ -363,7 +380,13 @@ class Trainer:
         )
         loss, stats = self.loss_fn(inputs, self.cfg.trainer.loss)
         mismatch = consistency_sums(
-            logprobs.detach(), dev["old_logprobs"], dev["loss_mask"], dev["versions"], self.version
+            logprobs.detach(),
+            dev["old_logprobs"],
+            dev["loss_mask"],
+            dev["versions"],
+            dev["seq_index"],
+            len(mb.seq_lengths),
+            self.version,
         )
         return loss, stats, mismatch
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from fixtures.helpers import ROOT, random_qwen2
@@ -207,3 +208,128 @@ def test_lora_adapters_in_the_model_dtype_save_no_more_than_full_fine_tuning():
     # The float32 copies: q/k/v, o, gate and up read hidden-sized inputs, down an intermediate one.
     copies = 4 * (6 * shape.hidden + shape.intermediate) * tokens
     assert _saved_bytes_per_layer(tokens, torch.bfloat16, False, lora, None) >= per_token * tokens + copies / 2
+
+
+# Qwen3-30B-A3B's published shape (config.json values): 30.5 B parameters, 3.3 B active.
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
+
+def _moe_model(kind: str, layers: int = 3, dtype=None):
+    """A small real MoE causal LM: Qwen3-MoE with one dense layer (mlp_only_layers) and a head_dim
+    apart from hidden / heads, or Qwen2-MoE with a shared expert and MoE on every other layer."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, head_dim=24, mlp_only_layers=[0])
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        config = Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, decoder_sparse_step=2)
+        model = Qwen2MoeForCausalLM(config)
+    config._attn_implementation = "sdpa"
+    return model if dtype is None else model.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_moe_parameter_count_matches_a_real_model(tmp_path, kind):
+    """Every expert, the routers, a shared expert and its gate, Qwen3's q/k norms and head_dim,
+    dense layers among the MoE ones: counted exactly; active parameters leave out the experts a
+    token does not go to."""
+    model = _moe_model(kind)
+    model.config.save_pretrained(tmp_path)
+    shape = ModelShape.read(tmp_path)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.experts == 8 and shape.top_k == 2
+    assert shape.moe_layers == (2 if kind == "qwen3_moe" else 1)
+    idle = shape.moe_layers * (8 - 2) * 3 * 64 * 32
+    assert shape.active_params == shape.params - idle
+
+
+def test_the_plan_counts_every_expert_and_the_routes_on_the_stream(tmp_path):
+    """Qwen3-30B-A3B: 30.5 B parameters held (3.35 B active per token); with routing replay a
+    generated token carries 48 layers x 8 experts = 384 bytes, 512 in base64."""
+    cfg_lines = plan(
+        tmp_path, "shared.routing_replay=true", "shared.tensor_parallel_size=1", conf="math_32b", shape=QWEN3_30B_A3B
+    )
+    assert cfg_lines[0].startswith("memory: model 30.53 B parameters"), cfg_lines
+    experts = next(line for line in cfg_lines if "mixture of experts" in line)
+    assert "128 experts of width 768 in 48 of 48 layers, 8 per token: 3.35 B parameters active" in experts
+    routes = next(line for line in cfg_lines if line.startswith("streams: routing replay"))
+    assert "adds 512 B per generated token" in routes
+    dense = plan(tmp_path, conf="math_32b", shape=QWEN3_30B_A3B)
+    assert not any("routing replay" in line for line in dense)
+    # The trainer holds all 30.5 B: 16 bytes each over its ranks under ZeRO-3.
+    cfg = load_config("math_32b", [f"model.path={tmp_path}"])
+    from pipeline_rl.launch.memory_plan import trainer_bytes
+
+    state = trainer_bytes(cfg, ModelShape.read(tmp_path))["model and optimizer state"]
+    assert state == int(ModelShape.read(tmp_path).params * 16 / cfg.world.trainers)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_moe_activation_bytes_are_a_floor_of_what_autograd_saves(dtype_name):
+    """For transformers' Qwen3-MoE on CPU the plan's per-token bytes (mean over dense and MoE
+    layers) are all saved for backward; what it leaves out is the routing's index bookkeeping
+    (the expert each routed row goes to, the sort that groups rows by expert): 352 bytes per
+    token and layer in float32 and 476 in bfloat16 on this model (byte counts of tensors, the
+    same on every CPU), under two float32 hidden vectors here and a small share at real widths,
+    where one layer keeps tens of kilobytes per token."""
+    import torch
+
+    from pipeline_rl.launch.memory_plan import activation_bytes_per_token
+
+    dtype = getattr(torch, dtype_name)
+    size = torch.finfo(dtype).bits // 8
+    tokens = 128
+
+    def saved(layers: int) -> int:
+        model = _moe_model("qwen3_moe", layers, dtype)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(
+                input_ids=torch.randint(0, 512, (1, tokens)), position_ids=torch.arange(tokens)[None], use_cache=False
+            )
+        return sum(n for ptr, n in storages.items() if ptr not in params)
+
+    # Layers 1 and 2 of 3 are MoE (layer 0 dense): the difference of 3 and 1 layers is two MoE layers.
+    measured = (saved(3) - saved(1)) / 2 / tokens
+    with tempfile.TemporaryDirectory() as d:
+        config = _moe_model("qwen3_moe", 2).config
+        config.mlp_only_layers = []
+        config.save_pretrained(d)
+        per_token = activation_bytes_per_token(ModelShape.read(d), size, cuda=False)
+    assert per_token <= measured < per_token + 2 * 4 * 64, (per_token, measured)

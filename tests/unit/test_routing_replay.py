@@ -83,3 +83,27 @@ def test_routes_of_another_shape_are_refused_naming_the_micro_batch(model):
         replay.set(encode_routes(wrong), T, "step 3, micro-batch 1", torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         RoutingReplay(torch.nn.Linear(2, 2))
+
+
+def test_the_counts_say_how_many_routes_the_replay_moved(model):
+    """Token-layer pairs the engine's routes decided, and those whose experts differ from the
+    router's own pick; a forward run again for the same micro-batch (gradient checkpointing's
+    recompute) is not counted twice."""
+    ids = torch.randint(2, 200, (1, T), generator=torch.Generator().manual_seed(3))
+    replay = RoutingReplay(model)
+    own = own_routes(model, ids)
+    layers = len(replay.routers)
+    replay.set(encode_routes(own), T, "here", torch.device("cpu"))
+    with torch.no_grad():
+        model(ids)
+    assert replay.take_counts() == (T * layers, 0)
+    # Every expert moved by one (a different pair of 8) on the second half; the first half unrecorded.
+    other = (own + 1) % EXPERTS
+    other[: T // 2] = NO_ROUTE
+    replay.set(encode_routes(other.astype(np.uint8)), T, "here", torch.device("cpu"))
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+    assert replay.take_counts() == (T // 2 * layers, T // 2 * layers)
+    assert replay.take_counts() == (0, 0)
+    replay.set(None, T, "here", torch.device("cpu"))
