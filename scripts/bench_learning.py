@@ -394,7 +394,8 @@ def save_lag0_plot(results: list[dict], path: Path) -> None:
             ys = [sum(v for _, v in c) / len(c) for c in chunks]
             ax.plot(xs, ys, marker=".", label=r["mode"])
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel(f"KL(engine || trainer), unswapped lag-0 tokens, mean of {SMOOTH_STEPS} steps")
+    ax.set_ylabel("KL(engine || trainer)")
+    ax.set_title(f"unswapped lag-0 tokens, means of {SMOOTH_STEPS} steps")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
