@@ -335,13 +335,25 @@ def plot(results: list[dict], ax) -> None:
     ax.legend()
 
 
-def save_plots(per_model: list[tuple[str, list[dict]]], path: Path) -> None:
-    """One panel of curves per model, side by side."""
+def pyplot():
+    """matplotlib's pyplot, drawing to files only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_plots(per_model: list[tuple[str, list[dict]]], path: Path) -> None:
+    """One panel of curves per model, side by side."""
+    plt = pyplot()
     cols = min(len(per_model), 3)
     rows = (len(per_model) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
@@ -350,18 +362,12 @@ def save_plots(per_model: list[tuple[str, list[dict]]], path: Path) -> None:
         ax.set_title(model)
     for ax in list(axes.flat)[len(per_model) :]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def save_tool_plots(results: list[dict], path: Path) -> None:
     """Agent runs: the held-out reward and the tool calls per training rollout, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (reward, calls) = plt.subplots(1, 2, figsize=(12, 4))
     plot(results, reward)
     for r in results:
@@ -372,19 +378,13 @@ def save_tool_plots(results: list[dict], path: Path) -> None:
     calls.set_ylabel("tool calls per training rollout")
     calls.grid(alpha=0.3)
     calls.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def save_lag0_plot(results: list[dict], path: Path) -> None:
     """The trainer's KL to the engine on unswapped lag-0 tokens of each pipeline_rl run, as means
     of SMOOTH_STEPS steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         points = r.get("unswapped_kl") or []
@@ -399,9 +399,7 @@ def save_lag0_plot(results: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def report(results: list[dict], out: Path, conf: str) -> None:
