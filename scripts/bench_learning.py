@@ -230,22 +230,13 @@ SMOOTH_STEPS = 50
 """Steps per point of the lag-0 plot: one step's figure is near 0 or far from it, by chance."""
 
 
-def run_means(steps: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
+def step_means(steps: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
+    """Mean of each of `keys` over the step records that have it (keys without "mismatch/")."""
     means = {}
     for key in keys:
         values = [r["values"][key] for r in steps if isinstance(r["values"].get(key), (int, float))]
         if values:
             means[key.removeprefix("mismatch/")] = sum(values) / len(values)
-    return means
-
-
-def late_means(steps: list[dict]) -> dict[str, float]:
-    tail = steps[len(steps) * 2 // 3 :]
-    means = {}
-    for key in STABILITY:
-        values = [r["values"][key] for r in tail if isinstance(r["values"].get(key), (int, float))]
-        if values:
-            means[key] = sum(values) / len(values)
     return means
 
 
@@ -302,8 +293,8 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         "step_split": step_split(steps),
         "cpu_per_version": cpu_per_version(records, steps),
         "costs": version_costs(records, steps),
-        "late": late_means(steps),
-        "consistency": run_means(steps, CONSISTENCY),
+        "late": step_means(steps[len(steps) * 2 // 3 :], STABILITY),
+        "consistency": step_means(steps, CONSISTENCY),
         "unswapped_kl": series(steps, t0, "mismatch/unswapped_kl"),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         # Agent runs: the actor's tool calls per training rollout, per metrics window.

@@ -8,6 +8,7 @@ trainer replays them (trainer/routing_replay.py)."""
 from __future__ import annotations
 
 import base64
+import math
 
 import numpy as np
 
@@ -18,6 +19,11 @@ NO_ROUTE = 255
 def encode_routes(routes: np.ndarray) -> str:
     """Base64 of a (tokens, ...) uint8 array."""
     return base64.b64encode(np.ascontiguousarray(routes, dtype=np.uint8).tobytes()).decode("ascii")
+
+
+def encoded_bytes_per_token(width: int) -> int:
+    """Bytes a record spends on one token's routes of `width` bytes (base64: 4 per 3)."""
+    return math.ceil(width * 4 / 3)
 
 
 def decode_routes(text: str, tokens: int, where: str) -> np.ndarray:

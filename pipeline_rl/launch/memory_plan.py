@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_rl.config import MASK_FREE_ATTENTION, LoraConfig, RunConfig, attention_kernel
+from pipeline_rl.core.routes import encoded_bytes_per_token
 from pipeline_rl.engine.adapter_slot import engine_max_rank
 
 GIB = 2**30
@@ -162,8 +163,8 @@ class ModelShape:
         )
 
     def routes_bytes_per_token(self) -> int:
-        """Routing replay's routes of one token on the stream: a byte per MoE layer and pick, in base64."""
-        return math.ceil(self.moe_layers * self.top_k * 4 / 3)
+        """Routing replay's routes of one token on the stream: a byte per MoE layer and pick."""
+        return encoded_bytes_per_token(self.moe_layers * self.top_k)
 
 
 def memory_plan(cfg: RunConfig) -> list[str]:

@@ -296,26 +296,16 @@ class Trainer:
         values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
         # The ratio metrics average over the passes; every pass trains the same tokens.
         values["trained_tokens"] /= self.cfg.trainer.epochs
-        if totals["lag0_tokens"]:
-            # Inference/training consistency: on tokens sampled by the very weights being trained
-            # (lag 0), behaviour and trainer logprobs differ only by numerics (kernels, dtypes).
-            values.update(
-                {
-                    "mismatch/lag0_tokens": totals["lag0_tokens"],
-                    "mismatch/lag0_abs_logprob_diff": totals["lag0_abs_diff"] / totals["lag0_tokens"],
-                    "mismatch/lag0_kl": totals["lag0_kl"] / totals["lag0_tokens"],
-                }
-            )
-        if totals["unswapped_tokens"]:
-            # The lag-0 tokens of rollouts no swap touched: a swap mid-rollout leaves the engine's
-            # KV cache computed by older weights, which the trainer's forward does not repeat.
-            values.update(
-                {
-                    "mismatch/unswapped_tokens": totals["unswapped_tokens"],
-                    "mismatch/unswapped_abs_logprob_diff": totals["unswapped_abs_diff"] / totals["unswapped_tokens"],
-                    "mismatch/unswapped_kl": totals["unswapped_kl"] / totals["unswapped_tokens"],
-                }
-            )
+        # Inference/training consistency on tokens sampled by the very weights being trained
+        # (lag 0), and on those of them whose rollout no swap touched: a swap mid-rollout leaves
+        # the engine's KV cache computed by older weights, which the trainer's forward does not
+        # repeat; on unswapped tokens behaviour and trainer logprobs differ only by numerics
+        # (kernels, dtypes) and an MoE router's choices.
+        for name in ("lag0", "unswapped"):
+            if totals[f"{name}_tokens"]:
+                values[f"mismatch/{name}_tokens"] = totals[f"{name}_tokens"]
+                values[f"mismatch/{name}_abs_logprob_diff"] = totals[f"{name}_abs_diff"] / totals[f"{name}_tokens"]
+                values[f"mismatch/{name}_kl"] = totals[f"{name}_kl"] / totals[f"{name}_tokens"]
         if totals.get("routes_replayed"):
             # How often the engine's experts were not the ones the trainer's router would pick:
             # what routing replay corrects (token-layer pairs of the step's forward passes).
