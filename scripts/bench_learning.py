@@ -189,18 +189,23 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], 
     return finished(name, run_dir, key, start)
 
 
-def run_trl(budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
-    cfg = load_config("tiny", overrides)
+TRL_DOMAINS = ("arithmetic", "multistep")
+"""Domains scripts/bench_trl.py can score (a single completion checked by the domain's score())."""
+
+
+def run_trl(conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
+    cfg = load_config(conf, overrides)
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
     run_dir = out / "trl"
     # TRL does not read pipeline_rl's settings: only the model, data, budget and seed make it another run.
-    key = run_key("tiny", budget_s, overrides, [])
+    key = run_key(conf, budget_s, overrides, [])
     if (kept := reused("trl", run_dir, key, reuse)) is not None:
         return kept
     warm_up(Path(key["model"]))  # the resolved path, as run() passes: once per model
     start = time.time()
     argv = [sys.executable, "scripts/bench_trl.py", f"--model={model}", f"--data={data}", f"--budget-s={budget_s}"]
     argv += [f"--out={run_dir}", f"--seed={cfg.seed}", f"--started-at={start}"]
+    argv += [f"--domain={cfg.actor.domain}", f"--max-new-tokens={cfg.actor.max_new_tokens}"]
     print(f"[trl] {' '.join(argv[1:])} (TRL's log: {run_dir / 'trl.log'})", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     for old in (run_dir / "metrics").glob("*.jsonl"):
@@ -592,13 +597,15 @@ def main() -> None:
     )
     parser.add_argument("--models", default="", help="comma-separated model directories or names to run on, in turn")
     parser.add_argument("--family", action="store_true", help="run on every model of pipeline_rl/demo/family.py")
-    parser.add_argument("--conf", default="tiny", help="config of the pipeline_rl runs (TRL runs only with tiny)")
+    parser.add_argument(
+        "--conf", default="tiny", help="config of the pipeline_rl runs (and TRL's task: its domain must be one of TRL_DOMAINS)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every pipeline_rl run")
     args = parser.parse_args()
     variants = [v.partition(":") for v in args.variant]
     runs = [(name, [o for o in rest.split(",") if o]) for name, _, rest in variants]
     runs = runs or [(mode, [f"actor.mode={mode}"]) for mode in ("async", "sync")]
-    with_trl = not args.no_trl and args.conf == "tiny"
+    with_trl = not args.no_trl and load_config(args.conf, args.overrides).actor.domain in TRL_DOMAINS
     if with_trl and importlib.util.find_spec("trl") is None:
         print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
         with_trl = False
@@ -616,7 +623,7 @@ def main() -> None:
         out = args.out / model.name
         results = [run(name, args.conf, args.budget_s, out, own + overrides, args.reuse) for name, own in runs]
         if with_trl:
-            results.append(run_trl(args.budget_s, out, overrides, args.reuse))
+            results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse))
         report(results, out, args.conf)
         per_model.append((model.name, results))
     if len(per_model) > 1:

@@ -1,9 +1,11 @@
-"""TRL's GRPOTrainer on the tiny arithmetic task, for scripts/bench_learning.py: the same model,
-training and held-out problems, reward and evaluation as `conf=tiny`, with TRL's own defaults
-for the rest (DAPO loss, 8 completions per prompt, 64 per step; no vLLM, no reference model)
-except the learning rate (5e-5), bounded by wall time.
+"""TRL's GRPOTrainer on a tiny task, for scripts/bench_learning.py: the same model, training and
+held-out problems, reward (the domain's own `score`: arithmetic for `conf=tiny`, multistep for
+`conf=tiny_long`), completion length and evaluation as the pipeline_rl run, with TRL's own
+defaults for the rest (DAPO loss, 8 completions per prompt, 64 per step; no vLLM, no reference
+model) except the learning rate (5e-5), bounded by wall time.
 
     python scripts/bench_trl.py --model DIR --data DIR --budget-s 600 --out RUN_DIR [--seed 0]
+        [--domain arithmetic] [--max-new-tokens 8]
 
 Needs the `bench` extra (`bash scripts/setup_cpu.sh --bench`); TRL is never a dependency of
 pipeline_rl itself. Writes RUN_DIR/metrics/trl.jsonl in pipeline_rl's metrics format:
@@ -16,6 +18,7 @@ the moment bench_learning started the command) and per-step "reward_mean",
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -29,7 +32,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 COMPLETIONS_PER_STEP = 64
 GENERATIONS = 8
-MAX_NEW_TOKENS = 8
 EVAL_PROBLEMS = 200
 EVAL_EVERY_S = 20.0
 
@@ -48,6 +50,8 @@ def main() -> None:
     parser.add_argument(
         "--started-at", type=float, default=None, help="epoch seconds the budget counts from (default: now)"
     )
+    parser.add_argument("--domain", default="arithmetic", help="a built-in domain with a score(): arithmetic, multistep")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
     opts = parser.parse_args()
     started = opts.started_at if opts.started_at is not None else time.time()
 
@@ -58,6 +62,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]
 
+    score = importlib.import_module(f"pipeline_rl.rollouts.domains.{opts.domain}").score
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model: Any = AutoModelForCausalLM.from_pretrained(opts.model, dtype=torch.float32)
@@ -77,7 +82,7 @@ def main() -> None:
         # TRL cuts completion_ids after the first EOS and keeps it: EOS last means it stopped.
         stopped = bool(ids) and ids[-1] == eos
         text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
-        return 1.0 if stopped and text.strip() == answer else 0.0
+        return score(text, "stop" if stopped else "length", answer)
 
     def reward_fn(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
         return [reward(ids, a) for ids, a in zip(completion_ids, answer)]
@@ -97,7 +102,7 @@ def main() -> None:
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=MAX_NEW_TOKENS,
+            max_new_tokens=opts.max_new_tokens,
             eos_token_id=eos,
             pad_token_id=pad,
         )
@@ -152,7 +157,7 @@ def main() -> None:
         use_vllm=False,
         per_device_train_batch_size=COMPLETIONS_PER_STEP,
         num_generations=GENERATIONS,
-        max_completion_length=MAX_NEW_TOKENS,
+        max_completion_length=opts.max_new_tokens,
         temperature=1.0,
         top_k=0,
         top_p=1.0,

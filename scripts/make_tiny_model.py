@@ -11,7 +11,8 @@ recipes of the last two; family_byte_small, family_char_base, family_char_deep a
 family_byte_wide are the model family that scripts/bench_learning.py --family judges learning
 on (pipeline_rl/demo/family.py); tools_policy is the tool-use demo's policy (conf=tiny_tools,
 pipeline_rl/demo/tools_policy.py); tiny_moe is the mixture-of-experts policy
-(pipeline_rl/demo/tiny_moe.py). A model's prerequisites are built first when missing.
+(pipeline_rl/demo/tiny_moe.py); long_chain_policy is the long, uneven task's policy
+(conf=tiny_long, pipeline_rl/demo/long_chain.py). A model's prerequisites are built first when missing.
 
 DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 """

@@ -19,13 +19,14 @@ BUILT = (
     "family_byte_wide",
     "tools_policy",
     "tiny_moe",
+    "long_chain_policy",
 )
 """Directory names under the cache that `build_named` can make."""
 
 
 def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     """Build the demo model called `name` (one of BUILT) under `cache_dir`, with what it comes with."""
-    from pipeline_rl.demo import family, multistep, outcome_rm, prm, tiny_model, tiny_moe, tools_policy
+    from pipeline_rl.demo import family, long_chain, multistep, outcome_rm, prm, tiny_model, tiny_moe, tools_policy
 
     if name in family.BY_NAME:
         family.build(cache_dir, seed, family.BY_NAME[name])
@@ -35,6 +36,8 @@ def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
         tiny_model.build(cache_dir, seed, tiny_model.LEARNER)
     elif name == tiny_moe.NAME:
         tiny_moe.build(cache_dir, seed)
+    elif name == long_chain.NAME:
+        long_chain.build(cache_dir, seed)
     elif name == tools_policy.NAME:
         tools_policy.build(cache_dir, seed)
     elif name in (prm.FULL.name, prm.QUICK.name):
