@@ -598,7 +598,9 @@ def main() -> None:
     parser.add_argument("--models", default="", help="comma-separated model directories or names to run on, in turn")
     parser.add_argument("--family", action="store_true", help="run on every model of pipeline_rl/demo/family.py")
     parser.add_argument(
-        "--conf", default="tiny", help="config of the pipeline_rl runs (and TRL's task: its domain must be one of TRL_DOMAINS)"
+        "--conf",
+        default="tiny",
+        help="config of the pipeline_rl runs (and TRL's task: its domain must be one of TRL_DOMAINS)",
     )
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every pipeline_rl run")
     args = parser.parse_args()

@@ -50,7 +50,9 @@ def main() -> None:
     parser.add_argument(
         "--started-at", type=float, default=None, help="epoch seconds the budget counts from (default: now)"
     )
-    parser.add_argument("--domain", default="arithmetic", help="a built-in domain with a score(): arithmetic, multistep")
+    parser.add_argument(
+        "--domain", default="arithmetic", help="a built-in domain with a score(): arithmetic, multistep"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=8)
     opts = parser.parse_args()
     started = opts.started_at if opts.started_at is not None else time.time()

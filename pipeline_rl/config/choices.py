@@ -69,8 +69,8 @@ class Attention(StrEnum):
     position_ids restarting at 0)."""
 
     auto = "auto"
-    """On GPU, unless prompts are shared: flash_attention_2 when the flash-attn package is
-    installed, else varlen. On CPU, and with shared prompts: sdpa."""
+    """With shared prompts: sdpa (their layout needs its mask). Otherwise varlen, or on GPU
+    flash_attention_2 when the flash-attn package is installed."""
     flash_attention_2 = "flash_attention_2"
     """Varlen flash-attention: sequence boundaries come from position_ids, no [T, T] mask."""
     varlen = "varlen"

@@ -17,8 +17,10 @@ def attention_kernel(cfg: RunConfig, cuda: bool) -> Attention:
     trainer.attention (see config.choices.Attention)."""
     if cfg.trainer.attention != Attention.auto:
         return cfg.trainer.attention
-    if not cuda or cfg.preprocess.share_prompts:
+    if cfg.preprocess.share_prompts:
         return Attention.sdpa
+    if not cuda:
+        return Attention.varlen
     flash = importlib.util.find_spec("flash_attn") is not None
     return Attention.flash_attention_2 if flash else Attention.varlen
 

@@ -8,8 +8,8 @@ lengths): nothing is read back from the device to find them.
 
 - CUDA, bf16/fp16: torch's varlen flash-attention (`torch.nn.attention.varlen.varlen_attn`),
   forward and backward.
-- Elsewhere (CPU, float32): sdpa with a causal mask on each sequence, the sequences of one
-  length batched together.
+- Elsewhere (CPU, float32): sdpa with a causal mask on each sequence, the sequences padded to
+  a multiple of PAD_TO tokens and those of one padded length batched together.
 
 Registered with transformers under the name `varlen`, so `attn_implementation="varlen"` selects it on any model whose attention
 goes through transformers' attention interface (Llama, Qwen2/3, Mistral...).
@@ -43,18 +43,29 @@ def varlen_kwargs(seq_lengths: list[int], device: torch.device | str) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+PAD_TO = 32
+"""On the sdpa path, sequences are padded to a multiple of this many tokens and each padded
+length goes in one batched call: a row of sequences of many lengths (long, uneven rollouts)
+takes a few calls instead of one per length."""
+
+
 def _per_sequence(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None
 ) -> torch.Tensor:
-    """[T, H, D] attention of each sequence over itself with sdpa; sequences of one length go
-    in one batched call."""
-    by_length: dict[int, list[int]] = defaultdict(list)
+    """[T, H, D] attention of each sequence over itself with sdpa. Sequences padded to the same
+    multiple of PAD_TO go in one batched call; the padding comes after each sequence's tokens, so
+    the causal mask already keeps the real queries off it, and its outputs are dropped."""
+    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for start, end in itertools.pairwise(cu):
-        by_length[end - start].append(start)
+        spans[-(-(end - start) // PAD_TO) * PAD_TO].append((start, end))
     out = torch.empty_like(q)
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts)[:, None] + torch.arange(length)[None]).to(q.device)  # [n, L]
-        # [n, L, H, D] -> [n, H, L, D]
+    for padded, group in spans.items():
+        starts = torch.tensor([start for start, _ in group])[:, None]
+        ends = torch.tensor([end for _, end in group])[:, None]
+        positions = starts + torch.arange(padded)[None]  # [n, P]
+        real = positions < ends
+        rows = torch.minimum(positions, ends - 1).to(q.device)  # the padding repeats a real token
+        # [n, P, H, D] -> [n, H, P, D]
         part = F.scaled_dot_product_attention(
             q[rows].transpose(1, 2),
             k[rows].transpose(1, 2),
@@ -63,7 +74,8 @@ def _per_sequence(
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        out[rows] = part.transpose(1, 2)
+        real = real.to(q.device)
+        out[rows[real]] = part.transpose(1, 2)[real]
     return out
 
 

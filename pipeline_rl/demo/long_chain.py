@@ -20,7 +20,7 @@ task is about.
   start (a, b) and length once, the test set disjoint;
 - long_chain_policy: the tiny model's shape and tokenizer, trained from scratch on worked
   solutions for a fixed number of steps, then its logits softened (tiny_model.soften) until it
-  samples the whole held-out solution at temperature 1 with probability TARGET_ACCURACY: room
+  scores TARGET_REWARD on the held-out problems, one sample each at temperature 1: room
   for RL, most of it on the long chains; report.json holds that accuracy by chain length.
 """
 
@@ -38,10 +38,11 @@ from pipeline_rl.demo.tiny_model import (
     make_model,
     make_tokenizer,
     save_model,
-    soften,
+    soften_until,
     teacher_forced_accuracy,
     write_split,
 )
+from pipeline_rl.rollouts.domains.multistep import score
 
 NAME = "long_chain_policy"
 DATA = "long_chain"
@@ -50,10 +51,15 @@ LETTERS = string.ascii_lowercase[:MAX_STEPS]
 TEST_PROBLEMS = 300
 SFT_STEPS = 800
 """A fixed recipe: the same work on every CPU; softening then sets the starting accuracy."""
-TARGET_ACCURACY = 0.3
-"""Mean probability over held-out problems of sampling the whole worked solution at T=1."""
+TARGET_REWARD = 0.3
+"""Held-out reward at T=1 (one sample per problem) the policy's logits are softened to. A sample
+can reach the right answer past a slip that does not carry (a wrong letter, say), so this is
+above the probability of sampling the whole solution exactly (also in report.json)."""
+SOFTEN_ITERATIONS = 12
 FLOOR = 0.5
 """Below this exact T=1 accuracy after SFT_STEPS the build failed (a broken recipe)."""
+MAX_NEW_TOKENS = 160
+"""conf=tiny_long's actor.max_new_tokens: the evaluation's limit here too."""
 BATCH = 32
 LR = 2e-3
 WARMUP_STEPS = 100
@@ -79,7 +85,13 @@ def make_problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
             for steps in range(MIN_STEPS, MAX_STEPS + 1):
                 prompt, solution, answer = chain(a, b, steps)
                 problems.append(
-                    {"id": f"fib_{a}{b}_{steps}", "prompt": prompt, "answer": str(answer), "solution": solution, "steps": steps}
+                    {
+                        "id": f"fib_{a}{b}_{steps}",
+                        "prompt": prompt,
+                        "answer": str(answer),
+                        "solution": solution,
+                        "steps": steps,
+                    }
                 )
     random.Random(seed).shuffle(problems)
     return problems[TEST_PROBLEMS:], problems[:TEST_PROBLEMS]
@@ -132,7 +144,7 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
             f"{NAME} reached only {exact_before:.3f} exact T=1 held-out accuracy in {SFT_STEPS} steps "
             f"(greedy {greedy:.3f}, floor {FLOOR}); try another --seed"
         )
-    scale = soften(model, test_ids, test_labels, TARGET_ACCURACY)
+    scale = soften_until(model, lambda: sampled_reward(model, tokenizer, test, seed), TARGET_REWARD, SOFTEN_ITERATIONS)
     exact, _ = teacher_forced_accuracy(model, test_ids, test_labels)
     report = {
         "steps": SFT_STEPS,
@@ -141,12 +153,40 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
         "exact_t1_before_softening": round(exact_before, 4),
         "softening_scale": round(scale, 4),
         "exact_t1": round(exact, 4),
+        "reward_t1": round(sampled_reward(model, tokenizer, test, seed + 1), 4),
         "exact_t1_by_steps": by_steps(model, tokenizer, test),
         "seed": seed,
     }
     dest = cache_dir / NAME
     save_model(model, tokenizer, report, dest)
     return dest
+
+
+@torch.no_grad()
+def sampled_reward(model, tokenizer, problems: list[dict], seed: int) -> float:
+    """Mean reward of one sample per problem at T=1, as the actor's evaluation scores it (the
+    same seed draws the same random numbers, so the softening's bisection compares like with like)."""
+    prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
+    assert len({len(p) for p in prompts}) == 1  # every prompt has the same format and length
+    torch.manual_seed(seed)
+    ids = torch.tensor(prompts)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=MAX_NEW_TOKENS,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    total = 0.0
+    for problem, generated in zip(problems, out[:, ids.shape[1] :].tolist(), strict=True):
+        stopped = tokenizer.eos_token_id in generated
+        text = tokenizer.decode(generated[: generated.index(tokenizer.eos_token_id)] if stopped else generated)
+        total += score(text, "stop" if stopped else "length", problem["answer"])
+    return total / len(problems)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -357,15 +358,21 @@ def pretrain(model, tokenizer, train: list[dict], test: list[dict], seed: int, r
 @torch.no_grad()
 def soften(model, ids: torch.Tensor, labels: torch.Tensor, target: float) -> float:
     """Scale the final norm (so every logit by the same factor) until the exact T=1 accuracy is
-    `target`; bisection, since that accuracy grows with the scale. Returns the scale."""
+    `target`. Returns the scale."""
+    return soften_until(model, lambda: teacher_forced_accuracy(model, ids, labels)[0], target)
+
+
+@torch.no_grad()
+def soften_until(model, measure: Callable[[], float], target: float, iterations: int = 20) -> float:
+    """Scale the final norm until `measure()` (an accuracy that grows with the scale) is
+    `target`; bisection. Returns the scale."""
     norm = model.model.norm.weight
     original = norm.detach().clone()
     lo, hi = 0.0, 1.0
-    for _ in range(20):
+    for _ in range(iterations):
         mid = (lo + hi) / 2
         norm.copy_(original * mid)
-        exact, _ = teacher_forced_accuracy(model, ids, labels)
-        lo, hi = (lo, mid) if exact > target else (mid, hi)
+        lo, hi = (lo, mid) if measure() > target else (mid, hi)
     norm.copy_(original * hi)
     return hi
 

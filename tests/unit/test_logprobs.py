@@ -8,6 +8,7 @@ from fixtures import helpers
 
 from pipeline_rl.config import ConfigError, attention_kernel, load_config
 from pipeline_rl.core.logprobs import packed_logprobs, sequence_starts
+from pipeline_rl.core.packed_attention import PAD_TO
 
 
 def random_qwen2(attn: str) -> torch.nn.Module:
@@ -187,11 +188,11 @@ def test_chunked_rows_give_the_same_values_and_gradients(shared):
 
 def test_attention_kernel_follows_the_config(monkeypatch):
     cfg = load_config("tiny", ["preprocess.share_prompts=false"])
-    assert attention_kernel(cfg, cuda=False) == "sdpa"
+    assert attention_kernel(cfg, cuda=False) == "varlen"
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else found(name))
     assert attention_kernel(cfg, cuda=True) == "flash_attention_2"
-    assert attention_kernel(cfg, cuda=False) == "sdpa"  # flash-attn is CUDA only
+    assert attention_kernel(cfg, cuda=False) == "varlen"  # flash-attn is CUDA only
     shared = load_config("tiny", ["preprocess.share_prompts=true"])
     assert attention_kernel(shared, cuda=True) == "sdpa"  # shared prompts need an explicit mask
     assert attention_kernel(load_config("tiny", ["trainer.attention=eager"]), cuda=True) == "eager"
@@ -266,12 +267,14 @@ def test_a_one_token_row_has_a_zero_logprob_and_a_gradient_path():
     (lp.sum() + ent.sum()).backward()
 
 
-def test_auto_attention_on_gpu_is_varlen_without_flash_attn(monkeypatch):
+def test_auto_attention_is_varlen_without_flash_attn_and_sdpa_with_shared_prompts(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else found(name))
     cfg = load_config("tiny", ["preprocess.share_prompts=false"])
     assert attention_kernel(cfg, cuda=True) == "varlen"
-    assert attention_kernel(cfg, cuda=False) == "sdpa"
+    assert attention_kernel(cfg, cuda=False) == "varlen"
+    shared = load_config("tiny", ["preprocess.share_prompts=true"])
+    assert attention_kernel(shared, cuda=True) == attention_kernel(shared, cuda=False) == "sdpa"
     with pytest.raises(ConfigError, match=r"'trainer\.attention' varlen cannot run 'preprocess\.share_prompts'"):
         load_config("tiny", ["trainer.attention=varlen", "preprocess.share_prompts=true"])
 
@@ -333,13 +336,17 @@ def _attention_flops(attn: str, lengths: list[int]) -> int:
 
 
 def test_varlen_attention_work_follows_the_sequences_not_the_row():
-    """Attention work of one 64-token row: as 16 sequences of 4 under varlen it is 1/16 of the
-    row as one sequence (sum of squared lengths: 16 x 4^2 against 64^2); sdpa with the
-    block-diagonal mask does the whole row's work either way."""
-    packed, single = [4] * 16, [64]
+    """Attention work of one row of 8 x PAD_TO tokens: as 8 sequences of PAD_TO under varlen it
+    is 1/8 of the row as one sequence (sum of squared lengths: 8 x PAD_TO^2 against
+    (8 x PAD_TO)^2); sdpa with the block-diagonal mask does the whole row's work either way. On
+    CPU a sequence is padded to a multiple of PAD_TO: one token past it costs as much as 2 x
+    PAD_TO, and sequences of many lengths up to PAD_TO cost as much as PAD_TO each."""
+    packed, single = [PAD_TO] * 8, [8 * PAD_TO]
     varlen_packed, varlen_single = _attention_flops("varlen", packed), _attention_flops("varlen", single)
-    assert varlen_single > 0 and varlen_packed * 16 == varlen_single
+    assert varlen_single > 0 and varlen_packed * 8 == varlen_single
     assert _attention_flops("sdpa", packed) == _attention_flops("sdpa", single) == varlen_single
+    assert _attention_flops("varlen", [PAD_TO + 1]) == _attention_flops("varlen", [2 * PAD_TO]) == varlen_packed // 2
+    assert _attention_flops("varlen", list(range(1, PAD_TO + 1))) == 4 * varlen_packed
 
 
 @pytest.mark.parametrize("weights", [(1.0, 0.0), (0.0, 1.0), (1.0, 0.5)], ids=["logprob", "entropy", "both"])

@@ -35,4 +35,4 @@ def test_every_start_and_length_once_disjoint_and_lengths_spread_tenfold():
     assert max(completion) >= 10 * min(completion)
     # conf=tiny_long's completions have room for the longest solution and then some: a policy
     # that does not stop is cut off (and scored 0) past it, not before.
-    assert max(completion) < load_config("tiny_long").actor.max_new_tokens
+    assert max(completion) < load_config("tiny_long").actor.max_new_tokens == long_chain.MAX_NEW_TOKENS
