@@ -49,6 +49,7 @@ _RENAMED = {
     "trainer.max_lag": "shared.max_lag",
     "trainer.max_steps": "shared.max_steps",
     "trainer.weight_update_interval": "shared.weight_update_interval",
+    "preprocess.share_prompts": "shared.share_prompts",
 }
 """Keys of earlier releases and their names now."""
 

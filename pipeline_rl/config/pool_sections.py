@@ -189,10 +189,6 @@ class ScorerConfig:
 class PreprocessConfig:
     seq_length: int = 2048
     """Tokens per packed micro-batch."""
-    share_prompts: bool = False
-    """Pack a group's rollouts as one prompt followed by their completions, so the trainer
-    computes the prompt once per group. Uses an explicit [T, T] attention mask (sdpa/eager, not
-    flash-attention): worth it for short rows with long prompts and short answers."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Group-relative advantage options."""
     scorers: list[ScorerConfig] = field(default_factory=list)

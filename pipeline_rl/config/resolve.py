@@ -17,7 +17,7 @@ def attention_kernel(cfg: RunConfig, cuda: bool) -> Attention:
     trainer.attention (see config.choices.Attention)."""
     if cfg.trainer.attention != Attention.auto:
         return cfg.trainer.attention
-    if cfg.preprocess.share_prompts:
+    if cfg.shared.share_prompts:
         return Attention.sdpa
     if not cuda:
         return Attention.varlen

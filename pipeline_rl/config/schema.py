@@ -44,6 +44,11 @@ class SharedConfig:
     node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
     engine steps and every shard swaps between the same two steps (pipeline_rl/engine/tp_swap.py);
     the trainer's weight broadcast reaches every shard."""
+    share_prompts: bool = False
+    """Read by the preprocessor (the layout it packs) and the trainer (the attention kernel it
+    loads): pack a group's rollouts as one prompt followed by their completions, so the trainer
+    computes the prompt once per group. Uses an explicit [T, T] attention mask (sdpa/eager, not
+    flash-attention): worth it for short rows with long prompts and short answers."""
     routing_replay: bool = False
     """Mixture-of-experts policies: the engine records the experts its routers chose for each
     generated token, the rollout carries them, and the trainer's forward uses exactly those

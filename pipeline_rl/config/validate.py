@@ -81,10 +81,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("'trainer.optimizer.offload' needs 'trainer.zero_stage' >= 1 (ZeRO-Offload)")
     if (
         cfg.trainer.attention in (Attention.flash_attention_2, Attention.flex_attention, Attention.varlen)
-        and cfg.preprocess.share_prompts
+        and cfg.shared.share_prompts
     ):
         raise ConfigError(
-            f"'trainer.attention' {cfg.trainer.attention} cannot run 'preprocess.share_prompts' rows (they need an "
+            f"'trainer.attention' {cfg.trainer.attention} cannot run 'shared.share_prompts' rows (they need an "
             "explicit [T, T] mask): use sdpa or auto"
         )
     if cfg.actor.domain == "agent" and not cfg.actor.agent.environment:

@@ -8,7 +8,7 @@ mask for the sdpa/eager/flex kernels, and flash-attention uses them as varlen bo
 and the sequences would attend to each other. tests/unit/test_logprobs.py checks the result
 against each sequence run alone.
 
-Shared prompts (`preprocess.share_prompts`): a group's rollouts are laid out as one prompt
+Shared prompts (`shared.share_prompts`): a group's rollouts are laid out as one prompt
 followed by their completions. A sequence with prefix p > 0 holds only its completion; it
 attends to the first p tokens of the nearest earlier sequence with prefix 0 (its block's head,
 which holds the prompt) and to itself, its positions continue from p, and its first token is

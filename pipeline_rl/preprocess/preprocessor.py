@@ -197,7 +197,7 @@ class StepAssembler:
                     )
                 seqs.append(seq)
             prompt = group.rollouts[0].prompt_ids
-            if self.cfg.preprocess.share_prompts and all(r.prompt_ids == prompt for r in group.rollouts):
+            if self.cfg.shared.share_prompts and all(r.prompt_ids == prompt for r in group.rollouts):
                 seqs = share_prompt(seqs, len(prompt), seq_length)
             sequences += seqs
         per_rank = pack_step(sequences, self.next_step, self.cfg.world.trainers, seq_length)

@@ -218,10 +218,10 @@ def test_two_preprocessors_with_reference_scorer(tmp_path):
 
 
 def test_shared_prompts_lay_out_every_rollout(tmp_path):
-    """With preprocess.share_prompts a group becomes one prompt followed by its completions, and
+    """With shared.share_prompts a group becomes one prompt followed by its completions, and
     each rollout's prompt + completion (and its advantages) can be read back from the step."""
     cfg = make_cfg(tmp_path, actors=1, trainers=1)
-    cfg.preprocess.share_prompts = True
+    cfg.shared.share_prompts = True
     cfg.shared.max_steps = 2
     streams = open_streams(cfg)
     writer = streams.writer(Topic.ACTOR, partitions=1)

@@ -57,6 +57,7 @@ def test_extends_chain_and_overrides():
         (["world.actor_gpus=2"], "unknown key 'world.actor_gpus' (renamed 'shared.tensor_parallel_size')"),
         (["trainer.max_lag=2"], "unknown key 'trainer.max_lag' (renamed 'shared.max_lag')"),
         (["actor.temperature=0.7"], "unknown key 'actor.temperature' (renamed 'shared.temperature')"),
+        (["preprocess.share_prompts=false"], "unknown key 'preprocess.share_prompts' (renamed 'shared.share_prompts')"),
         (["shared.tensor_parallel_size=0"], "'shared.tensor_parallel_size': 0, expected >= 1"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.loss.ratio_mask=1.0"], "bad value for 'trainer.loss.ratio_mask': 1.0, must be > 1"),

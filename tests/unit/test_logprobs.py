@@ -187,19 +187,19 @@ def test_chunked_rows_give_the_same_values_and_gradients(shared):
 
 
 def test_attention_kernel_follows_the_config(monkeypatch):
-    cfg = load_config("tiny", ["preprocess.share_prompts=false"])
+    cfg = load_config("tiny", ["shared.share_prompts=false"])
     assert attention_kernel(cfg, cuda=False) == "varlen"
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else found(name))
     assert attention_kernel(cfg, cuda=True) == "flash_attention_2"
     assert attention_kernel(cfg, cuda=False) == "varlen"  # flash-attn is CUDA only
-    shared = load_config("tiny", ["preprocess.share_prompts=true"])
+    shared = load_config("tiny", ["shared.share_prompts=true"])
     assert attention_kernel(shared, cuda=True) == "sdpa"  # shared prompts need an explicit mask
     assert attention_kernel(load_config("tiny", ["trainer.attention=eager"]), cuda=True) == "eager"
     with pytest.raises(
-        ConfigError, match=r"'trainer\.attention' flash_attention_2 cannot run 'preprocess\.share_prompts'"
+        ConfigError, match=r"'trainer\.attention' flash_attention_2 cannot run 'shared\.share_prompts'"
     ):
-        load_config("tiny", ["trainer.attention=flash_attention_2", "preprocess.share_prompts=true"])
+        load_config("tiny", ["trainer.attention=flash_attention_2", "shared.share_prompts=true"])
     with pytest.raises(ConfigError, match=r"trainer\.attention"):
         load_config("tiny", ["trainer.attention=flash"])
 
@@ -270,13 +270,13 @@ def test_a_one_token_row_has_a_zero_logprob_and_a_gradient_path():
 def test_auto_attention_is_varlen_without_flash_attn_and_sdpa_with_shared_prompts(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else found(name))
-    cfg = load_config("tiny", ["preprocess.share_prompts=false"])
+    cfg = load_config("tiny", ["shared.share_prompts=false"])
     assert attention_kernel(cfg, cuda=True) == "varlen"
     assert attention_kernel(cfg, cuda=False) == "varlen"
-    shared = load_config("tiny", ["preprocess.share_prompts=true"])
+    shared = load_config("tiny", ["shared.share_prompts=true"])
     assert attention_kernel(shared, cuda=True) == attention_kernel(shared, cuda=False) == "sdpa"
-    with pytest.raises(ConfigError, match=r"'trainer\.attention' varlen cannot run 'preprocess\.share_prompts'"):
-        load_config("tiny", ["trainer.attention=varlen", "preprocess.share_prompts=true"])
+    with pytest.raises(ConfigError, match=r"'trainer\.attention' varlen cannot run 'shared\.share_prompts'"):
+        load_config("tiny", ["trainer.attention=varlen", "shared.share_prompts=true"])
 
 
 def _packed_batch(lengths: list[int], seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
