@@ -196,9 +196,7 @@ def test_attention_kernel_follows_the_config(monkeypatch):
     shared = load_config("tiny", ["shared.share_prompts=true"])
     assert attention_kernel(shared, cuda=True) == "sdpa"  # shared prompts need an explicit mask
     assert attention_kernel(load_config("tiny", ["trainer.attention=eager"]), cuda=True) == "eager"
-    with pytest.raises(
-        ConfigError, match=r"'trainer\.attention' flash_attention_2 cannot run 'shared\.share_prompts'"
-    ):
+    with pytest.raises(ConfigError, match=r"'trainer\.attention' flash_attention_2 cannot run 'shared\.share_prompts'"):
         load_config("tiny", ["trainer.attention=flash_attention_2", "shared.share_prompts=true"])
     with pytest.raises(ConfigError, match=r"trainer\.attention"):
         load_config("tiny", ["trainer.attention=flash"])
