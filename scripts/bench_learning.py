@@ -489,6 +489,13 @@ def table(per_model: list[tuple[str, list[dict]]]) -> str:
 
 def speed_ups(pipe: dict, sync: dict) -> None:
     pair = f"{sync['mode']} / {pipe['mode']}"
+    if (target := sync["final_eval"]) is not None:
+        # Where sync ended, the thresholds aside: how much sooner pipelined got there.
+        s, a = learning_curve.time_to(sync["curve"], target), learning_curve.time_to(pipe["curve"], target)
+        if a and s:
+            print(f"speed-up to sync's final {target:.3f} ({pair}): {s / a:.2f}x ({s:.0f} s / {a:.0f} s)")
+        else:
+            print(f"speed-up to sync's final {target:.3f} ({pair}): n/a (pipelined {fmt(a, '.0f', ' s', 'not reached')})")
     for t in THRESHOLDS:
         a, s = pipe["reach"][t], sync["reach"][t]
         if a and s:
