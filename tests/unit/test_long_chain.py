@@ -36,3 +36,20 @@ def test_every_start_and_length_once_disjoint_and_lengths_spread_tenfold():
     # conf=tiny_long's completions have room for the longest solution and then some: a policy
     # that does not stop is cut off (and scored 0) past it, not before.
     assert max(completion) < load_config("tiny_long").actor.max_new_tokens == long_chain.MAX_NEW_TOKENS
+
+
+def test_softening_bisects_the_norm_scale_to_the_target_of_any_measure():
+    """long_chain softens on the sampled reward through tiny_model.soften_until: a bisection on
+    the final norm's scale for any measure that grows with it. With a measure equal to the
+    scale itself, the scale found is the target to within the bisection's 2^-iterations, and the
+    norm is left at that scale."""
+    from pipeline_rl.demo.tiny_model import make_model, soften_until
+
+    tok = make_tokenizer()
+    model = make_model(len(tok), tok.eos_token_id, tok.pad_token_id, hidden=32, layers=1, heads=2, kv_heads=1)
+    norm = model.model.norm.weight
+    original = norm.detach().clone() + 1.0  # a norm that is not all ones, so the scale is read off it
+    norm.data.copy_(original)
+    scale = soften_until(model, lambda: float((norm / original).mean()), 0.37, iterations=12)
+    assert abs(scale - 0.37) <= 2**-12
+    assert (norm.detach() - original * scale).abs().max() < 1e-6
