@@ -495,7 +495,9 @@ def speed_ups(pipe: dict, sync: dict) -> None:
         if a and s:
             print(f"speed-up to sync's final {target:.3f} ({pair}): {s / a:.2f}x ({s:.0f} s / {a:.0f} s)")
         else:
-            print(f"speed-up to sync's final {target:.3f} ({pair}): n/a (pipelined {fmt(a, '.0f', ' s', 'not reached')})")
+            print(
+                f"speed-up to sync's final {target:.3f} ({pair}): n/a (pipelined {fmt(a, '.0f', ' s', 'not reached')})"
+            )
     for t in THRESHOLDS:
         a, s = pipe["reach"][t], sync["reach"][t]
         if a and s:
