@@ -19,9 +19,9 @@ task is about.
 - long_chain/{train,test}.jsonl: problems {"id", "prompt", "answer", "solution", "steps"}, every
   start (a, b) and length once, the test set disjoint;
 - long_chain_policy: the tiny model's shape and tokenizer, trained from scratch on worked
-  solutions for a fixed number of steps, then its logits softened (tiny_model.soften) until it
+  solutions for a fixed number of steps, then its logits softened (tiny_model.soften_until) until it
   scores TARGET_REWARD on the held-out problems, one sample each at temperature 1: room
-  for RL, most of it on the long chains; report.json holds that accuracy by chain length.
+  for RL, most of it on the long chains; report.json holds the exact T=1 accuracy by chain length.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def sampled_reward(model, tokenizer, problems: list[dict], seed: int) -> float:
 
 @torch.no_grad()
 def by_steps(model, tokenizer, test: list[dict]) -> dict[str, float]:
-    """Held-out exact T=1 accuracy by the number of digits in the chain."""
+    """Held-out exact T=1 accuracy by the number of steps in the chain."""
     out = {}
     for steps in sorted({p["steps"] for p in test}):
         rows = [p for p in test if p["steps"] == steps]
