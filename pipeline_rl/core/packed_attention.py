@@ -44,7 +44,7 @@ def varlen_kwargs(seq_lengths: list[int], device: torch.device | str) -> dict:
 
 
 PAD_TO = 32
-"""On the sdpa path, sequences are padded to a multiple of this many tokens and each padded
+"""On the CPU (sdpa) path, sequences are padded to a multiple of this many tokens and each padded
 length goes in one batched call: a row of sequences of many lengths (long, uneven rollouts)
 takes a few calls instead of one per length."""
 
