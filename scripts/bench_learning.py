@@ -616,7 +616,8 @@ def main() -> None:
     variants = [v.partition(":") for v in args.variant]
     runs = [(name, [o for o in rest.split(",") if o]) for name, _, rest in variants]
     runs = runs or [(mode, [f"actor.mode={mode}"]) for mode in ("async", "sync")]
-    with_trl = not args.no_trl and load_config(args.conf, args.overrides).actor.domain in TRL_DOMAINS
+    cfg = load_config(args.conf, args.overrides)
+    with_trl = not args.no_trl and cfg.actor.domain in TRL_DOMAINS
     if with_trl and importlib.util.find_spec("trl") is None:
         print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
         with_trl = False
@@ -626,7 +627,7 @@ def main() -> None:
         names = [m.name for m in FAMILY]
     else:
         names = [m for m in args.models.split(",") if m]
-    default = Path(load_config(args.conf, args.overrides).model.path)
+    default = Path(cfg.model.path)
     models = [model_path(n, default) for n in names] or [default]
     per_model = []
     for model in models:

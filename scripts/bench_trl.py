@@ -64,11 +64,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]
 
+    from pipeline_rl.demo.tiny_model import sampled_reward
+
     score = importlib.import_module(f"pipeline_rl.rollouts.domains.{opts.domain}").score
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model: Any = AutoModelForCausalLM.from_pretrained(opts.model, dtype=torch.float32)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
     train = read_jsonl(opts.data / "train.jsonl")
     test = read_jsonl(opts.data / "test.jsonl")[:EVAL_PROBLEMS]
     metrics_dir = opts.out / "metrics"
@@ -89,31 +91,12 @@ def main() -> None:
     def reward_fn(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
         return [reward(ids, a) for ids, a in zip(completion_ids, answer)]
 
-    @torch.no_grad()
     def evaluate() -> float:
         was_training = model.training
         model.eval()
-        prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in test]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=opts.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-        total = 0.0
-        for problem, generated in zip(test, out[:, width:].tolist()):
-            cut = generated[: generated.index(eos) + 1] if eos in generated else generated
-            total += reward(cut, problem["answer"])
+        reward_mean = sampled_reward(model, tokenizer, test, score, opts.max_new_tokens)
         model.train(was_training)
-        return total / len(test)
+        return reward_mean
 
     class Clock(TrainerCallback):
         """Evaluates every EVAL_EVERY_S, logs each step, stops at the budget."""

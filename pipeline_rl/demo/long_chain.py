@@ -37,6 +37,7 @@ from pipeline_rl.demo.tiny_model import (
     Batcher,
     make_model,
     make_tokenizer,
+    sampled_reward,
     save_model,
     soften_until,
     teacher_forced_accuracy,
@@ -144,7 +145,12 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
             f"{NAME} reached only {exact_before:.3f} exact T=1 held-out accuracy in {SFT_STEPS} steps "
             f"(greedy {greedy:.3f}, floor {FLOOR}); try another --seed"
         )
-    scale = soften_until(model, lambda: sampled_reward(model, tokenizer, test, seed), TARGET_REWARD, SOFTEN_ITERATIONS)
+    scale = soften_until(
+        model,
+        lambda: sampled_reward(model, tokenizer, test, score, MAX_NEW_TOKENS, seed),
+        TARGET_REWARD,
+        SOFTEN_ITERATIONS,
+    )
     exact, _ = teacher_forced_accuracy(model, test_ids, test_labels)
     report = {
         "steps": SFT_STEPS,
@@ -153,40 +159,13 @@ def build(cache_dir: Path, seed: int = 0) -> Path:
         "exact_t1_before_softening": round(exact_before, 4),
         "softening_scale": round(scale, 4),
         "exact_t1": round(exact, 4),
-        "reward_t1": round(sampled_reward(model, tokenizer, test, seed + 1), 4),
+        "reward_t1": round(sampled_reward(model, tokenizer, test, score, MAX_NEW_TOKENS, seed + 1), 4),
         "exact_t1_by_steps": by_steps(model, tokenizer, test),
         "seed": seed,
     }
     dest = cache_dir / NAME
     save_model(model, tokenizer, report, dest)
     return dest
-
-
-@torch.no_grad()
-def sampled_reward(model, tokenizer, problems: list[dict], seed: int) -> float:
-    """Mean reward of one sample per problem at T=1, as the actor's evaluation scores it (the
-    same seed draws the same random numbers, so the softening's bisection compares like with like)."""
-    prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
-    assert len({len(p) for p in prompts}) == 1  # every prompt has the same format and length
-    torch.manual_seed(seed)
-    ids = torch.tensor(prompts)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=MAX_NEW_TOKENS,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    total = 0.0
-    for problem, generated in zip(problems, out[:, ids.shape[1] :].tolist(), strict=True):
-        stopped = tokenizer.eos_token_id in generated
-        text = tokenizer.decode(generated[: generated.index(tokenizer.eos_token_id)] if stopped else generated)
-        total += score(text, "stop" if stopped else "length", problem["answer"])
-    return total / len(problems)
 
 
 @torch.no_grad()

@@ -254,6 +254,39 @@ def sampled_accuracy(model, tokenizer, problems: list[dict], seed: int, max_new_
     return correct / len(problems)
 
 
+@torch.no_grad()
+def sampled_reward(
+    model, tokenizer, problems: list[dict], score: Callable[[str, str, str], float], max_new_tokens: int, seed=None
+) -> float:
+    """Mean reward of one sample per problem at T=1, scored as the actor's evaluation scores it
+    (`score(text, finish_reason, answer)`, a domain's). Prompts are left-padded into one batch.
+    `seed` reseeds torch's generator first (the same draws for the same seed); None leaves it."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    total = 0.0
+    for problem, generated in zip(problems, out[:, width:].tolist(), strict=True):
+        stopped = eos in generated
+        text = tokenizer.decode(generated[: generated.index(eos)] if stopped else generated, skip_special_tokens=True)
+        total += score(text, "stop" if stopped else "length", problem["answer"])
+    return total / len(problems)
+
+
 class Schedule:
     """Linear warm-up, constant until `decay_from` (a fixed step, or set once the model has
     learned), then cosine decay to zero over DECAY_STEPS."""
