@@ -10,7 +10,7 @@ times within any RESTART_WINDOW_S; one more failure stops the run as it would wi
 naming the process and its restarts.
 
 Every restart is printed and appended to RUN_DIR/restarts.jsonl (what died, why, when; again,
-with how long the recovery took, once the replacement reports) and counted in the launcher's metrics
+with when the replacement was started and how long the recovery took, once it reports) and counted in the launcher's metrics
 ("restarts_total", "restarts/<what>_total", "recovery_s").
 """
 
@@ -42,6 +42,10 @@ class Restart:
     """When the loss was found (time.time())."""
     number: int
     """Restarts of `what` within the window, this one included."""
+    restarted_at: float | None = None
+    """When the replacement was started, the lost process's peers in it stopped before: a report
+    written later is the replacement's (one written between the loss and this can still be a
+    peer's, finishing the step it was in)."""
     recovered_s: float | None = None
     """Seconds from the loss to the replacement's first report (its first step for the trainer
     pool), once known."""
@@ -88,11 +92,15 @@ class RestartPolicy:
         self._append(restart)
         return restart
 
+    def started(self, restart: Restart) -> None:
+        """Note that the replacement of `restart` has been started."""
+        restart.restarted_at = self.clock()
+
     def recovered(self, process: str, step: bool, at: float) -> Restart | None:
         """Note a report of `process` written at `at` (`step`: a trainer's step record): the
         pending restart it ends, with its recovery time, or None."""
         for restart in self.pending:
-            if at <= restart.at:  # written before the loss was found: the lost process's
+            if restart.restarted_at is None or at <= restart.restarted_at:  # the lost process's or a peer's
                 continue
             if restart.what == process or (restart.what == TRAINER_POOL and step):
                 restart.recovered_s = round(self.clock() - restart.at, 1)

@@ -219,6 +219,7 @@ class RunLoop:
         except RuntimeError as e:  # no place to start it again
             failure.summary += f"; restarting {what} failed: {e}"
             return False
+        self.restarts.started(restart)
         if what == TRAINER_POOL:
             watchdog.restarted()  # the versions start again from the checkpoint
         if self._restart_metrics is None:

@@ -39,12 +39,15 @@ def test_the_budget_counts_restarts_within_the_window_per_process(tmp_path):
     assert policy.counts() == {"restarts_total": 3, "restarts/actor0_total": 3}
 
 
-def test_recovery_is_timed_by_the_first_report_written_after_the_loss(tmp_path):
+def test_recovery_is_timed_by_the_first_report_written_after_the_restart(tmp_path):
     clock = Clock()
     policy = RestartPolicy(3, tmp_path / "restarts.jsonl", clock)
-    policy.record(TRAINER_POOL, "trainer1", "process trainer1 failed: killed by SIGKILL")
-    clock.now += 5
+    lost = policy.record(TRAINER_POOL, "trainer1", "process trainer1 failed: killed by SIGKILL")
+    clock.now += 1
+    policy.started(lost)
+    clock.now += 4
     assert policy.recovered("trainer0", step=True, at=clock.now - 10) is None  # the dead pool's last step
+    assert policy.recovered("trainer0", step=True, at=clock.now - 4.5) is None  # a peer ending its step
     assert policy.recovered("actor0", step=False, at=clock.now) is None  # not what was restarted
     assert policy.recovered("trainer0", step=False, at=clock.now) is None  # a heartbeat, not a step
     restart = policy.recovered("trainer0", step=True, at=clock.now)
