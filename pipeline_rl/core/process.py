@@ -4,12 +4,14 @@ failure report the launcher shows.
 `python -m pipeline_rl.<pool> --run-dir RUN_DIR --index I` checks that RUN_DIR is the directory
 its launcher prepared (pipeline_rl/launch/run_dir.py), reads RUN_DIR/config.yaml and runs the
 pool's body on its view of it (pipeline_rl/config/pool_view.py: the other pools' sections
-withheld) until it returns or SIGTERM/SIGINT asks it to stop (then it exits 0).
+withheld) until it returns or SIGTERM/SIGINT asks it to stop (then it exits 0). It then ends
+through `exit_process`, without the interpreter's teardown.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -18,6 +20,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from pipeline_rl.config import RunConfig, load_saved_config
 from pipeline_rl.config.pool_view import for_pool
@@ -75,3 +78,17 @@ def run_pool_process(pool: str, body: Body, argv: list[str] | None = None) -> in
         return PEER_GONE_EXIT if isinstance(e, PeerGone) else 1
     log.info("%s", summary)
     return 0
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process of the run (a pool process, or the launcher once the run has stopped) with
+    `code`, skipping the interpreter's teardown. Streams and logs are closed by then; the exit
+    handlers (reward worker pools, MCP servers, the engine's own, Ray's) still run here. What is
+    skipped is freeing every module and tensor one by one, which takes seconds after a vLLM
+    engine or a DeepSpeed trainer, and the launcher waits for a process to end before it stops
+    the run or restarts a pool."""
+    atexit._run_exitfuncs()  # what the interpreter runs first at exit
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeline_rl.config import ConfigError, RunConfig, load_config, on_ray, parse_overrides
 from pipeline_rl.config.model_fit import check_model_fit
 from pipeline_rl.config.validate import RAY_WORKER_PORTS, run_ports
+from pipeline_rl.core.process import exit_process
 from pipeline_rl.launch.budget import budget_lines, checkpoint_timeout
 from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.memory_plan import memory_plan
@@ -163,4 +164,4 @@ def main(argv: list[str]) -> int:
 
 def cli() -> None:
     """The `pipeline-rl` command (and `python launch.py`): same arguments as `main`."""
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -47,7 +47,7 @@ from pipeline_rl.launch.placement import Node, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, describe_exit, last_lines
+from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, blame_order, describe_exit, last_lines
 from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
 
 PLACEMENT_REPORT_S = 30.0
@@ -317,7 +317,7 @@ class RayRun(RunLoop):
         self._collect(timeout=0.0)
         # A failure caused by a peer comes last: the peer's own failure is the cause to report.
         ended = sorted(
-            ((h, h.result) for h in self._everyone() if h.result is not None), key=lambda e: e[1][0] == PEER_GONE_EXIT
+            ((h, h.result) for h in self._everyone() if h.result is not None), key=lambda e: blame_order(e[1][0])
         )
         for h, (code, tail) in ended:
             if h.pool == "trainer" and code == 0:

@@ -58,6 +58,14 @@ def last_lines(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
+def blame_order(code: int) -> tuple[bool, bool]:
+    """Sort key of exit codes seen together, the likeliest cause first: a process killed by a
+    signal (its peers' collective errors follow from it, and now that processes end without
+    the interpreter's teardown they can end within one poll of it), then any other exit, a
+    PEER_GONE_EXIT (a failure the process itself blames on a peer) last."""
+    return code >= 0, code == PEER_GONE_EXIT
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
@@ -103,8 +111,8 @@ class Supervisor:
             self.spawn(child.name, child.argv, child.env, child.expected_exit)
 
     def poll(self) -> tuple[ChildFailed | None, bool]:
-        """(the first failure, one that is not PEER_GONE_EXIT if there is one; whether every
-        expected-exit child finished with 0)."""
+        """(the failure to blame first (`blame_order`), or None; whether every expected-exit child
+        finished with 0)."""
         done = True
         failures = []
         for child in self.children:
@@ -114,7 +122,7 @@ class Supervisor:
             elif code != 0 or not child.expected_exit:
                 failures.append(ChildFailed(child, code))
         if failures:
-            return min(failures, key=lambda f: f.code == PEER_GONE_EXIT), False
+            return min(failures, key=lambda f: blame_order(f.code)), False
         return None, done and any(c.expected_exit for c in self.children)
 
     def signal_all(self, sig: int, names: set[str] | None = None) -> None:

@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    code, out = launch(run_dir, "shared.max_steps=6", "trainer.checkpoint_every=0")
+    code, out = launch(run_dir, "shared.max_steps=6", "trainer.checkpoint_every=0", "metrics.plot_at_end=true")
     assert code == 0, out
     groups = stream_records(run_dir, "actor")
     versions = {v for g in groups for r in g["rollouts"] for v in r["versions"]}

@@ -314,7 +314,7 @@ def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on
     """kill -9 actor0's process (its node stays): the driver starts it again in its bundle, the
     replacement generates on weights sent after the kill, and the run reaches max_steps."""
     run_dir = tmp_path / "run"
-    final = 200  # a run that lasts: the tiny one makes a version in a fraction of a second here
+    final = 60  # the trainer waits for the replacement's samples: the run cannot end before it generates
     driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
@@ -342,7 +342,7 @@ def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on
     there, the driver starts actor0 on it, and the run reaches max_steps on the weights the
     trainer sends it."""
     run_dir = tmp_path / "run"
-    final = 200
+    final = 60
     driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
     try:
         run_until(driver, run_dir, versions=3, timeout=300)

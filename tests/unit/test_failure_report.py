@@ -14,7 +14,7 @@ from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.launch import run_loop
 from pipeline_rl.launch.launcher import Launcher
 from pipeline_rl.launch.run_dir import prepare_run_dir
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
+from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor
 from pipeline_rl.streams import open_streams
 from pipeline_rl.weight_sync import PeerGone, WeightGroupFailed
 
@@ -67,3 +67,19 @@ def test_a_peer_failure_with_no_cause_in_time_is_reported_itself(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 1 and 1.0 <= took < 30.0, took
     assert "process trainer0 failed: exit code 3 (a weight-update peer is gone); stopped the others" in err, err
+
+
+def test_a_process_killed_by_a_signal_is_blamed_before_a_peer_that_exited_with_it(tmp_path):
+    """Seen in one poll, trainer1 killed by SIGKILL and trainer0, which its collective error made
+    exit 1 and which comes first in the spawn order: trainer1 is the cause."""
+    import signal
+
+    supervisor = Supervisor(tmp_path)
+    first = supervisor.spawn("trainer0", exits(1, 0.0), env={}, expected_exit=True)
+    second = supervisor.spawn("trainer1", exits(0, 60), env={}, expected_exit=True)
+    second.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    second.proc.wait(timeout=30)
+    failure, _ = supervisor.poll()
+    assert failure is not None and failure.child.name == "trainer1" and failure.code == -signal.SIGKILL
+    supervisor.stop()
