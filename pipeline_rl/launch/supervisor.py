@@ -58,12 +58,14 @@ def last_lines(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
-def blame_order(code: int) -> tuple[bool, bool]:
+def blame_order(code: int | None) -> tuple[bool, bool]:
     """Sort key of exit codes seen together, the likeliest cause first: a process killed by a
-    signal (its peers' collective errors follow from it, and now that processes end without
-    the interpreter's teardown they can end within one poll of it), then any other exit, a
-    PEER_GONE_EXIT (a failure the process itself blames on a peer) last."""
-    return code >= 0, code == PEER_GONE_EXIT
+    signal, or whose host is gone (None, on Ray) — its peers' collective errors follow from it,
+    and as processes end without the interpreter's teardown they can end within one poll of
+    it — then any other exit, a PEER_GONE_EXIT (a failure the process itself blames on a peer)
+    last."""
+    killed = code is None or code < 0
+    return not killed, code == PEER_GONE_EXIT
 
 
 def describe_exit(code: int) -> str:
