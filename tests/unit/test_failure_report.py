@@ -83,3 +83,22 @@ def test_a_process_killed_by_a_signal_is_blamed_before_a_peer_that_exited_with_i
     failure, _ = supervisor.poll()
     assert failure is not None and failure.child.name == "trainer1" and failure.code == -signal.SIGKILL
     supervisor.stop()
+
+
+def test_exit_process_runs_the_exit_handlers_flushes_and_keeps_the_code(tmp_path):
+    """A pool process ends through exit_process: its exit handlers (reward pools, MCP servers)
+    still run, what it printed without a newline still reaches the launcher, the code is kept."""
+    import subprocess
+
+    marker = tmp_path / "handler"
+    script = (
+        "import atexit\n"
+        "from pipeline_rl.core.process import exit_process\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ran'))\n"
+        "print('no newline', end='')\n"
+        "exit_process(7)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, done.stderr
+    assert done.stdout == "no newline"
+    assert marker.read_text() == "ran"
