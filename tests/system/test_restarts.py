@@ -1,6 +1,7 @@
 """A run that heals itself on one node (launch/restarts.py): a killed actor is replaced and the
-run goes on; a killed trainer rank restarts the trainer pool from its checkpoint while the
-other pools keep their processes; a process that dies at every start stops the run once
+run goes on; a killed preprocessor is started again and goes on from its position; a killed
+trainer rank restarts the trainer pool from its checkpoint while the other pools keep their
+processes; a process that dies at every start stops the run once
 world.max_restarts is spent, naming it."""
 
 from __future__ import annotations
@@ -171,6 +172,36 @@ def test_a_killed_trainer_rank_restarts_the_trainer_pool_from_its_checkpoint(tmp
         assert values["dropped_samples"] == stale, values
     assert restart["what"] == "trainer pool" and restart["died"] == "trainer1"
     assert restart["recovered_s"] is not None
+    assert run_processes(run_dir) == {}
+
+
+def test_a_killed_preprocessor_is_restarted_and_the_run_goes_on(tmp_path, tiny_model):
+    """kill -9 the preprocessor mid-run: the launcher starts it again in its slot, it goes on from
+    its saved position in the actor stream, and the trainer reaches max_steps training every
+    step once, with no group in two steps; nothing else is restarted."""
+    run_dir = tmp_path / "run"
+    final = 30
+    proc = launch(
+        run_dir, f"shared.max_steps={final}", "trainer.checkpoint_every=0", "world.max_restarts=1", wait=False
+    )
+    try:
+        pid = pool_process_once_running(proc, run_dir, "preprocess", 240)
+        wait_until(lambda: version(run_dir) >= 3, proc, 240, "version 3")
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "process preprocessor0 failed: killed by SIGKILL; restarting preprocessor0 (restart 1 of 1" in out, out[
+        -4000:
+    ]
+    assert [s["values"]["version"] for s in trainer_steps(run_dir)] == list(range(1, final + 1))
+    steps: dict[str, int] = {}
+    for b in stream_records(run_dir, "trainer"):
+        for gid in set(b["group_ids"]) - {PAD_GROUP_ID}:
+            assert steps.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {steps[gid]} and {b['step']}"
+    (restart,) = restarts(run_dir)
+    assert restart["what"] == "preprocessor0" and restart["recovered_s"] is not None
     assert run_processes(run_dir) == {}
 
 
