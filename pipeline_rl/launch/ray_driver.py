@@ -315,7 +315,7 @@ class RayRun(RunLoop):
 
     def poll(self) -> tuple[Failure | None, bool]:
         self._collect(timeout=0.0)
-        # A failure caused by a peer comes last: the peer's own failure is the cause to report.
+        # The likeliest cause first (blame_order): a failure caused by a peer comes last.
         ended = sorted(
             ((h, h.result) for h in self._everyone() if h.result is not None), key=lambda e: blame_order(e[1][0])
         )

@@ -10,8 +10,8 @@ times within any RESTART_WINDOW_S; one more failure stops the run as it would wi
 naming the process and its restarts.
 
 Every restart is printed and appended to RUN_DIR/restarts.jsonl (what died, why, when; again,
-with when the replacement was started and how long the recovery took, once it reports) and counted in the launcher's metrics
-("restarts_total", "restarts/<what>_total", "recovery_s").
+with when the replacement was started and how long the recovery took, once it reports) and
+counted in the launcher's metrics ("restarts_total", "restarts/<what>_total", "recovery_s").
 """
 
 from __future__ import annotations
