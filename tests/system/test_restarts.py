@@ -58,6 +58,15 @@ def pid_of(run_dir: Path, name: str) -> int:
     return found[0]
 
 
+def assert_no_group_in_two_steps(run_dir: Path) -> None:
+    """Every group id of the trainer stream is in one step only (a step trained again after a
+    restart holds the same groups)."""
+    seen: dict[str, int] = {}
+    for b in stream_records(run_dir, "trainer"):
+        for gid in set(b["group_ids"]) - {PAD_GROUP_ID}:
+            assert seen.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {seen[gid]} and {b['step']}"
+
+
 def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     """kill -9 the one actor mid-run: the launcher starts another in its slot, which gets the
     current weights (the trainer sends them again while it waits for groups) and generates on
@@ -161,10 +170,7 @@ def test_a_killed_trainer_rank_restarts_the_trainer_pool_from_its_checkpoint(tmp
         after,
     )
     assert after == list(range(checkpointed + 1, final + 1)), after
-    seen: dict[str, int] = {}
-    for b in stream_records(run_dir, "trainer"):
-        for gid in set(b["group_ids"]) - {PAD_GROUP_ID}:
-            assert seen.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {seen[gid]} and {b['step']}"
+    assert_no_group_in_two_steps(run_dir)
     max_lag = 2  # QUICK
     for s in steps:
         values = s["values"]
@@ -196,10 +202,7 @@ def test_a_killed_preprocessor_is_restarted_and_the_run_goes_on(tmp_path, tiny_m
         -4000:
     ]
     assert [s["values"]["version"] for s in trainer_steps(run_dir)] == list(range(1, final + 1))
-    steps: dict[str, int] = {}
-    for b in stream_records(run_dir, "trainer"):
-        for gid in set(b["group_ids"]) - {PAD_GROUP_ID}:
-            assert steps.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {steps[gid]} and {b['step']}"
+    assert_no_group_in_two_steps(run_dir)
     (restart,) = restarts(run_dir)
     assert restart["what"] == "preprocessor0" and restart["recovered_s"] is not None
     assert run_processes(run_dir) == {}
