@@ -28,6 +28,9 @@ class Topic(StrEnum):
     LOST = "lost"
     """Groups an actor wrote that no step will take (scorer failure, undecodable record);
     partition i is read by actor i, whose admission budget gives them back."""
+    ACTOR_COUNT = "actor_count"
+    """The number of actors a running job was scaled to, from the launcher (its last record
+    written since the launch holds; before any, world.actors): read by every pool."""
 
 
 CONSUMED_TOPICS = frozenset({Topic.ACTOR, Topic.SCORED, Topic.TRAINER})
@@ -49,6 +52,7 @@ class Kind(StrEnum):
     METRICS = "metrics"
     DEAD_LETTER = "dead_letter"
     GROUPS_LOST = "groups_lost"
+    ACTOR_COUNT = "actor_count"
 
 
 POOL_MODULES = {

@@ -55,6 +55,7 @@ from pathlib import Path
 from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
+from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.rollouts.agent.stats import AgentStats
@@ -119,7 +120,7 @@ class Actor:
         self.name = f"actor{index}"
         run_dir = Path(cfg.run_dir)
         data = cfg.actor.dataset
-        self.order = ProblemOrder(load_problems(data.loader, data.train), cfg.seed, index, cfg.world.actors)
+        self.problems = load_problems(data.loader, data.train)
         self.eval_problems: list[dict] = []
         if index == 0 and cfg.actor.eval_every_s > 0:
             self.eval_problems = load_problems(data.loader, data.test)[: cfg.actor.eval_problems]
@@ -137,7 +138,10 @@ class Actor:
         prepare_collectives(cfg.world.collective_timeout_s, blocking_wait=False)
         self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
         self.streams = open_streams(cfg)
-        self.writer = self.streams.writer(Topic.ACTOR, partitions=cfg.world.actors)
+        self.actor_count = ActorCountWatch(self.streams, cfg.world.actors)
+        if index >= self.actor_count.largest:
+            raise ValueError(f"--index {index} is not below the job's {self.actor_count.count} actors (world.actors)")
+        self.writer = self.streams.writer(Topic.ACTOR, partitions=index + 1)
         self.receiver = None
         addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         if addr:
@@ -147,7 +151,7 @@ class Actor:
             self.receiver = self.llm.weight_receiver(
                 addr,
                 index,
-                cfg.world.actors,
+                self.actor_count.largest,
                 backend,
                 cfg.world.collective_timeout_s,
                 cfg.actor.llm.stage_weights_on_host,
@@ -158,7 +162,11 @@ class Actor:
 
         self.position = PositionStore(run_dir / "positions" / f"{self.name}.json")
         saved = self.position.load() or {}
-        self.admission = Admission(cfg.shared.groups_per_step, cfg.world.actors, admission_lag(cfg))
+        # The share this actor's saved counts were made at; rebased to the job's below.
+        actors = int(saved.get("actors", self.actor_count.count))
+        self.order = ProblemOrder(self.problems, cfg.seed, index, actors)
+        self.admission = Admission(cfg.shared.groups_per_step, actors, admission_lag(cfg))
+        self.admission.offset = int(saved.get("admission_offset", 0))
         # Groups the preprocessors reported lost give their admission slots back (see admission.py).
         self.lost_reader = self.streams.reader(
             Topic.LOST, GroupsLost, partitions=(index,), position=saved.get("lost_position")
@@ -166,8 +174,13 @@ class Actor:
         self.lost_total = int(saved.get("lost", 0))
         self.lost_by_cause: Counter[str] = Counter()
         self._lost_ids: set[str] = set()
-        self.admission.started = max(saved.get("written", 0) - self.lost_total, self.admission.first_group_of(version))
-        self.written = self.admission.started + self.lost_total
+        self.written = int(saved.get("written", 0))
+        # No group before the step of the weights it starts from (the trainer's latest, for an
+        # actor added to a running job); the groups skipped count in the offset, not as written.
+        floor = self.admission.first_group_of(max(version, self._published_version(addr)))
+        counted = self.written - self.lost_total + self.admission.offset
+        self.admission.offset += max(0, floor - counted)
+        self.admission.started = max(counted, floor)
         self.drawn = saved.get("problems", 0)
         unsaved = self._count_unsaved(saved["stream_end"]) if "stream_end" in saved else 0
         in_flight = int(saved.get("in_flight", 0))
@@ -177,6 +190,8 @@ class Actor:
         # Groups in flight when the actor last stopped (killed, or the run stopped) that did not
         # land: their admission slots are free again (`written` counts only what landed).
         self.lost_stopped = int(saved.get("lost_stopped", 0)) + max(0, in_flight - unsaved)
+        if self.actor_count.count != actors and index < self.actor_count.count:
+            self._rescale(self.actor_count.count)
         self.incarnation = f"{int(time.time() * 1000):x}"
         self.metrics = MetricsLogger(cfg, self.name, self.streams)
 
@@ -189,6 +204,8 @@ class Actor:
         """Time with no group in flight: the engine had nothing to generate."""
         self.swaps_seen = 0
         self._saved_at = 0.0
+        self.drained = False
+        """Whether the actor ended because the job was scaled below it."""
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -204,7 +221,14 @@ class Actor:
                     # Fatal even when no rollout is in flight to fail (admission may be waiting
                     # for a version that this engine can no longer receive).
                     raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
-                while len(tasks) < self.cfg.actor.max_groups_in_flight:
+                count = self.actor_count.poll()
+                draining = self.index >= count
+                if draining and not tasks:
+                    self._leave(count)
+                    return
+                if not draining and count != self.admission.actors:
+                    self._rescale(count)
+                while not draining and len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()
                         break
@@ -240,6 +264,39 @@ class Actor:
             self._take_lost()
             self._save(force=True, in_flight=len(tasks))
             self._log_metrics(0)
+
+    def _published_version(self, addr: str | None) -> int:
+        """The trainer's latest version, for an actor added to a running job (0 otherwise: at
+        the launch the trainer may not be up yet, and a restarted actor has its saved count)."""
+        if not addr or not self.actor_count.scaled:
+            return 0
+        from pipeline_rl.weight_sync import published_version
+
+        return published_version(addr, self.cfg.world.collective_timeout_s)
+
+    def _rescale(self, actors: int) -> None:
+        """The job was scaled to `actors` actors: admission takes the new share from the next
+        group on, and the problems this actor's share of each epoch, from the next epoch on."""
+        log.info(
+            "the job now has %d actors (was %d): rebasing admission and problem order", actors, self.admission.actors
+        )
+        self.admission.rebase(actors)
+        epoch = -(-self.drawn // self.order.per_epoch)  # the next whole epoch
+        self.order = ProblemOrder(self.problems, self.cfg.seed, self.index, actors)
+        self.drawn = epoch * self.order.per_epoch
+
+    def _leave(self, count: int) -> None:
+        """Drained (the job was scaled below this actor): every group it started has landed;
+        leave the weight-update group before the engine stops, so no transfer waits for it."""
+        log.info("the job was scaled to %d actors: %s drained after writing %d groups", count, self.name, self.written)
+        self.drained = True
+        addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
+        if addr and self.receiver is not None:
+            from pipeline_rl.weight_sync import group_ranks, leave_group
+
+            ranks, _ = group_ranks(self.index, self.actor_count.largest, self.cfg.shared.tensor_parallel_size)
+            if not leave_group(addr, ranks, self.cfg.world.collective_timeout_s):
+                log.warning("the weight-update group did not re-form without %s in time: leaving anyway", self.name)
 
     def _zero_adapter(self) -> Path:
         """The adapter of version 0 (zeros: the base model's output, as a fresh peft adapter
@@ -413,6 +470,8 @@ class Actor:
                     "lost_position": self.lost_reader.position(),
                     "lost_stopped": self.lost_stopped,
                     "in_flight": in_flight,
+                    "actors": self.admission.actors,
+                    "admission_offset": self.admission.offset,
                 }
             )
             self._saved_at = now
@@ -442,14 +501,14 @@ class Actor:
 
 
 def serve(cfg: RunConfig, index: int, stop: Callable[[], bool]) -> str:
-    if not 0 <= index < cfg.world.actors:
-        raise ValueError(f"--index {index} is not below world.actors={cfg.world.actors}")
+    if index < 0:
+        raise ValueError(f"--index {index} is negative")
     actor = Actor(cfg, index)
     try:
         asyncio.run(actor.run(stop))
     finally:
         actor.close()
-    return f"stopped after writing {actor.written} groups"
+    return f"{'drained' if actor.drained else 'stopped'} after writing {actor.written} groups"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,12 @@ less would wait for a version that is never sent.
 
 Resume: the count goes on from what the actor had started before (saved in its position
 file), and at least from checkpoint version x share, the first group the resumed trainer needs.
+
+A job scaled to another number of actors (pipeline_rl/core/actor_count.py) changes every
+actor's share. The count is rebased so that the next group still lands in the step predicted
+for it, and later ones follow at the new share: its number becomes the first that lands in that
+step at the new share. `offset` keeps the sum of those moves, so that a resumed actor can tell
+its count from the groups it wrote.
 """
 
 from __future__ import annotations
@@ -60,7 +66,9 @@ class Admission:
         self.actors = actors
         self.max_lag = max_lag
         self.started = started
-        """Groups this actor has started over the run: the next one is group `started`."""
+        """Groups this actor has started over the run (rebased: `offset`): the next one is group `started`."""
+        self.offset = 0
+        """What rebases added to `started` (negative when the share grew)."""
 
     def step_of(self, group: int) -> int:
         """Trainer step that group number `group` of this actor lands in: floor(g / share)."""
@@ -79,6 +87,16 @@ class Admission:
     def abandon(self) -> None:
         """A started group will not land in any step (its rollout failed): it no longer counts."""
         self.started -= 1
+
+    def rebase(self, actors: int) -> None:
+        """The job now has `actors` actors: keep the next group's step, take the new share after it."""
+        if actors < 1:
+            raise ValueError(f"bad actor count {actors}")
+        step = self.step_of(self.started)
+        self.actors = actors
+        moved = self.first_group_of(step) - self.started
+        self.started += moved
+        self.offset += moved
 
     def first_group_of(self, step: int) -> int:
         """The smallest group number that lands in `step` or later."""

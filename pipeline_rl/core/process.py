@@ -25,12 +25,18 @@ from typing import NoReturn
 from pipeline_rl.config import RunConfig, load_saved_config
 from pipeline_rl.config.pool_view import for_pool
 from pipeline_rl.weight_sync.group import PeerGone
-from pipeline_rl.wire import PEER_GONE_EXIT, RUN_NONCE_ENV, RUN_NONCE_FILE
+from pipeline_rl.wire import LAUNCHED_AT_ENV, PEER_GONE_EXIT, RUN_NONCE_ENV, RUN_NONCE_FILE
 
 log = logging.getLogger(__name__)
 
 Body = Callable[[RunConfig, int, Callable[[], bool]], str]
 """(config, index, stop) -> a summary line logged on a clean exit."""
+
+
+def launched_at() -> float | None:
+    """When the launcher started the run (wire.LAUNCHED_AT_ENV), or None when started by hand."""
+    value = os.environ.get(LAUNCHED_AT_ENV)
+    return float(value) if value else None
 
 
 class RunDirNotShared(RuntimeError):

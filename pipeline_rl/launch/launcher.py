@@ -1,4 +1,5 @@
-"""`python launch.py conf=NAME [key=value ...] [--fresh] [--dry-run]`: start, watch and stop a run.
+"""`python launch.py conf=NAME [key=value ...] [--fresh] [--dry-run]`: start, watch and stop a run;
+with `--actors N`, scale the running job of that config to N actors (launch/scaling.py).
 
 On one node the launcher starts every process itself (supervisor.py), with Redis when it
 starts one, and stops all of them when the run ends, when any of them fails, on
@@ -10,8 +11,10 @@ then is Ray imported.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
+from typing import cast
 
 from pipeline_rl.config import ConfigError, RunConfig, load_config, on_ray, parse_overrides
 from pipeline_rl.config.model_fit import check_model_fit
@@ -20,10 +23,11 @@ from pipeline_rl.core.process import exit_process
 from pipeline_rl.launch.budget import budget_lines, checkpoint_timeout
 from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.memory_plan import memory_plan
-from pipeline_rl.launch.placement import Node, child_env, describe, plan
+from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, describe, plan
 from pipeline_rl.launch.redis_server import start_redis, wait_port
 from pipeline_rl.launch.restarts import TRAINER_POOL, RestartPolicy
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
+from pipeline_rl.launch.scaling import request_actors
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor, describe_exit, last_lines
 from pipeline_rl.scorers import check_scorers
 from pipeline_rl.trainer.loss import load_loss
@@ -39,6 +43,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--dry-run",
         action="store_true",
         help="validate the config, print the placement and the GPU memory plan, start nothing",
+    )
+    parser.add_argument(
+        "--actors",
+        type=int,
+        metavar="N",
+        help="start nothing: ask the launcher running this config's run_dir to scale the job to N actors",
     )
     return parser.parse_known_args(argv)
 
@@ -65,19 +75,15 @@ class Launcher(RunLoop):
             else:
                 wait_port(self.cfg.streams.redis.host, self.cfg.streams.redis.port, "redis", timeout=120)
         for spec in self.specs:
-            argv = [
-                sys.executable,
-                "-m",
-                POOL_MODULES[spec.pool],
-                "--run-dir",
-                str(self.run_dir),
-                "--index",
-                str(spec.index),
-            ]
-            env = {**child_env(self.cfg, self.node, spec, self.specs), RUN_NONCE_ENV: self.nonce}
-            env[LAUNCHED_AT_ENV] = repr(self.launched_at)
-            self.supervisor.spawn(spec.name, argv, env, expected_exit=spec.pool == "trainer")
+            self._spawn(spec, self.cfg, self.specs)
         print(f"started {', '.join(s.name for s in self.specs)}; logs in {self.run_dir / 'logs'}", flush=True)
+
+    def _spawn(self, spec: ProcessSpec, cfg: RunConfig, specs: list[ProcessSpec]) -> None:
+        """Start `spec`'s process, bound as the plan `specs` of `cfg` places it."""
+        argv = [sys.executable, "-m", POOL_MODULES[spec.pool], "--run-dir", str(self.run_dir)]
+        env = {**child_env(cfg, self.node, spec, specs), RUN_NONCE_ENV: self.nonce}
+        env[LAUNCHED_AT_ENV] = repr(self.launched_at)
+        self.supervisor.spawn(spec.name, argv + ["--index", str(spec.index)], env, expected_exit=spec.pool == "trainer")
 
     def poll(self) -> tuple[Failure | None, bool]:
         failure, done = self.supervisor.poll()
@@ -88,7 +94,8 @@ class Launcher(RunLoop):
         reason = describe_exit(failure.code) if child.name != "redis" else "redis-server stopped"
         summary = f"process {child.name} failed: {reason}"
         tail = last_lines(child.log_path)
-        return Failure(summary, str(child.log_path), tail, failure.code == PEER_GONE_EXIT, child.name), False
+        peer = failure.code == PEER_GONE_EXIT
+        return Failure(summary, str(child.log_path), tail, peer, child.name, failure.code), False
 
     def pool_processes(self) -> set[str]:
         return {s.name for s in self.specs}
@@ -96,6 +103,24 @@ class Launcher(RunLoop):
     def restart(self, what: str) -> None:
         trainers = {s.name for s in self.specs if s.pool == "trainer"}
         self.supervisor.respawn(trainers if what == TRAINER_POOL else {what})
+
+    def prepare_actors(self, actors: int) -> object:
+        cfg = copy.deepcopy(self.cfg)
+        cfg.world.actors = actors
+        specs = plan(cfg)  # where a run of that many actors has them (GPUs: free slots, or ConfigError)
+        have = {s.name for s in self.specs}
+        return cfg, specs, [s for s in specs if s.pool == "actor" and s.name not in have]
+
+    def start_actors(self, placed: object) -> None:
+        cfg, specs, new = cast("tuple[RunConfig, list[ProcessSpec], list[ProcessSpec]]", placed)
+        for spec in new:
+            self._spawn(spec, cfg, specs)
+            self.specs.append(spec)
+            print(f"started {spec.name}", flush=True)
+
+    def retire(self, name: str) -> None:
+        self.supervisor.children = [c for c in self.supervisor.children if c.name != name]
+        self.specs = [s for s in self.specs if s.name != name]
 
     def stop_all(self, graceful: bool) -> None:
         trainers = {s.name for s in self.specs if s.pool == "trainer"}
@@ -125,6 +150,10 @@ def main(argv: list[str]) -> int:
     try:
         name, overrides = parse_overrides(rest)
         cfg = load_config(name or "base", overrides)
+        if args.actors is not None:
+            ok, answer = request_actors(Path(cfg.run_dir), args.actors)
+            print(answer, file=sys.stdout if ok else sys.stderr, flush=True)
+            return 0 if ok else 1
         check_plugins(cfg)
         specs = plan(cfg)
         if args.dry_run:

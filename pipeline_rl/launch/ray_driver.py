@@ -24,6 +24,7 @@ names the process, its node (Ray node id and address) and every process the node
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import ray
@@ -43,7 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipeline_rl.config import ConfigError, RunConfig
 from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
-from pipeline_rl.launch.placement import Node, child_env, plan
+from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
@@ -68,6 +69,9 @@ NODE_PROBE_MISSES = 2
 NODE_MOVE_S = 120.0
 """How long a restart waits for Ray to place a lost node's bundle on another node (the cluster
 may be adding one)."""
+SCALE_PLACE_S = 60.0
+"""How long adding actors to a running job waits for the cluster to fit them (the run's
+processes are not polled meanwhile)."""
 REDIS_START_S = 30.0
 """How long the run's redis-server may take to answer its first PING."""
 RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
@@ -181,6 +185,9 @@ class Hosted:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     gpus: float = 0.0
+    pg: PlacementGroup | None = None
+    """The placement group of an actor added to the running job (its bundle 0); None: the run's."""
+    cpus: float = 1.0
 
 
 class RayRun(RunLoop):
@@ -199,21 +206,31 @@ class RayRun(RunLoop):
         """Ids of the nodes found gone: their processes are neither signalled nor waited for."""
 
     def _start(
-        self, name: str, pool: str, bundle: int, argv: list[str], env: dict[str, str], gpus: float = 0.0
+        self,
+        name: str,
+        pool: str,
+        bundle: int,
+        argv: list[str],
+        env: dict[str, str],
+        gpus: float = 0.0,
+        added: tuple[PlacementGroup, float, RayNode] | None = None,
     ) -> Hosted:
+        """Start a process in `bundle` of the run's placement group, or, for an actor `added` to
+        the running job, in its own (placement group, CPUs, node)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
+        pg, cpus, node = added or (self.pg, self.found[bundle].resources["CPU"], self.nodes[bundle])
         actor = self.remote_host.options(
             # Redis rides on trainer rank 0's bundle without taking its CPU.
-            num_cpus=0 if pool == "redis" else self.found[bundle].resources["CPU"],
+            num_cpus=0 if pool == "redis" else cpus,
             num_gpus=gpus,
             max_restarts=0,
             max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         ).remote(name, argv, env, os.getcwd(), str(log_path), RAY_WORKER_ONLY)
         run = actor.run.remote()
-        return Hosted(
-            name, pool, self.nodes[bundle], actor, run, log_path, bundle=bundle, argv=argv, env=env, gpus=gpus
-        )
+        h = Hosted(name, pool, node, actor, run, log_path, bundle=bundle, argv=argv, env=env, gpus=gpus, cpus=cpus)
+        h.pg = added[0] if added else None
+        return h
 
     def start_redis(self) -> None:
         """Check trainer rank 0's node first (binary, port), start the server there, and wait for
@@ -335,7 +352,8 @@ class RayRun(RunLoop):
             # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
             log_tail = tail if code is not None else last_lines(h.log_path)
             process = h.name if self._restartable(h, dead) else ""
-            return Failure(summary, str(h.log_path), log_tail, code == PEER_GONE_EXIT and not dead, process), False
+            peer = code == PEER_GONE_EXIT and not dead
+            return Failure(summary, str(h.log_path), log_tail, peer, process, code), False
         gone = self._probe_nodes()
         if gone is not None:
             first = next(h for h in self._everyone() if h.node.id == gone.id)
@@ -371,18 +389,22 @@ class RayRun(RunLoop):
         self._wait(targets, STOP_GRACE_S)
         for old in targets:
             ray.kill(old.actor, no_restart=True)
-            if old.node.id in self.lost:
-                self.nodes[old.bundle] = self._moved(old.bundle)
-            new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus)
+            node = old.node
+            if node.id in self.lost:
+                node = self._moved(old.pg or self.pg, old.bundle)
+                if old.pg is None:
+                    self.nodes[old.bundle] = node
+            added = (old.pg, old.cpus, node) if old.pg is not None else None
+            new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus, added)
             self.hosted[self.hosted.index(old)] = new
             print(f"started {new.name} again on {new.node}", flush=True)
 
-    def _moved(self, bundle: int) -> RayNode:
-        """The live node Ray placed `bundle` on after its node was lost (Ray places a dead
+    def _moved(self, pg: PlacementGroup, bundle: int) -> RayNode:
+        """The live node Ray placed `bundle` of `pg` on after its node was lost (Ray places a dead
         node's bundles again once the cluster has room), waiting up to NODE_MOVE_S."""
         deadline = time.monotonic() + NODE_MOVE_S
         while True:
-            node_id = placement_group_table(self.pg)["bundles_to_node_id"].get(bundle)
+            node_id = placement_group_table(pg)["bundles_to_node_id"].get(bundle)
             info = _cluster_nodes().get(node_id or "")
             if node_id and node_id not in self.lost and info is not None and info["Alive"]:
                 cpus = int(info.get("Resources", {}).get("CPU", 1))
@@ -390,6 +412,53 @@ class RayRun(RunLoop):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Ray placed bundle {bundle} on no live node within {NODE_MOVE_S:.0f} s")
             time.sleep(1.0)
+
+    def prepare_actors(self, actors: int) -> object:
+        """A placement group of its own for each new actor (the run's cannot grow), waiting up to
+        SCALE_PLACE_S for the cluster to fit them all; none is kept when one does not fit."""
+        cfg = copy.deepcopy(self.cfg)
+        cfg.world.actors = actors
+        have = {h.name for h in self.hosted}
+        new = [b for b in bundles(cfg, plan(cfg)) if b.spec.pool == "actor" and b.spec.name not in have]
+        pgs = [
+            placement_group([b.resources], strategy=STRATEGY, name=f"pipeline_rl:{cfg.name}:{b.spec.name}") for b in new
+        ]
+        for b, pg in zip(new, pgs):
+            if not pg.wait(timeout_seconds=SCALE_PLACE_S):
+                for made in pgs:
+                    remove_placement_group(made)
+                raise RuntimeError(
+                    f"the Ray cluster did not fit {b.spec.name} ({b.resources}) within {SCALE_PLACE_S:g} s; it has "
+                    f"{ray.available_resources()} free (`ray status` says what is in use)"
+                )
+        return cfg, list(zip(new, pgs))
+
+    def start_actors(self, placed: object) -> None:
+        cfg, new = cast("tuple[RunConfig, list[tuple[Bundle, PlacementGroup]]]", placed)
+        for b, pg in new:
+            node = _bundle_nodes(pg, 1)[0]
+            distinct = list(dict.fromkeys([*(h.node.id for h in self.hosted), node.id]))
+            spec = replace(b.spec, node=distinct.index(node.id))
+            sharing = [ProcessSpec(h.name, h.pool, 0, distinct.index(h.node.id)) for h in self.hosted]
+            driver_env = {k: os.environ[k] for k in RAY_WORKER_ONLY if k in os.environ}
+            where = Node(spec.node, len(distinct), self.nodes[0].ip, node.cpus)
+            env = child_env(cfg, where, spec, [*sharing, spec], env=driver_env)
+            if spec.gpus:
+                del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
+            env[RUN_NONCE_ENV] = self.nonce
+            env[LAUNCHED_AT_ENV] = repr(self.launched_at)
+            argv = [sys.executable, "-m", POOL_MODULES["actor"], "--run-dir", str(self.run_dir)]
+            argv += ["--index", str(spec.index)]
+            added = (pg, b.resources["CPU"], node)
+            self.hosted.append(self._start(spec.name, "actor", 0, argv, env, float(len(spec.gpus)), added))
+            print(f"placed {spec.name} on {node}", flush=True)
+
+    def retire(self, name: str) -> None:
+        h = next(h for h in self.hosted if h.name == name)
+        self.hosted.remove(h)
+        ray.kill(h.actor, no_restart=True)
+        if h.pg is not None:
+            remove_placement_group(h.pg)
 
     def _signal(self, targets: list[Hosted], sig: int) -> None:
         for h in targets:
@@ -419,6 +488,8 @@ class RayRun(RunLoop):
         for h in self._everyone():
             # A worker killed takes its child with it (PR_SET_PDEATHSIG), whatever is left.
             ray.kill(h.actor, no_restart=True)
+            if h.pg is not None:
+                remove_placement_group(h.pg)
 
 
 def run_on_ray(cfg: RunConfig, fresh: bool) -> int:

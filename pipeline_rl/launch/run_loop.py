@@ -4,7 +4,7 @@ line, the watchdog, the time limit, Ctrl-C/SIGTERM, the restart or the report of
 process: launch/restarts.py), stop, plot.
 
 A backend (a RunLoop subclass) says only how its processes start, are polled, restarted and
-stop; `run`
+stop, and where actors added to a running job go (launch/scaling.py); `run`
 and `RunLoop.watch` decide the rest, and with which exit code: 0 when the trainers finished (or
 max_time_s), 1 when a process or a node failed, 3 when the watchdog found no progress, 130 on
 a signal.
@@ -27,10 +27,11 @@ from pipeline_rl.config.model_fit import check_model_fit
 from pipeline_rl.launch.budget import run_limits
 from pipeline_rl.launch.restarts import RESTART_WINDOW_S, TRAINER_POOL, RestartPolicy, restart_target
 from pipeline_rl.launch.run_dir import prepare_run_dir
+from pipeline_rl.launch.scaling import ScaleRequest, ScaleRequests
 from pipeline_rl.launch.supervisor import PEER_REPORT_WAIT_S
 from pipeline_rl.launch.watchdog import Watchdog
 from pipeline_rl.metrics import MetricsLogger
-from pipeline_rl.streams.records import Metrics
+from pipeline_rl.streams.records import ActorCount, Metrics
 from pipeline_rl.wire import Topic
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class Failure:
     it comes, is the one to report."""
     process: str = ""
     """The process that failed (a pool process's name, or a service's: redis)."""
+    exit_code: int | None = None
+    """Its exit code (None: killed with its node, or its Ray worker gone)."""
 
 
 def end_of(streams: Streams, topic: str, record_type: type) -> dict[int, str]:
@@ -117,6 +120,11 @@ class RunLoop:
         self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
         self.restarts = RestartPolicy(cfg.world.max_restarts if self.heals else 0, Path(cfg.run_dir) / "restarts.jsonl")
         self._restart_metrics: MetricsLogger | None = None
+        self.actors = cfg.world.actors
+        """The job's actors now (launch/scaling.py)."""
+        self.draining: set[str] = set()
+        """Actors scaled away that have not exited yet."""
+        self.scale_requests = ScaleRequests(Path(cfg.run_dir))
 
     def start(self) -> None:
         """Start the run's services (Redis) and every process of the plan."""
@@ -136,6 +144,19 @@ class RunLoop:
 
     def restart(self, what: str) -> None:
         """Start `what` again (a process's name, or restarts.TRAINER_POOL: every trainer rank)."""
+        raise NotImplementedError
+
+    def prepare_actors(self, actors: int) -> object:
+        """Place actors self.actors..actors-1 (a run of `actors` actors would have them there);
+        raises ConfigError or RuntimeError when they do not fit, having started nothing."""
+        raise NotImplementedError
+
+    def start_actors(self, placed: object) -> None:
+        """Start the actors `prepare_actors` placed."""
+        raise NotImplementedError
+
+    def retire(self, name: str) -> None:
+        """Forget actor `name`, which drained and exited (not restarted; its slot is free)."""
         raise NotImplementedError
 
     def request_stop(self, signum, _frame) -> None:
@@ -164,6 +185,11 @@ class RunLoop:
         try:
             while True:
                 failure, done = self.poll()
+                if failure is not None and failure.process in self.draining and failure.exit_code == 0:
+                    self.draining.discard(failure.process)
+                    self.retire(failure.process)
+                    print(f"\n{failure.process} drained and left the job", flush=True)
+                    continue
                 if failure is not None and self.heal(failure, streams, watchdog):
                     continue
                 if failure is not None and failure.caused_by_peer:
@@ -184,6 +210,9 @@ class RunLoop:
                     return self.finish(self.stop_reason, code=130)
                 if self.cfg.max_time_s and time.time() - start > self.cfg.max_time_s:
                     return self.finish(f"max_time_s={self.cfg.max_time_s:g} reached", code=0)
+                request = self.scale_requests.take()
+                if request is not None:
+                    self.scale(request, streams)
                 for record in feed.drain(timeout=0.5):
                     watchdog.observe(record)
                     if self.restarts.pending:
@@ -226,6 +255,34 @@ class RunLoop:
             self._restart_metrics = MetricsLogger(self.cfg, "launcher", streams)
         self._restart_metrics.log(self.restarts.counts())
         return True
+
+    def scale(self, request: ScaleRequest, streams: Streams) -> None:
+        """Take the job to `request.actors` actors (launch/scaling.py) and answer the request."""
+        old, new = self.actors, request.actors
+        if new < 1:
+            self.scale_requests.answer(request, False, f"a job needs at least one actor, not {new}")
+            return
+        if new == old:
+            self.scale_requests.answer(request, True, f"the job already has {new} actors")
+            return
+        running = {f"actor{i}" for i in range(old, new)} & self.draining  # they just go on
+        try:
+            placed = self.prepare_actors(new) if new > old else None
+        except (ConfigError, RuntimeError) as e:
+            self.scale_requests.answer(request, False, f"cannot add actors {old}..{new - 1}: {e}")
+            return
+        # The count first: an actor started below reads it to know it belongs to the job.
+        writer = streams.writer(Topic.ACTOR_COUNT)
+        writer.write(ActorCount(new, time.time()))
+        writer.close()
+        self.actors = new
+        self.draining -= running
+        if placed is not None:
+            self.start_actors(placed)
+        self.draining |= {f"actor{i}" for i in range(new, old)}
+        what = f"added actors {old}..{new - 1}" if new > old else f"actors {new}..{old - 1} drain and leave"
+        print(f"\nscaled the job from {old} to {new} actors: {what}", flush=True)
+        self.scale_requests.answer(request, True, f"the job has {new} actors ({what})")
 
     def note_recovery(self, record: Metrics) -> None:
         step = record.process == "trainer0" and "version" in record.values and "waiting_on" not in record.values

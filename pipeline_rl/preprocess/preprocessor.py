@@ -1,6 +1,7 @@
 """The preprocessor pool: rollout groups in, packed micro-batches per trainer rank out.
 
-Data flow. Preprocessor i of n reads the "actor" partitions partitions_for(i, n, actors) in
+Data flow. Preprocessor i of n reads the "actor" partitions partitions_for(i, n, actors) (over
+every actor the job has had: ActorPartitions) in
 batches of up to `preprocess.batch_groups` groups and runs the scorers on each batch (the
 costly part, so it runs on every preprocessor). Step assembly must give every trainer rank
 one consistent sequence of steps, so only preprocessor 0 assembles: preprocessors 1..n-1
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.preprocess.advantages import all_zero, group_advantages
@@ -73,8 +75,14 @@ class LostGroups:
     so that its admission budget gives them back instead of waiting for them forever."""
 
     def __init__(self, streams: Streams, actors: int, counters: Counters):
+        self.streams = streams
         self.writer = streams.writer(Topic.LOST, partitions=actors)
         self.counters = counters
+
+    def widen(self, actors: int) -> None:
+        """The job was scaled up to `actors` actors."""
+        self.writer.close()
+        self.writer = self.streams.writer(Topic.LOST, partitions=actors)
 
     def report(self, actor: int, cause: str, ids: list[str], error: str) -> None:
         self.writer.write(GroupsLost(actor=actor, cause=cause, ids=ids, error=error[:500]), partition=actor)
@@ -84,6 +92,46 @@ class LostGroups:
     def undecodable(self, letter: DeadLetter) -> None:
         """An actor record no reader can use: the group it held is lost."""
         self.report(letter.partition, "decode", [f"actor:{letter.partition}:{letter.offset}"], letter.error)
+
+
+class ActorPartitions:
+    """This preprocessor's partitions of the "actor" topic (every n-th), over the actors the job
+    has had since its launch (pipeline_rl/core/actor_count.py; a draining actor still writes,
+    and a drained one's last groups may still be unread after a restart: its partition is in the
+    saved position), widened when the job is scaled up."""
+
+    def __init__(self, streams: Streams, cfg: RunConfig, index: int, position: dict | None, lost: LostGroups):
+        self.streams, self.index, self.n, self.lost = streams, index, cfg.world.preprocessors, lost
+        self.watch = ActorCountWatch(streams, cfg.world.actors)
+        saved = 1 + max((int(p) for p in position or {}), default=-1)
+        self.actors = max(self.watch.largest, saved)
+        lost.widen(self.actors)
+        self.reader = self._open(position)
+
+    def _open(self, position: dict | None) -> Reader | None:
+        own = partitions_for(self.index, self.n, self.actors)
+        if not own:
+            return None
+        reader = self.streams.reader(Topic.ACTOR, RolloutGroup, own, position=position)
+        reader.on_dead_letter = self.lost.undecodable
+        return reader
+
+    def widen(self) -> bool:
+        """Take the partitions of actors added since the last call; True when there were some."""
+        self.watch.poll()
+        if self.watch.largest <= self.actors:
+            return False
+        old = self.reader
+        self.actors = self.watch.largest
+        self.lost.widen(self.actors)
+        self.reader = self._open(old.position() if old is not None else None)
+        if old is not None:
+            assert self.reader is not None
+            self.reader.dead_letters = old.dead_letters
+            old.close()
+        own = self.reader.partitions if self.reader else ()
+        log.info("preprocessor%d: the job has had %d actors: reading partitions %s", self.index, self.actors, own)
+        return True
 
 
 class ScoringStage:
@@ -273,24 +321,25 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
     counters = Counters()
     lost = LostGroups(streams, cfg.world.actors, counters)
     scoring = ScoringStage(scorers, streams, counters, lost)
-    own = partitions_for(index, n, cfg.world.actors)
-    actor = streams.reader(Topic.ACTOR, RolloutGroup, own, position=saved.get("actor")) if own else None
-    if actor is not None:
-        actor.on_dead_letter = lost.undecodable
+    partitions = ActorPartitions(streams, cfg, index, saved.get("actor"), lost)
     try:
         if index > 0:
-            _run_scoring_only(cfg, index, actor, scoring, streams, store, metrics, counters, stop)
+            _run_scoring_only(cfg, index, partitions, scoring, streams, store, metrics, counters, stop)
             return 0
         scored = None
         if n > 1:
             scored = streams.reader(Topic.SCORED, RolloutGroup, range(1, n), position=saved.get("scored"))
         assembler = StepAssembler(cfg, streams, metrics, int(saved.get("next_step", 0)))
+        actor = partitions.reader
         sources = [s for s in (actor, scored) if s is not None]
-        timeout = 1.0 / len(sources)
         while not stop():
             if assembler.next_step >= cfg.shared.max_steps:
                 time.sleep(IDLE_S)
                 continue
+            if partitions.widen():
+                actor = partitions.reader
+                sources = [s for s in (actor, scored) if s is not None]
+            timeout = 1.0 / len(sources) if sources else IDLE_S
             for source in sources:
                 entries = source.read(timeout=timeout, max_count=min(cfg.preprocess.batch_groups, assembler.needed))
                 if not entries:
@@ -324,7 +373,7 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
 def _run_scoring_only(
     cfg: RunConfig,
     index: int,
-    actor: Reader | None,
+    partitions: ActorPartitions,
     scoring: ScoringStage,
     streams: Streams,
     store: PositionStore,
@@ -333,10 +382,12 @@ def _run_scoring_only(
     stop: Callable[[], bool],
 ) -> None:
     """Preprocessors 1..n-1: score batches and hand them to preprocessor 0."""
-    if actor is None:
-        log.info("preprocessor%d has no actor partition (world.actors=%d): idle", index, cfg.world.actors)
+    if partitions.reader is None:
+        log.info("preprocessor%d has no actor partition (%d actors): idle", index, partitions.actors)
     out = streams.writer(Topic.SCORED, partitions=cfg.world.preprocessors)
     while not stop():
+        partitions.widen()
+        actor = partitions.reader
         if actor is None:
             time.sleep(IDLE_S)
             continue

@@ -161,9 +161,20 @@ class GroupsLost:
     kind: str = Kind.GROUPS_LOST
 
 
+@dataclass
+class ActorCount:
+    """The actors a running job is scaled to (pipeline_rl/core/actor_count.py): actors 0..count-1
+    generate; an actor of a higher index finishes its groups in flight and leaves."""
+
+    count: int
+    time: float
+    """When the launcher wrote it (time.time(), the launcher's clock, as wire.LAUNCHED_AT_ENV)."""
+    kind: str = Kind.ACTOR_COUNT
+
+
 RECORD_TYPES = {
     t.__dataclass_fields__["kind"].default: t
-    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, DeadLetter, GroupsLost)
+    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, DeadLetter, GroupsLost, ActorCount)
 }
 
 # Token-level fields whose length must equal the owner's reference field.

@@ -4,7 +4,6 @@ ZeRO-3), its optimizer (on the device or offloaded) and the DeepSpeed config tha
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,7 +16,6 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from pipeline_rl import lora
 from pipeline_rl.config import LrDecay, RunConfig, attention_kernel
 from pipeline_rl.core import packed_attention  # noqa: F401  (registers the varlen attention with transformers)
-from pipeline_rl.wire import LAUNCHED_AT_ENV
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:
@@ -83,12 +81,6 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torc
         return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
     # Fused: one kernel for every parameter's update, instead of a chain of them per tensor list.
     return torch.optim.AdamW(params, fused=torch.cuda.is_available(), **kwargs)
-
-
-def launched_at() -> float | None:
-    """When the launcher started the run (wire.LAUNCHED_AT_ENV), or None when started by hand."""
-    value = os.environ.get(LAUNCHED_AT_ENV)
-    return float(value) if value else None
 
 
 def lr_factor(

@@ -16,6 +16,7 @@ import logging
 import os
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.streams.api import Streams
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.trainer.full_weights import Named, gathered_chunks, parameter_specs
@@ -40,21 +41,32 @@ class WeightPublisher:
         """Updates failed in a row."""
         self.failed_total = 0
         self.sender: WeightSender | None = None
+        self.tp = cfg.shared.tensor_parallel_size
         if rank == 0 and addr:
-            tp = cfg.shared.tensor_parallel_size
-            _, world = group_ranks(0, cfg.world.actors, tp)
+            # The group takes the actors of a job scaled up since the launch too.
+            self.actor_count = ActorCountWatch(streams, cfg.world.actors)
+            actors = self.actor_count.largest
             self.sender = WeightSender(
                 addr,
-                world,
+                group_ranks(0, actors, self.tp)[1],
                 backend_for(cfg.world.gpus_per_node),
                 cfg.world.collective_timeout_s,
-                member_names(cfg.world.actors, tp),
+                member_names(actors, self.tp),
             )
             self.writer = streams.writer(Topic.WEIGHTS)
 
+    def _follow_actor_count(self) -> None:
+        assert self.sender is not None
+        self.actor_count.poll()
+        actors = self.actor_count.largest
+        self.sender.resize(group_ranks(0, actors, self.tp)[1], member_names(actors, self.tp))
+
     def has_joiners(self) -> bool:
         """Whether a receiver joined that the current group lacks, and this rank can send alone."""
-        return self.sender is not None and not self.zero3 and self.sender.has_joiners()
+        if self.sender is None or self.zero3:
+            return False
+        self._follow_actor_count()
+        return self.sender.has_joiners()
 
     def publish(self, version: int, published: Named) -> dict:
         """Send `published` (name, parameter) as `version`: rank 0 broadcasts, the others take
@@ -66,6 +78,7 @@ class WeightPublisher:
             for _ in chunks:
                 pass
             return {}
+        self._follow_actor_count()
         try:
             seconds = self.sender.send(
                 version,

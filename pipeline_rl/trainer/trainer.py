@@ -38,7 +38,7 @@ import torch.distributed as dist
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
 from pipeline_rl.core.logprobs import packed_logprobs
-from pipeline_rl.core.process import run_pool_process
+from pipeline_rl.core.process import launched_at, run_pool_process
 from pipeline_rl.lora import trained_parameters
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams import open_streams
@@ -49,7 +49,7 @@ from pipeline_rl.trainer.grad_norm import finite_norms
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
-from pipeline_rl.trainer.model import deepspeed_config, launched_at, load_model, lr_factor, make_optimizer
+from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
 from pipeline_rl.trainer.publisher import WeightPublisher
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.routing_replay import RoutingReplay

@@ -65,6 +65,11 @@ DIAGNOSE_S apart, and raises WeightGroupFailed naming the members whose counter 
 (dead, or hung with the interpreter stuck; names by rank under the store key "members", which
 the sender sets). A store that cannot be reached means the sender, which hosts it, is gone.
 The timeout of every wait is `world.collective_timeout_s` (pipeline_rl/collectives.py).
+
+An actor that leaves for good (the job was scaled below it: pipeline_rl/core/actor_count.py)
+deletes its ranks' registrations (`leave_group`) and waits, still receiving, until the sender
+has formed a group without them, so no transfer is left waiting for it. The sender's ranks grow
+with the job (`WeightSender.resize`).
 """
 
 from pipeline_rl.weight_sync.group import (
@@ -81,7 +86,7 @@ from pipeline_rl.weight_sync.group import (
     group_ranks,
     member_names,
 )
-from pipeline_rl.weight_sync.receiver import WeightReceiver
+from pipeline_rl.weight_sync.receiver import WeightReceiver, leave_group, published_version
 from pipeline_rl.weight_sync.sender import WeightSender
 
 __all__ = [
@@ -98,5 +103,7 @@ __all__ = [
     "WeightSender",
     "backend_for",
     "group_ranks",
+    "leave_group",
     "member_names",
+    "published_version",
 ]

@@ -47,6 +47,8 @@ SENDER = "trainer0"
 HEARTBEAT_S = 1.0
 DIAGNOSE_S = 2.5 * HEARTBEAT_S
 """A counter that did not move in this long belongs to a member that is gone."""
+LEAVE_POLL_S = 0.2
+"""How often a leaving receiver looks for the group formed without it."""
 
 
 class WeightGroupFailed(RuntimeError):
@@ -90,7 +92,7 @@ INCARNATION = "incarnation"
 restarted accepts versions older than its own (the restarted trainer's, from its checkpoint)."""
 
 
-def _split_host_port(addr: str) -> tuple[str, int]:
+def split_host_port(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"weight-sync address {addr!r} is not host:port")
@@ -112,7 +114,7 @@ class Endpoint:
     def __init__(self, addr: str, rank: int, world_size: int, backend: str, timeout_s: float):
         if world_size < 2:
             raise ValueError(f"weight-sync world size must be >= 2 (trainer + actors), got {world_size}")
-        self.host, self.port = _split_host_port(addr)
+        self.host, self.port = split_host_port(addr)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

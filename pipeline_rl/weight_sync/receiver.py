@@ -7,6 +7,7 @@ import logging
 import math
 import time
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, aligned, check_announcement
 from pipeline_rl.weight_sync.group import (
     INCARNATION,
+    LEAVE_POLL_S,
     Endpoint,
     Keep,
     NotMember,
@@ -22,6 +24,7 @@ from pipeline_rl.weight_sync.group import (
     members_key,
     new_group,
     ready_key,
+    split_host_port,
 )
 
 log = logging.getLogger(__name__)
@@ -265,3 +268,34 @@ class WeightReceiver(Endpoint):
         super().close()
         self._bounce = None
         self._store = None
+
+
+def leave_group(addr: str, ranks: list[int], timeout_s: float) -> bool:
+    """Take the receivers of `ranks` out of the weight-update group for good: delete their
+    registrations, then wait until the sender names a group without them (it forms one at its
+    next update), at most `timeout_s`. Their receivers must keep taking part until then: a
+    transfer of the current group still counts on them. Returns whether the group re-formed
+    in time (False too when the sender's store is gone)."""
+    host, port = split_host_port(addr)
+    deadline = time.monotonic() + timeout_s
+    try:
+        store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
+        for rank in ranks:
+            store.delete_key(ready_key(rank))
+        while time.monotonic() < deadline:
+            name = store.get("group").decode() if store.check(["group"]) else ""
+            if name and store.check([members_key(name)]):
+                members = json.loads(store.get(members_key(name)))
+                if not any(rank in ranks for rank, _ in members):
+                    return True
+            time.sleep(LEAVE_POLL_S)
+    except Exception as e:  # the sender (trainer rank 0) is gone or restarting
+        log.warning("leaving the weight-update group at %s: %s", addr, e)
+    return False
+
+
+def published_version(addr: str, timeout_s: float) -> int:
+    """The last version the sender at `addr` published (0 before any)."""
+    host, port = split_host_port(addr)
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return int(store.get("latest")) if store.check(["latest"]) else 0

@@ -128,6 +128,14 @@ class WeightSender(Endpoint):
         if len(members) > 1:
             self._group = new_group(self._store, self._group_name, 0, len(members), self.backend, self.timeout)
 
+    def resize(self, world_size: int, members: list[str]) -> None:
+        """The job was scaled up: ranks up to `world_size` may register (`members`: the process
+        behind each rank, for failure messages)."""
+        assert self._store is not None
+        if world_size > self.world_size:
+            self.world_size = world_size
+            self._store.set("members", json.dumps(members))
+
     def has_joiners(self) -> bool:
         """Whether a receiver registered that the current group lacks (after the first group)."""
         if not self._formed or self._store is None:

@@ -146,3 +146,28 @@ def test_admission_lag_defaults_to_max_lag_and_can_exceed_it():
     assert max(lags) == 3
     cfg.actor.mode = "sync"
     assert admission_lag(cfg) == 0
+
+
+@pytest.mark.parametrize(
+    "groups_per_step, before, after, max_lag", [(12, 2, 3, 1), (12, 3, 2, 0), (16, 1, 4, 2), (6, 4, 1, 1)]
+)
+def test_a_rescaled_job_keeps_the_next_groups_step_and_takes_the_new_share(groups_per_step, before, after, max_lag):
+    adm = Admission(groups_per_step, before, max_lag)
+    admit_all(adm, version=0)
+    admit_all(adm, version=3)
+    step = adm.step_of(adm.started)  # where the next group was predicted to land
+    started = adm.started
+    adm.rebase(after)
+    assert adm.actors == after and adm.step_of(adm.started) == step
+    assert adm.started == adm.first_group_of(step) and adm.offset == adm.started - started
+    # From there, one new version admits one share of the new count (within rounding).
+    first = admit_all(adm, version=3)
+    more = admit_all(adm, version=4)
+    assert all(adm.step_of(g) <= 4 + max_lag for g in first + more)
+    assert abs(len(more) - groups_per_step / after) < 1 + 1e-9
+    # Scaled back: again the next group's step is kept.
+    step = adm.step_of(adm.started)
+    adm.rebase(before)
+    assert adm.actors == before and adm.step_of(adm.started) == step
+    with pytest.raises(ValueError):
+        adm.rebase(0)

@@ -1,0 +1,94 @@
+"""A running job scaled on one node (launch/scaling.py): `--actors 2` adds an actor that
+generates on the current weights; `--actors 1` then drains it (its groups in flight land, it
+leaves the weight-update group before it stops, it is not restarted), and the run goes on to
+max_steps with every group the added actor wrote trained."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fixtures.helpers import ROOT
+from fixtures.launches import launch, pool_process_once_running, run_processes, stop, stream_records, trainer_steps
+
+from pipeline_rl.metrics import read_metrics
+from pipeline_rl.streams.records import PAD_GROUP_ID
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
+
+ADDED_WITHIN_S = 60.0
+"""As for a replaced actor (test_restarts.py): an added one generates on the current version within this."""
+
+
+def scale(run_dir: Path, actors: int) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", "--actors", str(actors)]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+
+def version(run_dir: Path) -> int:
+    steps = trainer_steps(run_dir)
+    return steps[-1]["values"]["version"] if steps else 0
+
+
+def wait_until(check, proc, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not check():
+        assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.5)
+
+
+def actor_records(run_dir: Path, name: str) -> list[dict]:
+    return [r["values"] for r in read_metrics(run_dir) if r["process"] == name]
+
+
+def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(tmp_path, tiny_model):
+    run_dir = tmp_path / "run"
+    final = 60
+    proc = launch(run_dir, f"shared.max_steps={final}", "trainer.checkpoint_every=0", wait=False)
+    try:
+        pool_process_once_running(proc, run_dir, "actor", 240)
+        wait_until(lambda: version(run_dir) >= 2, proc, 240, "version 2")
+        up = scale(run_dir, 2)
+        scaled_at, at_scale = time.time(), version(run_dir)
+        assert up.returncode == 0 and "the job has 2 actors (added actors 1..1)" in up.stdout, up.stdout + up.stderr
+        assert scale(run_dir, 2).stdout.strip() == "the job already has 2 actors"
+
+        def generating() -> bool:
+            return any(
+                r["version"] >= at_scale and r["groups_written_total"] > 0 for r in actor_records(run_dir, "actor1")
+            )
+
+        wait_until(generating, proc, ADDED_WITHIN_S + 60, "group from actor1")
+        first = next(
+            r for r in read_metrics(run_dir) if r["process"] == "actor1" and r["values"]["groups_written_total"] > 0
+        )
+        down = scale(run_dir, 1)
+        assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
+        drained_at = version(run_dir)
+        log = run_dir / "logs" / "actor1.log"
+        wait_until(lambda: "drained after writing" in log.read_text(), proc, 120, "actor1 draining")
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert first["time"] - scaled_at < ADDED_WITHIN_S and first["values"]["version"] >= at_scale, first
+    assert "scaled the job from 1 to 2 actors" in out and "scaled the job from 2 to 1 actors" in out, out[-4000:]
+    assert "actor1 drained and left the job" in out and "restarting" not in out, out[-4000:]
+    assert drained_at < final, "the run ended before actor1 drained: nothing was trained after it"
+    versions = [s["values"]["version"] for s in trainer_steps(run_dir)]
+    assert versions == list(range(1, final + 1)), versions
+
+    # Every group the added actor wrote was trained (it drained: nothing in flight was dropped).
+    written = {g["group_id"] for g in stream_records(run_dir, "actor") if g["actor"] == 1}
+    trained = {gid for b in stream_records(run_dir, "trainer") for gid in b["group_ids"]} - {PAD_GROUP_ID}
+    assert written and written <= trained, sorted(written - trained)[:5]
+    # It left the weight-update group before it stopped: no transfer failed, and the group
+    # had two receivers while it was there and one at the end.
+    trainer = [r for r in actor_records(run_dir, "trainer0") if "weight_update_members" in r]
+    assert max(r.get("weight_update_failed_total", 0) for r in trainer) == 0
+    assert 2 in {r["weight_update_members"] for r in trainer} and trainer[-1]["weight_update_members"] == 1
+    assert run_processes(run_dir) == {}

@@ -1,0 +1,57 @@
+"""The job's actor count as the pools read it (core/actor_count.py): world.actors until the
+launcher writes a count, then the last count written since this launch; a count written before
+the launch (an earlier launch of the run directory) does not count; `largest` keeps the bound
+the preprocessors read up to while actors drain."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_rl.core.actor_count import ActorCountWatch
+from pipeline_rl.streams.jsonl_backend import JsonlStreams
+from pipeline_rl.streams.records import ActorCount
+from pipeline_rl.wire import LAUNCHED_AT_ENV, Topic
+
+
+def write(streams: JsonlStreams, count: int, at: float) -> None:
+    writer = streams.writer(Topic.ACTOR_COUNT)
+    writer.write(ActorCount(count, at))
+    writer.close()
+
+
+def test_the_last_count_since_the_launch_holds(tmp_path, monkeypatch):
+    streams = JsonlStreams(tmp_path)
+    write(streams, 5, at=100.0)  # an earlier launch's
+    monkeypatch.setenv(LAUNCHED_AT_ENV, "200.0")
+    watch = ActorCountWatch(streams, initial=2)
+    assert (watch.count, watch.largest, watch.scaled) == (2, 2, False)
+    write(streams, 3, at=250.0)
+    write(streams, 1, at=260.0)
+    assert watch.read() == 1 and watch.largest == 3 and watch.scaled
+    # Started later (a replacement, an added actor): the same answer from the start.
+    later = ActorCountWatch(streams, initial=2)
+    assert (later.count, later.largest) == (1, 3)
+    streams.close()
+
+
+def test_started_by_hand_every_count_holds(tmp_path, monkeypatch):
+    monkeypatch.delenv(LAUNCHED_AT_ENV, raising=False)
+    streams = JsonlStreams(tmp_path)
+    write(streams, 4, at=1.0)
+    assert ActorCountWatch(streams, initial=2).count == 4
+    streams.close()
+
+
+@pytest.mark.parametrize("every", [True, False])
+def test_poll_reads_at_most_every_check_interval(tmp_path, monkeypatch, every):
+    monkeypatch.delenv(LAUNCHED_AT_ENV, raising=False)
+    streams = JsonlStreams(tmp_path)
+    watch = ActorCountWatch(streams, initial=1)
+    write(streams, 2, at=1.0)
+    if every:
+        monkeypatch.setattr("pipeline_rl.core.actor_count.CHECK_EVERY_S", 0.0)
+        assert watch.poll() == 2
+    else:
+        watch._checked = float("inf")  # just read
+        assert watch.poll() == 1 and watch.read() == 2
+    streams.close()
