@@ -1,7 +1,7 @@
 """A running job scaled on one node (launch/scaling.py): `--actors 2` adds an actor that
 generates on the current weights; `--actors 1` then drains it (its groups in flight land, it
-leaves the weight-update group before it stops, it is not restarted), and the run goes on to
-max_steps with every group the added actor wrote trained."""
+leaves the weight-update group before it stops, it is not restarted), and the run goes on with
+one actor, every group the added actor wrote trained."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 from fixtures.helpers import ROOT
 from fixtures.launches import launch, pool_process_once_running, run_processes, stop, stream_records, trainer_steps
@@ -47,8 +48,7 @@ def actor_records(run_dir: Path, name: str) -> list[dict]:
 
 def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    final = 60
-    proc = launch(run_dir, f"shared.max_steps={final}", "trainer.checkpoint_every=0", wait=False)
+    proc = launch(run_dir, "shared.max_steps=100000", "trainer.checkpoint_every=0", wait=False)
     try:
         pool_process_once_running(proc, run_dir, "actor", 240)
         wait_until(lambda: version(run_dir) >= 2, proc, 240, "version 2")
@@ -68,24 +68,30 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
         )
         down = scale(run_dir, 1)
         assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
-        drained_at = version(run_dir)
         log = run_dir / "logs" / "actor1.log"
         wait_until(lambda: "drained after writing" in log.read_text(), proc, 120, "actor1 draining")
-        out, _ = proc.communicate(timeout=420)
+        drained_at = version(run_dir)
+        # The run goes on with one actor (its share is the whole step again).
+        wait_until(lambda: version(run_dir) >= drained_at + 20, proc, 120, "20 versions after the drain")
     finally:
         stop(proc)
-    assert proc.returncode == 0, out[-4000:]
+    out = proc.stdout.read() if proc.stdout else ""
+    assert proc.returncode == 130, out[-4000:]  # stopped by the test's Ctrl-C, not by a failure
     assert first["time"] - scaled_at < ADDED_WITHIN_S and first["values"]["version"] >= at_scale, first
     assert "scaled the job from 1 to 2 actors" in out and "scaled the job from 2 to 1 actors" in out, out[-4000:]
     assert "actor1 drained and left the job" in out and "restarting" not in out, out[-4000:]
-    assert drained_at < final, "the run ended before actor1 drained: nothing was trained after it"
     versions = [s["values"]["version"] for s in trainer_steps(run_dir)]
-    assert versions == list(range(1, final + 1)), versions
+    assert versions == list(range(1, versions[-1] + 1)), versions
 
-    # Every group the added actor wrote was trained (it drained: nothing in flight was dropped).
+    # Every group the added actor wrote was taken into a step (it drained: nothing in flight was
+    # dropped): the preprocessor's saved position in its partition is the partition's end, and
+    # its groups are in the trainer stream but for those whose advantages were all zero.
     written = {g["group_id"] for g in stream_records(run_dir, "actor") if g["actor"] == 1}
+    end = (run_dir / "streams" / "actor" / "1.jsonl").stat().st_size
+    taken = orjson.loads((run_dir / "positions" / "preprocessor0.json").read_bytes())["actor"]
+    assert written and int(taken["1"]) == end, (taken, end)
     trained = {gid for b in stream_records(run_dir, "trainer") for gid in b["group_ids"]} - {PAD_GROUP_ID}
-    assert written and written <= trained, sorted(written - trained)[:5]
+    assert written & trained
     # It left the weight-update group before it stopped: no transfer failed, and the group
     # had two receivers while it was there and one at the end.
     trainer = [r for r in actor_records(run_dir, "trainer0") if "weight_update_members" in r]
