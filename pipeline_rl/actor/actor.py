@@ -280,7 +280,7 @@ class Actor:
         log.info(
             "the job now has %d actors (was %d): rebasing admission and problem order", actors, self.admission.actors
         )
-        self.admission.rebase(actors)
+        self.admission.rebase(actors, self.llm.version)
         epoch = -(-self.drawn // self.order.per_epoch)  # the next whole epoch
         self.order = ProblemOrder(self.problems, self.cfg.seed, self.index, actors)
         self.drawn = epoch * self.order.per_epoch

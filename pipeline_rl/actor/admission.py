@@ -32,8 +32,13 @@ file), and at least from checkpoint version x share, the first group the resumed
 A job scaled to another number of actors (pipeline_rl/core/actor_count.py) changes every
 actor's share. The count is rebased so that the next group still lands in the step predicted
 for it, and later ones follow at the new share: its number becomes the first that lands in that
-step at the new share. `offset` keeps the sum of those moves, so that a resumed actor can tell
-its count from the groups it wrote.
+step at the new share; but never past the bound of the actor's version, so that it may start
+a share at once. An actor that made more than its share (another was slower, or started late)
+predicts its groups later than they land, which is harmless while the others fill the steps it
+waits for; once they are drained it would wait for versions that wait for its groups. Each
+actor starting a share at once makes a step, and each step opens the next share. `offset`
+keeps the sum of those moves, so that a resumed actor can tell its count from the groups it
+wrote.
 """
 
 from __future__ import annotations
@@ -88,11 +93,13 @@ class Admission:
         """A started group will not land in any step (its rollout failed): it no longer counts."""
         self.started -= 1
 
-    def rebase(self, actors: int) -> None:
-        """The job now has `actors` actors: keep the next group's step, take the new share after it."""
+    def rebase(self, actors: int, version: int) -> None:
+        """The job now has `actors` actors and this actor's policy is `version`: keep the next
+        group's step, but within the bound of `version` (see the module's docstring), and take
+        the new share after it."""
         if actors < 1:
             raise ValueError(f"bad actor count {actors}")
-        step = self.step_of(self.started)
+        step = min(self.step_of(self.started), version + self.max_lag)
         self.actors = actors
         moved = self.first_group_of(step) - self.started
         self.started += moved

@@ -277,11 +277,11 @@ class RunLoop:
         writer.close()
         self.actors = new
         self.draining -= running
+        what = f"added actors {old}..{new - 1}" if new > old else f"actors {new}..{old - 1} drain and leave"
+        print(f"\nscaled the job from {old} to {new} actors: {what}", flush=True)  # off the status line
         if placed is not None:
             self.start_actors(placed)
         self.draining |= {f"actor{i}" for i in range(new, old)}
-        what = f"added actors {old}..{new - 1}" if new > old else f"actors {new}..{old - 1} drain and leave"
-        print(f"\nscaled the job from {old} to {new} actors: {what}", flush=True)
         self.scale_requests.answer(request, True, f"the job has {new} actors ({what})")
 
     def note_recovery(self, record: Metrics) -> None:

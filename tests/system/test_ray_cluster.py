@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 from fixtures.helpers import ROOT, free_port
+from fixtures.launches import scale_actors
 
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.metrics import read_metrics
@@ -357,6 +358,64 @@ def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on
     assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
     moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
     assert moved and moved[0] != node_id, out[-3000:]
+
+
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+def test_an_actor_added_to_a_running_job_goes_to_a_new_node_and_drains_when_scaled_back(cluster, tmp_path, tiny_model):
+    """`--actors 2` on a running job whose cluster just got a node: the driver places actor1
+    there, in a placement group of its own, and it generates on the current weights; `--actors
+    1` drains it (it leaves, is not restarted), its placement group is removed, and the run goes
+    on."""
+    run_dir = tmp_path / "run"
+    driver = Driver(cluster, run_dir, free_port(), "shared.max_steps=100000")
+    try:
+        run_until(driver, run_dir, versions=3, timeout=300)
+        first_nodes = set(driver.placed().values())
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+        cluster.wait_for_nodes()
+        at_scale = len(trainer_versions(run_dir))
+        up = scale_actors(run_dir, 2)
+        assert up.returncode == 0 and "added actors 1..1" in up.stdout, up.stdout + up.stderr
+        deadline = time.time() + 10  # the driver's output arrives through a pipe
+        while "actor1" not in driver.placed() and time.time() < deadline:
+            time.sleep(0.2)
+        assert driver.placed().get("actor1") not in first_nodes | {None}, driver.out[-3000:]
+
+        def generating() -> bool:
+            written = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor1"]
+            return any(r["version"] >= at_scale and r["groups_written_total"] > 0 for r in written)
+
+        deadline = time.time() + 120
+        while not generating():
+            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+            time.sleep(1)
+        down = scale_actors(run_dir, 1)
+        assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
+        deadline = time.time() + 120
+        while "actor1 drained and left the job" not in driver.out:
+            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+            time.sleep(1)
+        after, deadline = len(trainer_versions(run_dir)), time.time() + 60
+        while len(trainer_versions(run_dir)) < after + 5:
+            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+            time.sleep(1)
+        import ray
+        from ray.util import placement_group_table
+
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            groups = {g["name"]: g["state"] for g in placement_group_table().values()}
+        finally:
+            ray.shutdown()
+    finally:
+        driver.stop()
+    out = without_raylet_dumps(driver.out)
+    assert "restarting" not in out, out[-4000:]
+    (added,) = [name for name in groups if name.endswith(":actor1")]
+    assert groups[added] == "REMOVED", groups
+    assert run_processes(run_dir, driver.redis_port) == {}
 
 
 @pytest.mark.redis

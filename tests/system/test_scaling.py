@@ -5,15 +5,20 @@ one actor, every group the added actor wrote trained."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import orjson
 import pytest
-from fixtures.helpers import ROOT
-from fixtures.launches import launch, pool_process_once_running, run_processes, stop, stream_records, trainer_steps
+from fixtures.launches import (
+    launch,
+    pool_process_once_running,
+    run_processes,
+    scale_actors,
+    stop,
+    stream_records,
+    trainer_steps,
+)
 
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams.records import PAD_GROUP_ID
@@ -22,11 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 ADDED_WITHIN_S = 60.0
 """As for a replaced actor (test_restarts.py): an added one generates on the current version within this."""
-
-
-def scale(run_dir: Path, actors: int) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", "--actors", str(actors)]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
 
 
 def version(run_dir: Path) -> int:
@@ -52,10 +52,10 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
     try:
         pool_process_once_running(proc, run_dir, "actor", 240)
         wait_until(lambda: version(run_dir) >= 2, proc, 240, "version 2")
-        up = scale(run_dir, 2)
+        up = scale_actors(run_dir, 2)
         scaled_at, at_scale = time.time(), version(run_dir)
         assert up.returncode == 0 and "the job has 2 actors (added actors 1..1)" in up.stdout, up.stdout + up.stderr
-        assert scale(run_dir, 2).stdout.strip() == "the job already has 2 actors"
+        assert scale_actors(run_dir, 2).stdout.strip() == "the job already has 2 actors"
 
         def generating() -> bool:
             return any(
@@ -66,7 +66,7 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
         first = next(
             r for r in read_metrics(run_dir) if r["process"] == "actor1" and r["values"]["groups_written_total"] > 0
         )
-        down = scale(run_dir, 1)
+        down = scale_actors(run_dir, 1)
         assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
         log = run_dir / "logs" / "actor1.log"
         wait_until(lambda: "drained after writing" in log.read_text(), proc, 120, "actor1 draining")

@@ -157,7 +157,7 @@ def test_a_rescaled_job_keeps_the_next_groups_step_and_takes_the_new_share(group
     admit_all(adm, version=3)
     step = adm.step_of(adm.started)  # where the next group was predicted to land
     started = adm.started
-    adm.rebase(after)
+    adm.rebase(after, version=4)  # the next group's step is within version 4's bound
     assert adm.actors == after and adm.step_of(adm.started) == step
     assert adm.started == adm.first_group_of(step) and adm.offset == adm.started - started
     # From there, one new version admits one share of the new count (within rounding).
@@ -167,7 +167,20 @@ def test_a_rescaled_job_keeps_the_next_groups_step_and_takes_the_new_share(group
     assert abs(len(more) - groups_per_step / after) < 1 + 1e-9
     # Scaled back: again the next group's step is kept.
     step = adm.step_of(adm.started)
-    adm.rebase(before)
+    adm.rebase(before, version=5)
     assert adm.actors == before and adm.step_of(adm.started) == step
     with pytest.raises(ValueError):
-        adm.rebase(0)
+        adm.rebase(0, version=4)
+
+
+def test_a_rescaled_actor_predicting_past_its_version_starts_at_its_version():
+    """Actor 0 of 2 made every group of steps 0..4 alone (actor 1 started late, then drained):
+    it predicts its next group in step 10, while the trainer waits for step 5. Scaled to 1
+    actor at version 5, it starts a share at once (step 7, the bound of version 5), and every
+    version after that opens one more share: no wait for a version that waits for it."""
+    adm = Admission(groups_per_step=4, actors=2, max_lag=2, started=20)
+    assert adm.step_of(adm.started) == 10 and not adm.may_start(5)
+    adm.rebase(1, version=5)
+    assert adm.step_of(adm.started) == 7
+    for version in range(5, 10):
+        assert len(admit_all(adm, version)) == 4
