@@ -33,11 +33,18 @@ scorer failed on it, or its record could not be decoded, reported on the "lost" 
 gives its admission slot back, so the actor makes another group instead of waiting for one
 that never lands. Counted by cause in `groups_lost/*` metrics and the status line.
 
+Scaling (pipeline_rl/core/actor_count.py): the job's actor count is read from its stream; a
+change rebases admission to the new share and takes the problems of the new share from the next
+epoch on. An actor whose index is no longer below the count drains: it starts no group, lets
+those in flight land, leaves the weight-update group and ends (exit 0). An actor added to a
+running job counts its groups from the trainer's latest version.
+
 Resume: RUN_DIR/positions/actorI.json holds how many groups the actor has written, how many
 problems it has drawn, how many of its groups were reported lost (with its position in the
-"lost" stream) and how many were in flight; a restarted actor (the run resumed, or the
-launcher replaced a dead one) goes on from there (and counts groups from at least checkpoint
-version x share, see admission.py), its groups in flight at the last save counted lost.
+"lost" stream), how many were in flight, and the share its counts were made at (the actor count
+and admission's offset); a restarted actor (the run resumed, or the launcher replaced a dead
+one) goes on from there (and counts groups from at least checkpoint version x share, see
+admission.py), its groups in flight at the last save counted lost.
 """
 
 from __future__ import annotations
@@ -46,13 +53,13 @@ import asyncio
 import copy
 import logging
 import os
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
+from pipeline_rl.actor.problems import ProblemOrder
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
 from pipeline_rl.core.actor_count import ActorCountWatch
@@ -73,26 +80,6 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
-
-
-class ProblemOrder:
-    """Actor `index`'s problems: every epoch a fresh shuffle (seeded by seed and epoch) of all
-    problems, of which this actor takes every `actors`-th one."""
-
-    def __init__(self, problems: list[dict], seed: int, index: int, actors: int):
-        self.problems, self.seed, self.index, self.actors = problems, seed, index, actors
-        self.per_epoch = len(range(index, len(problems), actors))
-        if self.per_epoch == 0:
-            raise ValueError(f"{len(problems)} problems are too few for {actors} actors")
-        self._epoch, self._order = -1, []
-
-    def __getitem__(self, n: int) -> dict:
-        epoch, i = divmod(n, self.per_epoch)
-        if epoch != self._epoch:
-            order = list(range(len(self.problems)))
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-            self._epoch, self._order = epoch, order[self.index :: self.actors]
-        return self.problems[self._order[i]]
 
 
 def oldest_version(versions: list[int]) -> int | None:
@@ -281,9 +268,7 @@ class Actor:
             "the job now has %d actors (was %d): rebasing admission and problem order", actors, self.admission.actors
         )
         self.admission.rebase(actors, self.llm.version)
-        epoch = -(-self.drawn // self.order.per_epoch)  # the next whole epoch
-        self.order = ProblemOrder(self.problems, self.cfg.seed, self.index, actors)
-        self.drawn = epoch * self.order.per_epoch
+        self.order, self.drawn = self.order.rescaled(actors, self.drawn)
 
     def _leave(self, count: int) -> None:
         """Drained (the job was scaled below this actor): every group it started has landed;

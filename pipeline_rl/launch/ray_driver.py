@@ -19,7 +19,9 @@ its node, or, when its node is lost (Ray marked it dead, or its raylet refuses c
 where Ray places the bundle again (a node with room). A lost node 0 (trainer rank 0 and Redis),
 or a node that stopped answering (frozen, or cut off before Ray marks it dead) stops the run; the report
 names the process, its node (Ray node id and address) and every process the node held. The start, watch and stop sequence is the one-node launcher's
-(run_loop.py); this module supplies how processes start, are polled and stop.
+(run_loop.py); this module supplies how processes start, are polled and stop, and where actors
+added to the running job go (launch/scaling.py): each in a placement group of its own (the
+run's cannot grow), removed when the actor drains.
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ class RunLoop:
         # Sized by the model (launch/budget.py): a 32B checkpoint takes minutes, a tiny one seconds.
         self.trainer_stop_grace_s, self.watchdog_startup_s = run_limits(cfg)
         self.restarts = RestartPolicy(cfg.world.max_restarts if self.heals else 0, Path(cfg.run_dir) / "restarts.jsonl")
-        self._restart_metrics: MetricsLogger | None = None
+        self._metrics: MetricsLogger | None = None
+        """The launcher's own metrics (restarts, the actor count), made at the first."""
         self.actors = cfg.world.actors
         """The job's actors now (launch/scaling.py)."""
         self.draining: set[str] = set()
@@ -251,9 +252,7 @@ class RunLoop:
         self.restarts.started(restart)
         if what == TRAINER_POOL:
             watchdog.restarted()  # the versions start again from the checkpoint
-        if self._restart_metrics is None:
-            self._restart_metrics = MetricsLogger(self.cfg, "launcher", streams)
-        self._restart_metrics.log(self.restarts.counts())
+        self._log(streams, self.restarts.counts())
         return True
 
     def scale(self, request: ScaleRequest, streams: Streams) -> None:
@@ -282,6 +281,7 @@ class RunLoop:
         if placed is not None:
             self.start_actors(placed)
         self.draining |= {f"actor{i}" for i in range(new, old)}
+        self._log(streams, {"actors": new})
         self.scale_requests.answer(request, True, f"the job has {new} actors ({what})")
 
     def note_recovery(self, record: Metrics) -> None:
@@ -290,8 +290,13 @@ class RunLoop:
         if restart is None:
             return
         print(f"\n{restart.what} is back {restart.recovered_s:g} s after {restart.died} was lost", flush=True)
-        assert self._restart_metrics is not None
-        self._restart_metrics.log({**self.restarts.counts(), "recovery_s": restart.recovered_s})
+        assert self._metrics is not None
+        self._metrics.log({**self.restarts.counts(), "recovery_s": restart.recovered_s})
+
+    def _log(self, streams: Streams, values: dict) -> None:
+        if self._metrics is None:
+            self._metrics = MetricsLogger(self.cfg, "launcher", streams)
+        self._metrics.log(values)
 
     def fail(self, failure: Failure, noticed: Failure | None = None) -> int:
         """Stop everyone and report `failure`; `noticed` is an earlier failure caused by a peer

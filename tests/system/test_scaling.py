@@ -97,4 +97,6 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
     trainer = [r for r in actor_records(run_dir, "trainer0") if "weight_update_members" in r]
     assert max(r.get("weight_update_failed_total", 0) for r in trainer) == 0
     assert 2 in {r["weight_update_members"] for r in trainer} and trainer[-1]["weight_update_members"] == 1
+    counts = [r["values"]["actors"] for r in read_metrics(run_dir) if r["process"] == "launcher"]
+    assert counts == [2, 1]  # the launcher's metrics follow the job's size
     assert run_processes(run_dir) == {}
