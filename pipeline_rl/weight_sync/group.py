@@ -206,9 +206,13 @@ class Endpoint:
         named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in gone)
         return PeerGone(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named}")
 
+    def _peers(self) -> list[int]:
+        """The ranks a failed transfer of this member may have waited for."""
+        return [r for r in range(self.world_size) if r != self.rank]
+
     def _gone(self, store: dist.Store) -> list[int]:
         """Ranks whose heartbeat did not move over DIAGNOSE_S."""
-        others = [r for r in range(self.world_size) if r != self.rank]
+        others = self._peers()
 
         def beats() -> dict[int, bytes | None]:
             return {r: store.get(f"alive/{r}") if store.check([f"alive/{r}"]) else None for r in others}

@@ -128,6 +128,11 @@ class WeightSender(Endpoint):
         if len(members) > 1:
             self._group = new_group(self._store, self._group_name, 0, len(members), self.backend, self.timeout)
 
+    def _peers(self) -> list[int]:
+        # The members of the group that failed: a rank registered since, or one that left the
+        # job (scaled away), was not in the transfer.
+        return [r for r in self.members if r != 0] if self.members else super()._peers()
+
     def resize(self, world_size: int, members: list[str]) -> None:
         """The job was scaled up: ranks up to `world_size` may register (`members`: the process
         behind each rank, for failure messages)."""
