@@ -60,6 +60,7 @@ from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.actor.problems import ProblemOrder
+from pipeline_rl.actor.window import Window
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
 from pipeline_rl.core.actor_count import ActorCountWatch
@@ -80,22 +81,6 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
-
-
-def oldest_version(versions: list[int]) -> int | None:
-    policy = [v for v in versions if v >= 0]  # -1 marks environment tokens
-    return min(policy) if policy else None
-
-
-class Window:
-    """What happened since the last metrics record."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-        self.groups = self.rollouts = self.tokens = self.reward_errors = 0
-        self.rewards: list[float] = []
-        self.lags: list[int] = []
-        self.blocked_s = 0.0
 
 
 class Actor:
@@ -343,21 +328,12 @@ class Actor:
             return
         self.consecutive_failures = 0
         self.written += 1
-        w, version = self.window, self.llm.version
-        w.groups += 1
+        errors = self.window.add(group, self.llm.version)
         for rollout in group.rollouts:
-            w.rollouts += 1
-            w.rewards.append(rollout.reward)
-            w.tokens += sum(rollout.mask) if rollout.mask is not None else len(rollout.completion_ids)
-            oldest = oldest_version(rollout.versions)
-            if oldest is not None:
-                w.lags.append(version - oldest)
             self.agent_stats.add(rollout.metadata)
-            error = rollout.metadata.get("reward_error")
-            if error:
-                w.reward_errors += 1
-                self.reward_errors_total += 1
-                self.last_reward_error = str(error)
+        if errors:
+            self.reward_errors_total += len(errors)
+            self.last_reward_error = errors[-1]
 
     async def _evaluate(self) -> None:
         version, start = self.llm.version, time.monotonic()
@@ -385,8 +361,6 @@ class Actor:
             )
 
     def _log_metrics(self, in_flight: int) -> None:
-        w, now = self.window, time.monotonic()
-        elapsed = max(now - w.start, 1e-9)
         stats = self.llm.stats()
         history, count = self.llm.hook.recent_swaps()
         new_swaps = count - self.swaps_seen
@@ -395,14 +369,7 @@ class Actor:
         pauses = [s.lock_wait_s + s.load_s for s in recent]
         values = {
             "version": self.llm.version,
-            "tokens_per_s": w.tokens / elapsed,
-            "rollouts_per_s": w.rollouts / elapsed,
-            "groups_per_s": w.groups / elapsed,
-            "reward_mean": sum(w.rewards) / len(w.rewards) if w.rewards else None,
-            "lag_mean": sum(w.lags) / len(w.lags) if w.lags else None,
-            "lag_max": max(w.lags) if w.lags else None,
-            "admission_blocked_s": w.blocked_s,
-            "admission_blocked_frac": w.blocked_s / elapsed,
+            **self.window.values(),
             "admission_blocked_total_s": self.blocked_total_s,
             "idle_total_s": self.idle_total_s,
             "groups_started_total": self.admission.started,
@@ -417,7 +384,6 @@ class Actor:
             "swap_load_p50_s": stats["load_p50_s"],
             "swap_failures_total": stats["swap_failures"],
             "weight_updates_skipped_total": stats["updates_skipped"],
-            "reward_errors": w.reward_errors,
             "reward_errors_total": self.reward_errors_total,
             "last_reward_error": self.last_reward_error,
             "rollout_errors_total": self.rollout_errors_total,

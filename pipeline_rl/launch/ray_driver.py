@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
-import grpc
 import ray
 import redis
 from ray.exceptions import RayActorError
@@ -45,9 +44,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.launch import ray_nodes
 from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
 from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
+from pipeline_rl.launch.ray_nodes import RAYLET_PROBE_S, RayNode, bundle_nodes, node_alive, raylet_gone
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, blame_order, describe_exit, last_lines
@@ -55,13 +56,6 @@ from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
 
 PLACEMENT_REPORT_S = 30.0
 """While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
-RAYLET_PROBE_S = 2.0
-"""How long a node's raylet may take to answer a health check before the probe counts a miss."""
-HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-"""The standard gRPC health service, which every raylet serves (Ray's own GCS checks raylets
-through it). The request for the whole server is an empty message; the reply b"\x08\x01" is
-status SERVING."""
-SERVING = b"\x08\x01"
 NODE_PROBE_EVERY_S = 5.0
 """How often the driver checks that every node of the run still answers. Ray's own health check
 gives up on a node that vanished without closing its connections (a power cut) only after some
@@ -81,19 +75,6 @@ RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
 the processes must not inherit: they get the driver's, as on one node (child_env)."""
 
 
-@dataclass
-class RayNode:
-    id: str
-    """Ray's node id (hex), as `ray list nodes` shows it."""
-    ip: str
-    raylet_port: int
-    cpus: int = 1
-    """The node's CPU cores, as Ray counts them."""
-
-    def __str__(self) -> str:
-        return f"node {self.id} ({self.ip})"
-
-
 def ray_address(cfg: RunConfig) -> str:
     return cfg.world.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
 
@@ -111,10 +92,6 @@ def _check_reachable(address: str) -> None:
         ) from None
 
 
-def _cluster_nodes() -> dict[str, dict[str, Any]]:
-    return {n["NodeID"]: n for n in ray.nodes()}
-
-
 def _reserve(found: list[Bundle], name: str) -> PlacementGroup:
     pg = placement_group([b.resources for b in found], strategy=STRATEGY, name=name)
     while not pg.wait(timeout_seconds=PLACEMENT_REPORT_S):
@@ -126,47 +103,6 @@ def _reserve(found: list[Bundle], name: str) -> PlacementGroup:
             flush=True,
         )
     return pg
-
-
-def _bundle_nodes(pg: PlacementGroup, count: int) -> list[RayNode]:
-    where = placement_group_table(pg)["bundles_to_node_id"]
-    nodes = _cluster_nodes()
-    out = []
-    for i in range(count):
-        info = nodes[where[i]]
-        cpus = int(info.get("Resources", {}).get("CPU", 1))
-        out.append(RayNode(where[i], info["NodeManagerAddress"], int(info["NodeManagerPort"]), cpus))
-    return out
-
-
-def node_alive(node: RayNode, cluster: dict[str, dict[str, Any]]) -> bool:
-    """Ray (`cluster`: its nodes by id) still counts the node alive and its raylet answers a
-    health check within RAYLET_PROBE_S. A raylet that died refuses the connection at once; a
-    frozen or cut-off one accepts it (the kernel does) or lets it hang, and does not answer."""
-    info = cluster.get(node.id)
-    if info is None or not info["Alive"]:
-        return False
-    channel = grpc.insecure_channel(f"{node.ip}:{node.raylet_port}")
-    try:
-        check = channel.unary_unary(HEALTH_CHECK, request_serializer=bytes, response_deserializer=bytes)
-        return check(b"", timeout=RAYLET_PROBE_S) == SERVING
-    except grpc.RpcError:
-        return False
-    finally:
-        channel.close()
-
-
-def raylet_gone(node: RayNode) -> bool:
-    """Whether the node's raylet port refuses connections: its process died and the machine
-    still answers (a lost raylet, as opposed to a frozen or cut-off node, whose connections
-    hang and whose processes may still run)."""
-    try:
-        socket.create_connection((node.ip, node.raylet_port), timeout=RAYLET_PROBE_S).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 @dataclass
@@ -312,7 +248,7 @@ class RayRun(RunLoop):
 
     def _dead_nodes(self) -> list[RayNode]:
         seen: dict[str, RayNode] = {n.id: n for n in self.nodes}
-        cluster = _cluster_nodes()
+        cluster = ray_nodes.cluster_nodes()
         return [n for n in seen.values() if not node_alive(n, cluster)]
 
     def _probe_nodes(self) -> RayNode | None:
@@ -320,7 +256,7 @@ class RayRun(RunLoop):
         if time.monotonic() - self.probed_at < NODE_PROBE_EVERY_S:
             return None
         self.probed_at = time.monotonic()
-        cluster = _cluster_nodes()
+        cluster = ray_nodes.cluster_nodes()
         for node in {n.id: n for n in self.nodes}.values():
             self.misses[node.id] = 0 if node_alive(node, cluster) else self.misses.get(node.id, 0) + 1
             if self.misses[node.id] >= NODE_PROBE_MISSES:
@@ -377,7 +313,7 @@ class RayRun(RunLoop):
             return True
         if h.node not in dead or any(n.id == self.nodes[0].id for n in dead):
             return False
-        cluster = _cluster_nodes()
+        cluster = ray_nodes.cluster_nodes()
         return all(not cluster.get(n.id, {}).get("Alive", False) or raylet_gone(n) for n in dead)
 
     def pool_processes(self) -> set[str]:
@@ -407,10 +343,9 @@ class RayRun(RunLoop):
         deadline = time.monotonic() + NODE_MOVE_S
         while True:
             node_id = placement_group_table(pg)["bundles_to_node_id"].get(bundle)
-            info = _cluster_nodes().get(node_id or "")
+            info = ray_nodes.cluster_nodes().get(node_id or "")
             if node_id and node_id not in self.lost and info is not None and info["Alive"]:
-                cpus = int(info.get("Resources", {}).get("CPU", 1))
-                return RayNode(node_id, info["NodeManagerAddress"], int(info["NodeManagerPort"]), cpus)
+                return RayNode.of(node_id, info)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Ray placed bundle {bundle} on no live node within {NODE_MOVE_S:.0f} s")
             time.sleep(1.0)
@@ -438,7 +373,7 @@ class RayRun(RunLoop):
     def start_actors(self, placed: object) -> None:
         cfg, new = cast("tuple[RunConfig, list[tuple[Bundle, PlacementGroup]]]", placed)
         for b, pg in new:
-            node = _bundle_nodes(pg, 1)[0]
+            node = bundle_nodes(pg, 1)[0]
             distinct = list(dict.fromkeys([*(h.node.id for h in self.hosted), node.id]))
             spec = replace(b.spec, node=distinct.index(node.id))
             sharing = [ProcessSpec(h.name, h.pool, 0, distinct.index(h.node.id)) for h in self.hosted]
@@ -509,7 +444,7 @@ def run_on_ray(cfg: RunConfig, fresh: bool) -> int:
         ) from None
     pg = _reserve(found, name=f"pipeline_rl:{cfg.name}")
     try:
-        nodes = _bundle_nodes(pg, len(found))
+        nodes = bundle_nodes(pg, len(found))
         if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:
             cfg.streams.redis.host = nodes[0].ip
         return run(cfg, fresh, lambda nonce: RayRun(cfg, pg, found, nodes, nonce), where=f" on Ray ({address})")

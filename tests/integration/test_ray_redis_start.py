@@ -43,7 +43,8 @@ def _ray_run(tmp_path, port: int):
 
     from pipeline_rl.launch.bundles import bundles
     from pipeline_rl.launch.placement import plan
-    from pipeline_rl.launch.ray_driver import RayRun, _bundle_nodes
+    from pipeline_rl.launch.ray_driver import RayRun
+    from pipeline_rl.launch.ray_nodes import bundle_nodes
 
     cfg = load_config(
         "tiny",
@@ -59,7 +60,7 @@ def _ray_run(tmp_path, port: int):
     pg = placement_group([{"CPU": 0.01}], strategy="PACK")  # bundle 0 only: trainer rank 0's node
     pg.wait(timeout_seconds=30)
     (tmp_path / "run").mkdir(exist_ok=True)
-    return RayRun(cfg, pg, found, _bundle_nodes(pg, 1) * len(found), nonce="x"), lambda: remove_placement_group(pg)
+    return RayRun(cfg, pg, found, bundle_nodes(pg, 1) * len(found), nonce="x"), lambda: remove_placement_group(pg)
 
 
 def test_redis_on_ray_starts_and_answers(local_ray, tmp_path):

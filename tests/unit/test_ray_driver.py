@@ -1,4 +1,4 @@
-"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py): a node is gone
+"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py, ray_nodes.py): a node is gone
 when Ray says so or when its raylet does not answer a gRPC health check in time (closed,
 frozen or cut off), twice in a row."""
 
@@ -14,10 +14,11 @@ import pytest
 from fixtures.helpers import free_port
 
 from pipeline_rl.config import load_config
-from pipeline_rl.launch import ray_driver
+from pipeline_rl.launch import ray_driver, ray_nodes
 from pipeline_rl.launch.bundles import bundles
 from pipeline_rl.launch.placement import plan
-from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, Hosted, RayNode, RayRun, node_alive
+from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, Hosted, RayRun
+from pipeline_rl.launch.ray_nodes import RayNode, node_alive
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
 
 
@@ -53,7 +54,7 @@ def test_a_frozen_raylet_is_not_alive():
         socket.create_connection(("127.0.0.1", node.raylet_port), timeout=1).close()  # accepted
         start = time.monotonic()
         assert not node_alive(node, {"n1": {"Alive": True}})
-        assert time.monotonic() - start < ray_driver.RAYLET_PROBE_S + 1.0
+        assert time.monotonic() - start < ray_nodes.RAYLET_PROBE_S + 1.0
 
 
 def test_a_node_is_alive_while_ray_says_so_and_its_raylet_answers(raylet):
@@ -73,7 +74,7 @@ def test_a_node_that_stops_answering_is_reported_after_consecutive_misses(raylet
         s.bind(("127.0.0.1", 0))
         down = RayNode("down", "127.0.0.1", s.getsockname()[1])  # bound, not listening: refused
     run = RayRun(cfg, None, found, [up, up, down], nonce="x")  # type: ignore[arg-type]
-    monkeypatch.setattr(ray_driver, "_cluster_nodes", lambda: {"up": {"Alive": True}, "down": {"Alive": True}})
+    monkeypatch.setattr(ray_nodes, "cluster_nodes", lambda: {"up": {"Alive": True}, "down": {"Alive": True}})
     monkeypatch.setattr(ray_driver, "NODE_PROBE_EVERY_S", 0.0)
     for _ in range(NODE_PROBE_MISSES - 1):
         assert run._probe_nodes() is None
@@ -98,7 +99,7 @@ def test_a_failure_caused_by_a_gone_peer_is_reported_after_its_cause(raylet, mon
     node = RayNode("up", "127.0.0.1", raylet.port)
     run = RayRun(cfg, None, bundles(cfg, plan(cfg)), [node] * 3, nonce="x")  # type: ignore[arg-type]
     monkeypatch.setattr(run, "_collect", lambda timeout: None)
-    monkeypatch.setattr(ray_driver, "_cluster_nodes", lambda: {"up": {"Alive": True}})
+    monkeypatch.setattr(ray_nodes, "cluster_nodes", lambda: {"up": {"Alive": True}})
     trainer = Hosted("trainer0", "trainer", node, None, None, tmp_path / "t.log", (PEER_GONE_EXIT, "gone: actor0"))
     actor = Hosted("actor0", "actor", node, None, None, tmp_path / "a.log", None)
     run.hosted = [trainer, actor]
