@@ -125,6 +125,8 @@ class RunLoop:
         """The job's actors now (launch/scaling.py)."""
         self.draining: set[str] = set()
         """Actors scaled away that have not exited yet."""
+        self.drained = 0
+        """Actors that drained and left (the launcher's metric "actors_drained_total")."""
         self.scale_requests = ScaleRequests(Path(cfg.run_dir))
 
     def start(self) -> None:
@@ -189,6 +191,8 @@ class RunLoop:
                 if failure is not None and failure.process in self.draining and failure.exit_code == 0:
                     self.draining.discard(failure.process)
                     self.retire(failure.process)
+                    self.drained += 1
+                    self._log(streams, {"actors_drained_total": self.drained})
                     print(f"\n{failure.process} drained and left the job", flush=True)
                     continue
                 if failure is not None and self.heal(failure, streams, watchdog):

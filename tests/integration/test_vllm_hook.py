@@ -72,8 +72,11 @@ def test_sampled_logprobs_are_at_the_temperature(client, tiny_model, trained):
         for c in group:
             assert c.versions[0] == client.version and c.finish_reason in ("stop", "length")
     worst = worst_logprob_error(model, prompts, groups, temperature)
-    assert worst < 1e-4, f"vLLM logprobs differ from transformers at T={temperature} by {worst}"
-    # At T=1 the same tokens would have other logprobs: the check above can tell the temperature.
+    # The engine's and transformers' fp32 kernels sum in other orders, layer after layer:
+    # measured below 1e-4 on most CPUs, 1.3e-4 on one AMD EPYC. A wrong temperature moves a
+    # logprob by about |logit| x (1/0.7 - 1), over 1e-2 for these logits (up to |8|): the check
+    # still tells the temperature, with the tolerance at 4x the largest difference measured.
+    assert worst < 5e-4, f"vLLM logprobs differ from transformers at T={temperature} by {worst}"
     assert any(len(set(c.token_ids)) > 1 for g in groups for c in g)
 
 
