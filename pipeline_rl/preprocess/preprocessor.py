@@ -105,7 +105,8 @@ class ActorPartitions:
         self.watch = ActorCountWatch(streams, cfg.world.actors)
         saved = 1 + max((int(p) for p in position or {}), default=-1)
         self.actors = max(self.watch.largest, saved)
-        lost.widen(self.actors)
+        if self.actors != cfg.world.actors:
+            lost.widen(self.actors)
         self.reader = self._open(position)
 
     def _open(self, position: dict | None) -> Reader | None:
