@@ -115,7 +115,7 @@ class Actor:
             raise ValueError(f"--index {index} is not below the job's {self.actor_count.count} actors (world.actors)")
         self.writer = self.streams.writer(Topic.ACTOR, partitions=index + 1)
         self.receiver = None
-        addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
+        self.weight_sync_addr = addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         if addr:
             from pipeline_rl.weight_sync import backend_for
 
@@ -149,7 +149,7 @@ class Actor:
         self.written = int(saved.get("written", 0))
         # No group before the step of the weights it starts from (the trainer's latest, for an
         # actor added to a running job); the groups skipped count in the offset, not as written.
-        floor = self.admission.first_group_of(max(version, self._published_version(addr)))
+        floor = self.admission.first_group_of(max(version, self._published_version()))
         counted = self.written - self.lost_total + self.admission.offset
         self.admission.offset += max(0, floor - counted)
         self.admission.started = max(counted, floor)
@@ -237,14 +237,14 @@ class Actor:
             self._save(force=True, in_flight=len(tasks))
             self._log_metrics(0)
 
-    def _published_version(self, addr: str | None) -> int:
+    def _published_version(self) -> int:
         """The trainer's latest version, for an actor added to a running job (0 otherwise: at
         the launch the trainer may not be up yet, and a restarted actor has its saved count)."""
-        if not addr or not self.actor_count.scaled:
+        if not self.weight_sync_addr or not self.actor_count.scaled:
             return 0
         from pipeline_rl.weight_sync import published_version
 
-        return published_version(addr, self.cfg.world.collective_timeout_s)
+        return published_version(self.weight_sync_addr, self.cfg.world.collective_timeout_s)
 
     def _rescale(self, actors: int) -> None:
         """The job was scaled to `actors` actors: admission takes the new share from the next
@@ -260,12 +260,11 @@ class Actor:
         leave the weight-update group before the engine stops, so no transfer waits for it."""
         log.info("the job was scaled to %d actors: %s drained after writing %d groups", count, self.name, self.written)
         self.drained = True
-        addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
-        if addr and self.receiver is not None:
+        if self.weight_sync_addr:
             from pipeline_rl.weight_sync import group_ranks, leave_group
 
             ranks, _ = group_ranks(self.index, self.actor_count.largest, self.cfg.shared.tensor_parallel_size)
-            if not leave_group(addr, ranks, self.cfg.world.collective_timeout_s):
+            if not leave_group(self.weight_sync_addr, ranks, self.cfg.world.collective_timeout_s):
                 log.warning("the weight-update group did not re-form without %s in time: leaving anyway", self.name)
 
     def _zero_adapter(self) -> Path:

@@ -57,9 +57,11 @@ class WeightPublisher:
 
     def _follow_actor_count(self) -> None:
         assert self.sender is not None
+        before = self.actor_count.largest
         self.actor_count.poll()
-        actors = self.actor_count.largest
-        self.sender.resize(group_ranks(0, actors, self.tp)[1], member_names(actors, self.tp))
+        if self.actor_count.largest > before:
+            actors = self.actor_count.largest
+            self.sender.resize(group_ranks(0, actors, self.tp)[1], member_names(actors, self.tp))
 
     def has_joiners(self) -> bool:
         """Whether a receiver joined that the current group lacks, and this rank can send alone."""

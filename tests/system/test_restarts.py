@@ -9,13 +9,21 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import pytest
 from fixtures.helpers import ROOT, TESTS
-from fixtures.launches import launch, pool_process_once_running, run_processes, stop, stream_records, trainer_steps
+from fixtures.launches import (
+    launch,
+    pool_process_once_running,
+    run_processes,
+    stop,
+    stream_records,
+    trainer_steps,
+    version,
+    wait_until,
+)
 
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams.records import PAD_GROUP_ID
@@ -24,19 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 REPLACED_WITHIN_S = 60.0
 """The issue's promise: a replacement actor generates on the current version within this."""
-
-
-def wait_until(check: Callable[[], bool], proc, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-3000:]}"
-        assert time.time() < deadline, f"no {what} within {timeout:g} s"
-        time.sleep(0.5)
-
-
-def version(run_dir: Path) -> int:
-    steps = trainer_steps(run_dir)
-    return steps[-1]["values"]["version"] if steps else 0
 
 
 def restarts(run_dir: Path) -> list[dict]:

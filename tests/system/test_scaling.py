@@ -18,6 +18,8 @@ from fixtures.launches import (
     stop,
     stream_records,
     trainer_steps,
+    version,
+    wait_until,
 )
 
 from pipeline_rl.metrics import read_metrics
@@ -27,19 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 ADDED_WITHIN_S = 60.0
 """As for a replaced actor (test_restarts.py): an added one generates on the current version within this."""
-
-
-def version(run_dir: Path) -> int:
-    steps = trainer_steps(run_dir)
-    return steps[-1]["values"]["version"] if steps else 0
-
-
-def wait_until(check, proc, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-3000:]}"
-        assert time.time() < deadline, f"no {what} within {timeout:g} s"
-        time.sleep(0.5)
 
 
 def actor_records(run_dir: Path, name: str) -> list[dict]:
