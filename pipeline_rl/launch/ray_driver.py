@@ -16,9 +16,14 @@ own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that 
 within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. A lost
 process is restarted in its bundle (launch/restarts.py) until world.max_restarts is spent: on
 its node, or, when its node is lost (Ray marked it dead, or its raylet refuses connections),
-where Ray places the bundle again (a node with room). A lost node 0 (trainer rank 0 and Redis),
-or a node that stopped answering (frozen, or cut off before Ray marks it dead) stops the run; the report
-names the process, its node (Ray node id and address) and every process the node held. The start, watch and stop sequence is the one-node launcher's
+where Ray places the bundle again (a node with room). A node that stopped answering (frozen,
+or cut off before Ray marks it dead) and held only actors has each actor started again in a
+placement group of its own, on any node with room, without waiting for Ray to mark the node
+dead; its old processes are fenced (a SIGKILL and Ray's kill are queued for them, and the
+trainer's weight broadcast gives up a transfer that waits on them: weight_sync/group.py). A
+lost node 0 (trainer rank 0 and Redis), or any other node that stopped answering, stops the
+run; the report names the process, its node (Ray node id and address) and every process the
+node held. The start, watch and stop sequence is the one-node launcher's
 (run_loop.py); this module supplies how processes start, are polled and stop, and where actors
 added to the running job go (launch/scaling.py): each in a placement group of its own (the
 run's cannot grow), removed when the actor drains.
@@ -142,6 +147,9 @@ class RayRun(RunLoop):
         self.probed_at = 0.0
         self.lost: set[str] = set()
         """Ids of the nodes found gone: their processes are neither signalled nor waited for."""
+        self.frozen: set[str] = set()
+        """Ids of the nodes that stopped answering and held only actors: each is started again
+        elsewhere (`_start_elsewhere`)."""
 
     def _start(
         self,
@@ -246,10 +254,13 @@ class RayRun(RunLoop):
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 h.result = (None, f"its Ray worker is gone ({type(e).__name__}: {first})")
 
+    def _held_nodes(self) -> list[RayNode]:
+        """The nodes that hold a process of the run (not those whose processes all moved away)."""
+        return list({h.node.id: h.node for h in self._everyone()}.values())
+
     def _dead_nodes(self) -> list[RayNode]:
-        seen: dict[str, RayNode] = {n.id: n for n in self.nodes}
         cluster = ray_nodes.cluster_nodes()
-        return [n for n in seen.values() if not node_alive(n, cluster)]
+        return [n for n in self._held_nodes() if not node_alive(n, cluster)]
 
     def _probe_nodes(self) -> RayNode | None:
         """A node that missed NODE_PROBE_MISSES probes in a row, if any (probes every NODE_PROBE_EVERY_S)."""
@@ -257,7 +268,7 @@ class RayRun(RunLoop):
             return None
         self.probed_at = time.monotonic()
         cluster = ray_nodes.cluster_nodes()
-        for node in {n.id: n for n in self.nodes}.values():
+        for node in self._held_nodes():
             self.misses[node.id] = 0 if node_alive(node, cluster) else self.misses.get(node.id, 0) + 1
             if self.misses[node.id] >= NODE_PROBE_MISSES:
                 return node
@@ -294,8 +305,11 @@ class RayRun(RunLoop):
             return Failure(summary, str(h.log_path), log_tail, peer, process, code), False
         gone = self._probe_nodes()
         if gone is not None:
-            first = next(h for h in self._everyone() if h.node.id == gone.id)
-            process = first.name if self._restartable(first, [gone]) else ""
+            held = [h for h in self._everyone() if h.node.id == gone.id]
+            first = held[0]
+            if gone.id != self.nodes[0].id and all(h.pool == "actor" for h in held):
+                self.frozen.add(gone.id)  # its actors are started again elsewhere, one per poll
+            process = first.name if gone.id in self.frozen or self._restartable(first, [gone]) else ""
             summary = self._lost_node_summary(gone)
             return Failure(summary, str(first.log_path), last_lines(first.log_path), False, process), False
         trainers = [h for h in self.hosted if h.pool == "trainer"]
@@ -306,7 +320,8 @@ class RayRun(RunLoop):
         or on a lost node (Ray marked it dead, or its raylet's port refuses connections: the
         machine answers, the raylet is gone) that is not node 0 (trainer rank 0 and Redis: every process reaches
         them at its address). Any other failure next to a lost node, and a node that only
-        stopped answering (frozen, or cut off), stop the run."""
+        stopped answering (frozen, or cut off), stop the run (but see `poll`: a frozen node that
+        held only actors)."""
         if h.pool == "redis":
             return False
         if not dead:
@@ -326,6 +341,15 @@ class RayRun(RunLoop):
         self._signal(targets, signal.SIGKILL)
         self._wait(targets, STOP_GRACE_S)
         for old in targets:
+            if old.node.id in self.frozen:
+                # Fenced: should the node wake, the kill reaches the process before it does more
+                # than a step or two (its groups carry its own incarnation: none is taken twice).
+                old.actor.signal.remote(signal.SIGKILL)
+                ray.kill(old.actor, no_restart=True)
+                new = self._start_elsewhere(old)
+                self.hosted[self.hosted.index(old)] = new
+                print(f"started {new.name} again on {new.node}", flush=True)
+                continue
             ray.kill(old.actor, no_restart=True)
             node = old.node
             if node.id in self.lost:
@@ -336,6 +360,24 @@ class RayRun(RunLoop):
             new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus, added)
             self.hosted[self.hosted.index(old)] = new
             print(f"started {new.name} again on {new.node}", flush=True)
+
+    def _start_elsewhere(self, old: Hosted) -> Hosted:
+        """Start `old` (an actor whose node froze) in a placement group of its own, on any node
+        with room, waiting up to NODE_MOVE_S: Ray places the frozen node's bundle again only once
+        it marks the node dead, minutes later. An actor added to the job gives up its own
+        placement group; a bundle of the run's stays reserved on the frozen node."""
+        resources = self.found[old.bundle].resources if old.pg is None else {"CPU": old.cpus, "GPU": old.gpus}
+        pg = placement_group([{k: v for k, v in resources.items() if v}], strategy=STRATEGY)
+        if not pg.wait(timeout_seconds=NODE_MOVE_S):
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"the Ray cluster did not fit {old.name} ({resources}) within {NODE_MOVE_S:.0f} s; it has "
+                f"{ray.available_resources()} free (`ray status` says what is in use)"
+            )
+        if old.pg is not None:
+            remove_placement_group(old.pg)
+        node = bundle_nodes(pg, 1)[0]
+        return self._start(old.name, old.pool, 0, old.argv, old.env, old.gpus, (pg, resources["CPU"], node))
 
     def _moved(self, pg: PlacementGroup, bundle: int) -> RayNode:
         """The live node Ray placed `bundle` of `pg` on after its node was lost (Ray places a dead

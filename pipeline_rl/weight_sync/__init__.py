@@ -66,6 +66,17 @@ DIAGNOSE_S apart, and raises WeightGroupFailed naming the members whose counter 
 the sender sets). A store that cannot be reached means the sender, which hosts it, is gone.
 The timeout of every wait is `world.collective_timeout_s` (pipeline_rl/collectives.py).
 
+A member that freezes (its node hung or cut off) keeps its sockets open, so a transfer to it
+would wait for that whole timeout. On gloo every wait is taken in slices (WAIT_SLICE_S);
+between two, the sender reads its members' counters, and once one has stood still for FROZEN_S
+it gives the transfer up: it sets ABANDONED to the group's name, keeps the group object for good
+(destroying it would join threads that wait on the frozen member), raises MemberFrozen, and,
+through the usual failure path, PeerGone naming the member, which it unregisters. Receivers
+still waiting in that group see ABANDONED and give up too; the next version forms a group
+without the frozen member, and a member that was only slow registers again when it wakes. NCCL
+waits cannot be taken in slices (a blocking wait that runs out aborts the communicator): there
+a frozen member still costs the timeout.
+
 An actor that leaves for good (the job was scaled below it: pipeline_rl/core/actor_count.py)
 deletes its ranks' registrations (`leave_group`) and waits, still receiving, until the sender
 has formed a group without them, so no transfer is left waiting for it. The sender's ranks grow
@@ -74,10 +85,13 @@ with the job (`WeightSender.resize`).
 
 from pipeline_rl.weight_sync.group import (
     DIAGNOSE_S,
+    FROZEN_S,
     HEARTBEAT_S,
     INCARNATION,
     SENDER,
+    WAIT_SLICE_S,
     Keep,
+    MemberFrozen,
     NotMember,
     PeerGone,
     StaleUpdate,
@@ -91,10 +105,13 @@ from pipeline_rl.weight_sync.sender import WeightSender
 
 __all__ = [
     "DIAGNOSE_S",
+    "FROZEN_S",
     "HEARTBEAT_S",
     "INCARNATION",
     "SENDER",
+    "WAIT_SLICE_S",
     "Keep",
+    "MemberFrozen",
     "NotMember",
     "PeerGone",
     "StaleUpdate",

@@ -49,6 +49,17 @@ DIAGNOSE_S = 2.5 * HEARTBEAT_S
 """A counter that did not move in this long belongs to a member that is gone."""
 LEAVE_POLL_S = 0.2
 """How often a leaving receiver looks for the group formed without it."""
+WAIT_SLICE_S = 1.0
+"""A gloo transfer is waited for in slices this long; between two, the waiter looks for a
+member that froze (`Endpoint._wait_for`)."""
+FROZEN_S = 10.0
+"""A member whose heartbeat stood still this long while a transfer waited on it is taken for
+frozen (its node hung or was cut off: its sockets stay open, so the transfer would wait for the
+whole timeout): the transfer is given up. Four times DIAGNOSE_S, so that a receiver whose
+heartbeat thread is only starved of the CPU for a while is not taken for frozen."""
+ABANDONED = "abandoned"
+"""Store key the sender sets to the name of a group whose transfer it gave up: the receivers
+still waiting in that group give up too."""
 
 
 class WeightGroupFailed(RuntimeError):
@@ -64,6 +75,11 @@ def backend_for(gpus_per_node: int) -> str:
     """The one backend of the weight-update group, decided from the world (the same on the
     sender and every receiver, or they could never form the group): NCCL between GPUs, else gloo."""
     return "nccl" if gpus_per_node > 0 else "gloo"
+
+
+class MemberFrozen(WeightGroupFailed):
+    """A transfer was given up because a member it waited on froze (FROZEN_S), or the sender
+    gave it up for that reason (ABANDONED)."""
 
 
 class StaleUpdate(Exception):
@@ -131,6 +147,9 @@ class Endpoint:
         self._layout: Layout | None = None
         self.gone: list[int] = []
         """The ranks the last failed transfer found gone (their heartbeats stood still)."""
+        self._abandoned: list[Any] = []
+        """Groups whose transfer was given up (MemberFrozen): kept for good, since destroying one
+        joins its threads, which wait on the frozen member for as long as it stays frozen."""
 
     def _kept_layout(self, update: WeightUpdate, plan: str | None) -> Layout | None:
         """The kept layout, when `update` and `plan` (unless None) have it."""
@@ -157,6 +176,34 @@ class Endpoint:
         work to wait for."""
         assert self._group is not None, "broadcast before the group was built"
         return self._group.broadcast([buffer], self._opts)
+
+    def _wait_for(self, work: Any) -> None:
+        """Wait for `work` of the current group. NCCL: within the timeout (its blocking wait
+        aborts the communicator when a wait runs out, so it cannot be waited for in slices).
+        gloo: in slices of WAIT_SLICE_S, between which `_frozen_check` may give the transfer up
+        (raising MemberFrozen) before gloo's own timeout would end it."""
+        if self.backend != "gloo":
+            work.wait(self.timeout)
+            return
+        seen: dict[int, tuple[bytes | None, float]] = {}
+        while True:
+            try:
+                work.wait(timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # failed, not a slice that ran out: gloo's own error
+                    raise
+            self._frozen_check(seen)
+
+    def _frozen_check(self, seen: dict[int, tuple[bytes | None, float]]) -> None:
+        """Between two slices of a wait: raise MemberFrozen to give the transfer up (the sender
+        and the receivers each say when)."""
+
+    def _give_up(self, why: str) -> MemberFrozen:
+        """Keep the current group for good (its threads wait on a frozen member) and leave it."""
+        self._abandoned.append(self._group)
+        self._drop_group()
+        return MemberFrozen(why)
 
     def _drop_group(self) -> None:
         self._group = None

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, aligned, check_announcement
 from pipeline_rl.weight_sync.group import (
+    ABANDONED,
+    FROZEN_S,
     INCARNATION,
     LEAVE_POLL_S,
     Endpoint,
@@ -104,6 +106,11 @@ class WeightReceiver(Endpoint):
                 kept = None
             layout = kept if kept is not None and kept.plan == plan else self._new_layout(update, plan)
             self._receive_messages(layout)
+            if self.backend == "gloo" and time.monotonic() - started >= FROZEN_S:
+                # Long enough to have been taken for frozen (this process, stopped, wakes to
+                # find its transfer done): the sender may have given it up and unregistered
+                # this receiver, which then registers again through the failure path.
+                self._frozen_check({})
             self._received = update.version
         except StaleUpdate:
             raise
@@ -215,7 +222,7 @@ class WeightReceiver(Endpoint):
             started = [[self._start(part) for part in bucket] for bucket in parts[:2]]
             for b in range(len(parts)):
                 for work in started[b]:
-                    work.wait(self.timeout)
+                    self._wait_for(work)
                 if b + 2 < len(parts):
                     started.append([self._start(part) for part in parts[b + 2]])
             return
@@ -225,7 +232,7 @@ class WeightReceiver(Endpoint):
         if self.keep is not None:
             for msg in layout.messages:
                 bounce = self._bounce[: msg.stop - msg.start]
-                self._start(bounce).wait(self.timeout)
+                self._wait_for(self._start(bounce))
                 for i, (at, n) in zip(msg.members, msg.at):
                     if self._kept_by_index[i]:
                         tensor = bounce[at : at + n].view(layout.dtypes[i])
@@ -235,8 +242,16 @@ class WeightReceiver(Endpoint):
         for bucket in parts:
             for part in bucket:
                 bounce = self._bounce[: part.numel()]
-                self._start(bounce).wait(self.timeout)
+                self._wait_for(self._start(bounce))
                 part.copy_(bounce)
+
+    def _frozen_check(self, seen: dict[int, tuple[bytes | None, float]]) -> None:
+        """Give the transfer up when the sender gave it up (a member froze: ABANDONED names this
+        receiver's group); the next announcement's group is joined as usual."""
+        assert self._store is not None
+        name = self._group_name
+        if self._store.check([ABANDONED]) and self._store.get(ABANDONED).decode() == name:
+            raise self._give_up(f"the sender gave up the transfer of group {name} (a member froze)")
 
     def publish(self, key: str, value: str) -> None:
         """Set `key` in the sender's store: how a receiver in a process of its own (a

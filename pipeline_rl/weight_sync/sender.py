@@ -15,6 +15,8 @@ import torch.distributed as dist
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, dtype_name, flat_span, plan_buckets
 from pipeline_rl.weight_sync.group import (
+    ABANDONED,
+    FROZEN_S,
     INCARNATION,
     Endpoint,
     members_key,
@@ -283,8 +285,29 @@ class WeightSender(Endpoint):
 
     def _wait(self, in_flight: list[tuple[Any, object]]) -> None:
         for work, _ in in_flight:
-            work.wait(self.timeout)
+            self._wait_for(work)
         in_flight.clear()
+
+    def _frozen_check(self, seen: dict[int, tuple[bytes | None, float]]) -> None:
+        """Give the transfer up when a member's heartbeat has stood still for FROZEN_S since this
+        wait began (`seen`: per rank, its last beat and since when); the receivers still in the
+        group learn it from ABANDONED. The members found frozen are unregistered by `send`'s
+        failure path, so the next version forms a group without them."""
+        assert self._store is not None and self._group_name is not None
+        now = time.monotonic()
+        frozen = []
+        for rank in self._peers():
+            key = f"alive/{rank}"
+            beat = self._store.get(key) if self._store.check([key]) else None
+            if rank not in seen or seen[rank][0] != beat:
+                seen[rank] = (beat, now)
+            elif now - seen[rank][1] >= FROZEN_S:  # a member with no beat yet froze before its first
+                frozen.append(rank)
+        if frozen:
+            names = json.loads(self._store.get("members"))
+            named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in frozen)
+            self._store.set(ABANDONED, self._group_name)
+            raise self._give_up(f"gave the transfer up: no heartbeat for {FROZEN_S:g} s from {named}")
 
     def close(self) -> None:
         super().close()

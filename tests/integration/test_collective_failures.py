@@ -19,6 +19,9 @@ from fixtures.trainer_runs import make_steps, start_ranks, trainer_config, train
 from pipeline_rl.collectives import nccl_env
 from pipeline_rl.weight_sync import (
     DIAGNOSE_S,
+    FROZEN_S,
+    WAIT_SLICE_S,
+    MemberFrozen,
     PeerGone,
     WeightGroupFailed,
     WeightReceiver,
@@ -36,9 +39,9 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"w{i}", torch.randn(64, 64, generator=g)) for i in range(4)]
 
 
-def _receiver_main(addr: str, rank: int, world: int, updates, results) -> None:
+def _receiver_main(addr: str, rank: int, world: int, updates, results, timeout_s: float = TIMEOUT_S) -> None:
     """A receiver process: receives each announced update and reports it (or its error)."""
-    receiver = WeightReceiver(addr, rank, world, "gloo", TIMEOUT_S)
+    receiver = WeightReceiver(addr, rank, world, "gloo", timeout_s)
     results.put((rank, 0, "ready"))  # imports done: the first update is timed from here
     while True:
         update = updates.get()
@@ -209,10 +212,77 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         sender.close()
 
 
-def _report(results, version: int) -> str:
+def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():
+    """A receiver that freezes (SIGSTOP: its sockets stay open, so gloo would wait for the whole
+    timeout) while the sender broadcasts to it: the sender gives the transfer up once the
+    receiver's heartbeat has stood still for FROZEN_S, long before the timeout, naming it and
+    no other member; the next update goes to the others; woken, the receiver registers again and
+    is back in the group. The update is large enough (64 MiB) that the kernel's socket buffers
+    cannot take it whole for the frozen receiver."""
+    import signal
+
+    timeout_s = 120.0
+    addr = f"127.0.0.1:{free_port()}"
+    world = 3
+    sender = WeightSender(addr, world, "gloo", timeout_s, member_names(2, 1))
+    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    procs = {
+        rank: _SPAWN.Process(
+            target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank], timeout_s), daemon=True
+        )
+        for rank in (1, 2)
+    }
+    for p in procs.values():
+        p.start()
+
+    def announce(update):
+        for q in queues.values():
+            q.put(update)
+
+    def large(seed: int) -> list[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        return [(f"w{i}", torch.randn(2048, 2048, generator=g)) for i in range(4)]
+
+    try:
+        assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
+        sender.send(1, large(1), announce, bucket_mb=16)
+        assert [_report(results[rank], 1, timeout_s) for rank in (1, 2)] == ["ok", "ok"]
+        os.kill(procs[2].pid, signal.SIGSTOP)  # actor1, weight-update rank 2
+        started = time.monotonic()
+        with pytest.raises(PeerGone) as failed:
+            sender.send(2, large(2), announce, bucket_mb=16)
+        took = time.monotonic() - started
+        message = str(failed.value)
+        assert isinstance(failed.value.__cause__, MemberFrozen), repr(failed.value.__cause__)
+        assert "actor1 (weight-update rank 2)" in message and "actor0" not in message, message
+        # Frozen for FROZEN_S, seen at the end of a slice, then DIAGNOSE_S to name it: far below
+        # the timeout, which alone would have ended the transfer.
+        assert took < FROZEN_S + 2 * WAIT_SLICE_S + DIAGNOSE_S + 5 < timeout_s, took
+        _report(results[1], 2, timeout_s)  # the live receiver's end of update 2, whichever it was
+
+        sender.send(3, large(3), announce, bucket_mb=16)
+        assert sender.members == [0, 1]
+        assert _report(results[1], 3, timeout_s) == "ok"
+
+        os.kill(procs[2].pid, signal.SIGCONT)  # woken: it was only slow
+        # It gives update 2 up (ABANDONED), and registers again on reading update 3.
+        assert not _report(results[2], 2, timeout_s).startswith("ok")
+        _report(results[2], 3, timeout_s)
+        assert sender.has_joiners()
+        sender.send(4, large(4), announce, bucket_mb=16)
+        assert sender.members == [0, 1, 2]
+        assert [_report(results[rank], 4, timeout_s) for rank in (1, 2)] == ["ok", "ok"]
+    finally:
+        for p in procs.values():
+            p.kill()
+        sender.close()
+
+
+def _report(results, version: int, timeout_s: float = TIMEOUT_S) -> str:
     """A receiver's report of `version` (earlier versions' reports are skipped)."""
     while True:
-        _, got, report = results.get(timeout=TIMEOUT_S + DIAGNOSE_S + 30)
+        _, got, report = results.get(timeout=timeout_s + DIAGNOSE_S + 30)
         if got == version:
             return report
         assert got < version, (got, version, report)
