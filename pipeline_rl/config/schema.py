@@ -176,8 +176,10 @@ class WorldConfig:
     trainer rank restarts the trainer pool from the last checkpoint while the actors and
     preprocessors go on (pipeline_rl/launch/restarts.py; `--dry-run` prints the policy). 0: any
     lost process stops the run. On Ray a process is started again in its bundle: on its node,
-    or where Ray places the bundle again after the node was lost; losing node 0 (trainer rank 0
-    and Redis) or a frozen node stops the run."""
+    or where Ray places the bundle again after the node was lost; the actors of a node that
+    froze (only actors) start in placement groups of their own on nodes with room; losing node 0
+    (trainer rank 0 and Redis), or the freeze of a node that held any other process, stops the
+    run."""
     disk_gib_per_s: float = 1.0
     """Assumed read and write bandwidth of the file system under run_dir and model.path, GiB/s
     (one shared stream: every rank's checkpoint shards together). The plan's checkpoint-write and

@@ -363,6 +363,60 @@ def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on
 @pytest.mark.redis
 @pytest.mark.vllm
 @pytest.mark.deepspeed
+def test_the_actor_of_a_frozen_node_starts_again_on_another_node_and_the_old_one_is_fenced(
+    cluster, tmp_path, tiny_model
+):
+    """actor0's node freezes (raylet and processes stopped, sockets open) and the cluster gets a
+    new node: the driver finds the node frozen and, without waiting minutes for Ray to mark it
+    dead, starts actor0 in a placement group of its own on the new node, which generates on the
+    weights the trainer sends it. Woken while the run goes on, the old actor is killed (its
+    SIGKILL was queued) and the run reaches max_steps with no process left."""
+    run_dir = tmp_path / "run"
+    final = 60
+    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
+    frozen = []
+    try:
+        run_until(driver, run_dir, versions=3, timeout=300)
+        node, node_id, held, frozen, frozen_at = freeze_node(cluster, driver, "actor0")
+        assert held == ["actor0"]
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+        deadline = time.time() + 180
+
+        def replaced() -> bool:
+            after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > frozen_at]
+            return any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after)
+
+        while not replaced():
+            assert driver.proc.poll() is None and time.time() < deadline, without_raylet_dumps(driver.out)[-4000:]
+            time.sleep(1)
+        replaced_in = time.time() - frozen_at
+        old = [p for p in frozen if "pipeline_rl.actor" in " ".join(p.cmdline())]
+        assert len(old) == 1, [p.cmdline() for p in frozen]
+        for p in frozen:  # the node wakes up
+            p.resume()
+        _, alive = psutil.wait_procs(old, timeout=30)
+        assert not alive, "the woken actor0 of the frozen node still runs"
+        code = driver.wait(timeout=400)
+    finally:
+        driver.stop()
+        for p in frozen:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if frozen:
+            cluster.remove_node(node, allow_graceful=False)
+    out = driver.out
+    went_on(driver, run_dir, code, final, frozen_at)
+    assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
+    moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
+    assert moved and moved[0] != node_id, out[-3000:]
+    print(f"\nactor0's node frozen -> actor0 generating again on node {moved[0]} after {replaced_in:.1f} s")
+
+
+@pytest.mark.redis
+@pytest.mark.vllm
+@pytest.mark.deepspeed
 def test_an_actor_added_to_a_running_job_goes_to_a_new_node_and_drains_when_scaled_back(cluster, tmp_path, tiny_model):
     """`--actors 2` on a running job whose cluster just got a node: the driver places actor1
     there, in a placement group of its own, and it generates on the current weights; `--actors
@@ -450,12 +504,14 @@ def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_
 def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_model, process):
     """A node that freezes instead of dying (raylet and processes stopped, sockets open: what a
     hung kernel or a partition looks like from the other nodes) stops the run within 45 s of the
-    freeze, naming the node and what it held: the actor's node, and the node of trainer rank 0
+    freeze when no restart may heal it, naming the node and what it held: the actor's node
+    (world.max_restarts=0; with restarts see the test below), and the node of trainer rank 0
     and Redis (the driver's status reads from that Redis must not hold up the probe). Running
     again after the loss of trainer rank 0's node and Redis, on a replacement node, resumes."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
-    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
+    no_restarts = ["world.max_restarts=0"] if process == "actor0" else []
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", *no_restarts)
     frozen = []
     try:
         run_until(driver, run_dir, versions=2, timeout=300)
