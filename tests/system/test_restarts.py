@@ -62,6 +62,45 @@ def assert_no_group_in_two_steps(run_dir: Path) -> None:
             assert seen.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {seen[gid]} and {b['step']}"
 
 
+def test_a_tensor_parallel_actor_whose_worker_dies_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
+    """SIGKILL one vLLM worker of a TP = 2 actor: the actor fails (test_launch.py says how, with
+    no restarts), the launcher starts another in its slot, whose two workers register at their
+    own weight-update ranks and receive the current weights (a TP engine swaps a version only
+    when both shards have it), and the run reaches max_steps with the new engine's rollouts."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    final = 12
+    proc = launch(
+        run_dir,
+        "shared.tensor_parallel_size=2",
+        f"shared.max_steps={final}",
+        "trainer.checkpoint_every=0",
+        "world.max_restarts=1",
+        wait=False,
+    )
+    try:
+        pid = pool_process_once_running(proc, run_dir, "actor", 300)
+        wait_until(lambda: version(run_dir) >= 2, proc, 240, "version 2")
+        workers = [c for c in psutil.Process(pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(workers) == 2, [c.cmdline() for c in workers]
+        at_kill = version(run_dir)
+        workers[1].kill()
+        killed_at = time.time()
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "process actor0 failed" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
+    assert [s["values"]["version"] for s in trainer_steps(run_dir)][-1] == final
+    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
+    # The trainer's steps past at_kill + max_lag need groups only the replacement can have made.
+    written = [r["groups_written_total"] for r in after if r["version"] >= at_kill]
+    assert written and max(written) > min(written), after[-1:]
+    assert all(r.get("swap_failures_total", 0) == 0 for r in after), after[-1]
+    assert run_processes(run_dir) == {}
+
+
 def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     """kill -9 the one actor mid-run: the launcher starts another in its slot, which gets the
     current weights (the trainer sends them again while it waits for groups) and generates on
