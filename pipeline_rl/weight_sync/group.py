@@ -195,6 +195,39 @@ class Endpoint:
                     raise
             self._frozen_check(seen)
 
+    def _build_group(self, rank: int, size: int) -> Any:
+        """The group named `self._group_name`, this member at `rank` of `size`, on a store
+        connection of its own (a group being made blocks its connection in waits for the other
+        members' addresses). gloo connects every pair of members as the group is made, so a
+        member that registered and then died or froze would hold that for the whole timeout:
+        the group is made on a thread of its own and waited for like a transfer
+        (`_frozen_check` between slices; a thread given up ends at gloo's timeout). An NCCL
+        group connects at its first collective."""
+        assert self._group_name is not None
+        name = self._group_name
+        store = dist.TCPStore(self.host, self.port, None, is_master=False, timeout=self.timeout)
+        if self.backend != "gloo":
+            return new_group(store, name, rank, size, self.backend, self.timeout)
+        made: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                made["group"] = new_group(store, name, rank, size, self.backend, self.timeout)
+            except Exception as e:  # raised below, unless the wait was given up meanwhile
+                made["error"] = e
+
+        thread = threading.Thread(target=build, name=f"weight-group-{name}", daemon=True)
+        thread.start()
+        seen: dict[int, tuple[bytes | None, float]] = {}
+        while True:
+            thread.join(WAIT_SLICE_S)
+            if not thread.is_alive():
+                break
+            self._frozen_check(seen)
+        if "error" in made:
+            raise made["error"]
+        return made["group"]
+
     def _frozen_check(self, seen: dict[int, tuple[bytes | None, float]]) -> None:
         """Between two slices of a wait: raise MemberFrozen to give the transfer up (the sender
         and the receivers each say when)."""

@@ -24,7 +24,6 @@ from pipeline_rl.weight_sync.group import (
     NotMember,
     StaleUpdate,
     members_key,
-    new_group,
     ready_key,
     split_host_port,
 )
@@ -151,8 +150,8 @@ class WeightReceiver(Endpoint):
             if (self.rank, self.token) not in members:
                 raise NotMember(f"weight update {update.version}'s group was formed without this receiver")
             group_rank = members.index((self.rank, self.token))
-            self._group = new_group(self._store, name.decode(), group_rank, len(members), self.backend, self.timeout)
             self._group_name = name.decode()
+            self._group = self._build_group(group_rank, len(members))
             self._received = -1
 
     def receive_kept(self, update: WeightUpdate) -> dict[str, list[torch.Tensor]]:
@@ -251,7 +250,7 @@ class WeightReceiver(Endpoint):
         assert self._store is not None
         name = self._group_name
         if self._store.check([ABANDONED]) and self._store.get(ABANDONED).decode() == name:
-            raise self._give_up(f"the sender gave up the transfer of group {name} (a member froze)")
+            raise self._give_up(f"the sender gave up the transfer of group {name} (a member froze or was replaced)")
 
     def publish(self, key: str, value: str) -> None:
         """Set `key` in the sender's store: how a receiver in a process of its own (a

@@ -20,7 +20,6 @@ from pipeline_rl.weight_sync.group import (
     INCARNATION,
     Endpoint,
     members_key,
-    new_group,
     ready_key,
 )
 
@@ -128,7 +127,7 @@ class WeightSender(Endpoint):
         self.members = members
         self._store.set(members_key(self._group_name), json.dumps([[0, ""], *self._tokens.items()]))
         if len(members) > 1:
-            self._group = new_group(self._store, self._group_name, 0, len(members), self.backend, self.timeout)
+            self._group = self._build_group(0, len(members))
 
     def _peers(self) -> list[int]:
         # The members of the group that failed: a rank registered since, or one that left the
@@ -149,16 +148,17 @@ class WeightSender(Endpoint):
             return False
         return any(self._tokens.get(rank) != token for rank, token in self._registered().items())
 
-    def _registered(self) -> dict[int, str]:
+    def _registered(self, store: dist.Store | None = None) -> dict[int, str]:
         """Rank -> registration token of the receivers registered in the store (two round trips
-        when all are)."""
-        assert self._store is not None
+        when all are), through `store` (the main connection by default)."""
+        store = store or self._store
+        assert store is not None
         receivers = range(1, self.world_size)
         keys = [ready_key(r) for r in receivers]
-        if not self._store.check(keys):
-            receivers = [r for r in receivers if self._store.check([ready_key(r)])]
+        if not store.check(keys):
+            receivers = [r for r in receivers if store.check([ready_key(r)])]
             keys = [ready_key(r) for r in receivers]
-        return {r: v.decode() for r, v in zip(receivers, self._store.multi_get(keys) if keys else [])}
+        return {r: v.decode() for r, v in zip(receivers, store.multi_get(keys) if keys else [])}
 
     def _unregister(self, rank: int) -> None:
         """Take out the registration the current group has of `rank` (not a replacement's, made
@@ -289,25 +289,45 @@ class WeightSender(Endpoint):
         in_flight.clear()
 
     def _frozen_check(self, seen: dict[int, tuple[bytes | None, float]]) -> None:
-        """Give the transfer up when a member's heartbeat has stood still for FROZEN_S since this
-        wait began (`seen`: per rank, its last beat and since when); the receivers still in the
-        group learn it from ABANDONED. The members found frozen are unregistered by `send`'s
-        failure path, so the next version forms a group without them."""
+        """Give the transfer up when a member is gone without its sockets saying so: its
+        heartbeat has stood still for FROZEN_S since this wait began (`seen`: per rank, its last
+        beat and since when), or a replacement registered at its rank (whose heartbeat is then
+        the one at that rank). The receivers still in the group learn it from ABANDONED; `send`'s
+        failure path unregisters the members found gone, so the next version forms a group
+        without them."""
         assert self._store is not None and self._group_name is not None
+        store = self._store
         now = time.monotonic()
+        replaced = self._replaced(store)
         frozen = []
         for rank in self._peers():
             key = f"alive/{rank}"
-            beat = self._store.get(key) if self._store.check([key]) else None
+            beat = store.get(key) if store.check([key]) else None
             if rank not in seen or seen[rank][0] != beat:
                 seen[rank] = (beat, now)
-            elif now - seen[rank][1] >= FROZEN_S:  # a member with no beat yet froze before its first
+            elif now - seen[rank][1] >= FROZEN_S and rank not in replaced:  # also one that froze before its first beat
                 frozen.append(rank)
+        why = []
         if frozen:
-            names = json.loads(self._store.get("members"))
-            named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in frozen)
-            self._store.set(ABANDONED, self._group_name)
-            raise self._give_up(f"gave the transfer up: no heartbeat for {FROZEN_S:g} s from {named}")
+            why.append(f"no heartbeat for {FROZEN_S:g} s from {self._named(store, frozen)}")
+        if replaced:
+            why.append(f"{self._named(store, replaced)} replaced by a new process")
+        if why:
+            store.set(ABANDONED, self._group_name)
+            raise self._give_up(f"gave the transfer up: {'; '.join(why)}")
+
+    def _replaced(self, store: dist.Store) -> list[int]:
+        """The members of the current group whose rank a new process registered at since."""
+        registered = self._registered(store)
+        return [r for r, token in self._tokens.items() if registered.get(r, token) != token]
+
+    def _gone(self, store: dist.Store) -> list[int]:
+        return sorted(set(super()._gone(store)) | set(self._replaced(store)))
+
+    @staticmethod
+    def _named(store: dist.Store, ranks: list[int]) -> str:
+        names = json.loads(store.get("members"))
+        return ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in ranks)
 
     def close(self) -> None:
         super().close()

@@ -279,6 +279,57 @@ def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():
         sender.close()
 
 
+def test_a_group_is_not_held_up_by_a_member_that_died_after_it_registered():
+    """Both receivers of a group die, one in a transfer (found gone, unregistered) and one after
+    it (still registered, as a tensor-parallel actor's other worker is while vLLM stops it): the
+    next group is formed with the second, which never connects. The sender gives that up once
+    its heartbeat has stood still for FROZEN_S, naming it, instead of waiting for the timeout."""
+    timeout_s = 120.0
+    addr = f"127.0.0.1:{free_port()}"
+    world = 3
+    sender = WeightSender(addr, world, "gloo", timeout_s, member_names(2, 1))
+    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    procs = {
+        rank: _SPAWN.Process(
+            target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank], timeout_s), daemon=True
+        )
+        for rank in (1, 2)
+    }
+    for p in procs.values():
+        p.start()
+
+    def announce(update):
+        for q in queues.values():
+            q.put(update)
+
+    try:
+        assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
+        sender.send(1, _weights(1), announce, bucket_mb=1)
+        assert [_report(results[rank], 1, timeout_s) for rank in (1, 2)] == ["ok", "ok"]
+        time.sleep(2 * WAIT_SLICE_S)  # both have beaten since they connected
+        procs[2].kill()
+        procs[2].join(10)
+        with pytest.raises(PeerGone):
+            sender.send(2, _weights(2), announce, bucket_mb=1)
+        procs[1].kill()
+        procs[1].join(10)
+        started = time.monotonic()
+        with pytest.raises(PeerGone) as failed:
+            sender.send(3, _weights(3), announce, bucket_mb=1)
+        took = time.monotonic() - started
+        assert sender.members == [0, 1]
+        assert isinstance(failed.value.__cause__, MemberFrozen), repr(failed.value.__cause__)
+        assert "actor0 (weight-update rank 1)" in str(failed.value), str(failed.value)
+        assert took < FROZEN_S + 2 * WAIT_SLICE_S + DIAGNOSE_S + 5 < timeout_s, took
+        sender.send(4, _weights(4), announce, bucket_mb=1)  # no receiver left: announced only
+        assert sender.members == [0]
+    finally:
+        for p in procs.values():
+            p.kill()
+        sender.close()
+
+
 def _report(results, version: int, timeout_s: float = TIMEOUT_S) -> str:
     """A receiver's report of `version` (earlier versions' reports are skipped)."""
     while True:

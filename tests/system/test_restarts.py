@@ -93,7 +93,13 @@ def test_a_tensor_parallel_actor_whose_worker_dies_is_replaced_and_the_run_goes_
     assert proc.returncode == 0, out[-4000:]
     assert "process actor0 failed" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
     assert [s["values"]["version"] for s in trainer_steps(run_dir)][-1] == final
-    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
+    (restart,) = restarts(run_dir)
+    assert restart["restarted_at"] > killed_at, restart
+    assert restart["recovered_s"] is not None and restart["recovered_s"] < REPLACED_WITHIN_S, restart
+    # The replacement's reports (the failed actor may still report its failed swap).
+    after = [
+        r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > restart["restarted_at"]
+    ]
     # The trainer's steps past at_kill + max_lag need groups only the replacement can have made.
     written = [r["groups_written_total"] for r in after if r["version"] >= at_kill]
     assert written and max(written) > min(written), after[-1:]
