@@ -73,9 +73,14 @@ it gives the transfer up: it sets ABANDONED to the group's name, keeps the group
 (destroying it would join threads that wait on the frozen member), raises MemberFrozen, and,
 through the usual failure path, PeerGone naming the member, which it unregisters. Receivers
 still waiting in that group see ABANDONED and give up too; the next version forms a group
-without the frozen member, and a member that was only slow registers again when it wakes. NCCL
-waits cannot be taken in slices (a blocking wait that runs out aborts the communicator): there
-a frozen member still costs the timeout.
+without the frozen member, and a member that was only slow registers again when it wakes. A
+member whose rank a new process registered at since (the replacement of a tensor-parallel
+actor's worker, whose heartbeat now beats at that rank) is given up the same way. Building a
+group is waited for likewise (on a store connection of its own, on a thread): gloo connects
+every pair of members then, and a member that registered and then died (a tensor-parallel
+actor's other worker, stopped by vLLM after the transfer that named the first) would hold it
+for the timeout. NCCL waits cannot be taken in slices (a blocking wait that runs out aborts the
+communicator): there a frozen member still costs the timeout.
 
 An actor that leaves for good (the job was scaled below it: pipeline_rl/core/actor_count.py)
 deletes its ranks' registrations (`leave_group`) and waits, still receiving, until the sender
