@@ -255,8 +255,12 @@ class RayRun(RunLoop):
                 h.result = (None, f"its Ray worker is gone ({type(e).__name__}: {first})")
 
     def _held_nodes(self) -> list[RayNode]:
-        """The nodes that hold a process of the run (not those whose processes all moved away)."""
-        return list({h.node.id: h.node for h in self._everyone()}.values())
+        """The run's nodes: its bundles' and those of the actors placed since; a node that froze
+        drops out once its actors have all moved away (Ray may mark it dead later: that explains
+        no other failure)."""
+        holding = {h.node.id for h in self._everyone()}
+        nodes = {n.id: n for n in [*self.nodes, *(h.node for h in self._everyone())]}
+        return [n for n in nodes.values() if n.id not in self.frozen or n.id in holding]
 
     def _dead_nodes(self) -> list[RayNode]:
         cluster = ray_nodes.cluster_nodes()

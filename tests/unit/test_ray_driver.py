@@ -82,6 +82,23 @@ def test_a_node_that_stops_answering_is_reported_after_consecutive_misses(raylet
     assert run.misses == {"up": 0, "down": NODE_PROBE_MISSES}
 
 
+def test_a_frozen_node_is_probed_until_its_actors_have_moved_away(tmp_path):
+    """The driver probes the run's bundle nodes and the nodes of actors placed since; a node
+    that froze holding only actors stops being probed (and blamed) once each has moved."""
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", "world.nodes=3", "streams.backend=redis"])
+    found = bundles(cfg, plan(cfg))
+    a, b, f, g = (RayNode(i, "127.0.0.1", 1) for i in "abfg")
+    run = RayRun(cfg, None, found, [a, b, f], nonce="x")  # type: ignore[arg-type]
+    log = tmp_path / "x.log"
+    run.hosted = [Hosted("trainer0", "trainer", a, None, None, log), Hosted("actor0", "actor", f, None, None, log)]
+    run.hosted.append(Hosted("actor1", "actor", g, None, None, log))  # added to the running job
+    assert [n.id for n in run._held_nodes()] == ["a", "b", "f", "g"]
+    run.frozen.add("f")
+    assert [n.id for n in run._held_nodes()] == ["a", "b", "f", "g"]  # actor0 still there
+    run.hosted[1] = Hosted("actor0", "actor", g, None, None, log)  # started again elsewhere
+    assert [n.id for n in run._held_nodes()] == ["a", "b", "g"]
+
+
 def test_a_cluster_address_nothing_listens_on_fails_at_once(tmp_path, capsys):
     from pipeline_rl.launch.launcher import main
 
