@@ -103,7 +103,15 @@ def test_a_tensor_parallel_actor_whose_worker_dies_is_replaced_and_the_run_goes_
     # The trainer's steps past at_kill + max_lag need groups only the replacement can have made.
     written = [r["groups_written_total"] for r in after if r["version"] >= at_kill]
     assert written and max(written) > min(written), after[-1:]
-    assert all(r.get("swap_failures_total", 0) == 0 for r in after), after[-1]
+    # Until the trainer's last step: the trainer then exits with the store its TP workers report
+    # the last transfer through, which can fail that one swap (the run is ending).
+    last_step = trainer_steps(run_dir)[-1]["time"]
+    swaps = [
+        r.get("swap_failures_total", 0)
+        for r in read_metrics(run_dir)
+        if r["process"] == "actor0" and restart["restarted_at"] < r["time"] < last_step
+    ]
+    assert swaps and max(swaps) == 0, swaps
     assert run_processes(run_dir) == {}
 
 
