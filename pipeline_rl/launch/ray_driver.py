@@ -16,14 +16,11 @@ own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that 
 within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. A lost
 process is restarted in its bundle (launch/restarts.py) until world.max_restarts is spent: on
 its node, or, when its node is lost (Ray marked it dead, or its raylet refuses connections),
-where Ray places the bundle again (a node with room). A node that stopped answering (frozen,
-or cut off before Ray marks it dead) and held only actors has each actor started again in a
-placement group of its own, on any node with room, without waiting for Ray to mark the node
-dead; its old processes are fenced (a SIGKILL and Ray's kill are queued for them, and the
-trainer's weight broadcast gives up a transfer that waits on them: weight_sync/group.py). A
-lost node 0 (trainer rank 0 and Redis), or any other node that stopped answering, stops the
-run; the report names the process, its node (Ray node id and address) and every process the
-node held. The start, watch and stop sequence is the one-node launcher's
+where Ray places the bundle again (a node with room). The actors of a node that stopped
+answering (frozen, or cut off) and held nothing else start again at once, each in a placement
+group of its own, the old ones fenced (`restart`). A lost node 0 (trainer rank 0 and Redis), or
+any other node that stopped answering, stops the run; the report names the process, its node
+(Ray node id and address) and every process the node held. The start, watch and stop sequence is the one-node launcher's
 (run_loop.py); this module supplies how processes start, are polled and stop, and where actors
 added to the running job go (launch/scaling.py): each in a placement group of its own (the
 run's cannot grow), removed when the actor drains.
@@ -32,10 +29,8 @@ run's cannot grow), removed when the actor drains.
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -53,14 +48,13 @@ from pipeline_rl.launch import ray_nodes
 from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
 from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
-from pipeline_rl.launch.ray_nodes import RAYLET_PROBE_S, RayNode, bundle_nodes, node_alive, raylet_gone
+from pipeline_rl.launch.ray_cluster import connect, reserve
+from pipeline_rl.launch.ray_nodes import RayNode, bundle_nodes, node_alive, raylet_gone
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, blame_order, describe_exit, last_lines
 from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
 
-PLACEMENT_REPORT_S = 30.0
-"""While the cluster cannot fit the placement group, say so this often (it may be scaling up)."""
 NODE_PROBE_EVERY_S = 5.0
 """How often the driver checks that every node of the run still answers. Ray's own health check
 gives up on a node that vanished without closing its connections (a power cut) only after some
@@ -78,36 +72,6 @@ REDIS_START_S = 30.0
 RAY_WORKER_ONLY = ("OMP_NUM_THREADS",)
 """Variables Ray sets in its workers (OMP_NUM_THREADS to the actor's CPU count, 1 here) that
 the processes must not inherit: they get the driver's, as on one node (child_env)."""
-
-
-def ray_address(cfg: RunConfig) -> str:
-    return cfg.world.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-
-
-def _check_reachable(address: str) -> None:
-    """Fail at once on a cluster address nothing listens on (ray.init would retry for minutes)."""
-    if address == "auto" or "://" in address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=RAYLET_PROBE_S * 5).close()
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"no Ray cluster at {address} (world.ray_address, else RAY_ADDRESS): {type(e).__name__}: {e}"
-        ) from None
-
-
-def _reserve(found: list[Bundle], name: str) -> PlacementGroup:
-    pg = placement_group([b.resources for b in found], strategy=STRATEGY, name=name)
-    while not pg.wait(timeout_seconds=PLACEMENT_REPORT_S):
-        print(
-            f"waiting for the Ray cluster to fit the placement group ({len(found)} bundles: "
-            f"{', '.join(f'{b.spec.name} {b.resources}' for b in found)}); the cluster has "
-            f"{ray.cluster_resources()} in {len(ray.nodes())} nodes (`ray status` says what is in use)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return pg
 
 
 @dataclass
@@ -479,16 +443,8 @@ def run_on_ray(cfg: RunConfig, fresh: bool) -> int:
     """The whole run of several nodes, from this one driver; returns the exit code."""
     specs = plan(cfg)
     found = bundles(cfg, specs)
-    address = ray_address(cfg)
-    _check_reachable(address)
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except ConnectionError as e:
-        raise ConfigError(
-            f"no Ray cluster at {address} (world.ray_address, else RAY_ADDRESS, else the one `ray start` "
-            f"made on this machine): {e}"
-        ) from None
-    pg = _reserve(found, name=f"pipeline_rl:{cfg.name}")
+    address = connect(cfg)
+    pg = reserve(found, name=f"pipeline_rl:{cfg.name}")
     try:
         nodes = bundle_nodes(pg, len(found))
         if cfg.streams.backend == "redis" and cfg.streams.redis.start_server:

@@ -108,6 +108,11 @@ INCARNATION = "incarnation"
 restarted accepts versions older than its own (the restarted trainer's, from its checkpoint)."""
 
 
+def named(names: list[str], ranks: list[int]) -> str:
+    """`ranks` by the process behind each (`names`: the store's "members"), for messages."""
+    return ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in ranks)
+
+
 def split_host_port(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
@@ -283,8 +288,7 @@ class Endpoint:
         self.gone = gone
         if not gone:
             return WeightGroupFailed(f"{what}; every other member is alive (a hung collective or a network fault?)")
-        named = ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in gone)
-        return PeerGone(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named}")
+        return PeerGone(f"{what}; gone (no heartbeat for {DIAGNOSE_S:g} s): {named(names, gone)}")
 
     def _peers(self) -> list[int]:
         """The ranks a failed transfer of this member may have waited for."""

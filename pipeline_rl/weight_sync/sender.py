@@ -20,6 +20,7 @@ from pipeline_rl.weight_sync.group import (
     INCARNATION,
     Endpoint,
     members_key,
+    named,
     ready_key,
 )
 
@@ -307,14 +308,16 @@ class WeightSender(Endpoint):
                 seen[rank] = (beat, now)
             elif now - seen[rank][1] >= FROZEN_S and rank not in replaced:  # also one that froze before its first beat
                 frozen.append(rank)
+        if not (frozen or replaced):
+            return
+        names = json.loads(store.get("members"))
         why = []
         if frozen:
-            why.append(f"no heartbeat for {FROZEN_S:g} s from {self._named(store, frozen)}")
+            why.append(f"no heartbeat for {FROZEN_S:g} s from {named(names, frozen)}")
         if replaced:
-            why.append(f"{self._named(store, replaced)} replaced by a new process")
-        if why:
-            store.set(ABANDONED, self._group_name)
-            raise self._give_up(f"gave the transfer up: {'; '.join(why)}")
+            why.append(f"{named(names, replaced)} replaced by a new process")
+        store.set(ABANDONED, self._group_name)
+        raise self._give_up(f"gave the transfer up: {'; '.join(why)}")
 
     def _replaced(self, store: dist.Store) -> list[int]:
         """The members of the current group whose rank a new process registered at since."""
@@ -323,11 +326,6 @@ class WeightSender(Endpoint):
 
     def _gone(self, store: dist.Store) -> list[int]:
         return sorted(set(super()._gone(store)) | set(self._replaced(store)))
-
-    @staticmethod
-    def _named(store: dist.Store, ranks: list[int]) -> str:
-        names = json.loads(store.get("members"))
-        return ", ".join(f"{names[r] if r < len(names) else 'rank'} (weight-update rank {r})" for r in ranks)
 
     def close(self) -> None:
         super().close()
