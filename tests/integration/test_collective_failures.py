@@ -212,6 +212,29 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         sender.close()
 
 
+def _two_receivers(timeout_s: float):
+    """A sender and two receiver processes (actor0 and actor1, ranks 1 and 2) of `timeout_s`:
+    (sender, processes by rank, result queues by rank, announce)."""
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, 3, "gloo", timeout_s, member_names(2, 1))
+    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    procs = {
+        rank: _SPAWN.Process(
+            target=_receiver_main, args=(addr, rank, 3, queues[rank], results[rank], timeout_s), daemon=True
+        )
+        for rank in (1, 2)
+    }
+    for p in procs.values():
+        p.start()
+
+    def announce(update):
+        for q in queues.values():
+            q.put(update)
+
+    return sender, procs, results, announce
+
+
 def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():
     """A receiver that freezes (SIGSTOP: its sockets stay open, so gloo would wait for the whole
     timeout) while the sender broadcasts to it: the sender gives the transfer up once the
@@ -222,23 +245,7 @@ def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():
     import signal
 
     timeout_s = 120.0
-    addr = f"127.0.0.1:{free_port()}"
-    world = 3
-    sender = WeightSender(addr, world, "gloo", timeout_s, member_names(2, 1))
-    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
-    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
-    procs = {
-        rank: _SPAWN.Process(
-            target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank], timeout_s), daemon=True
-        )
-        for rank in (1, 2)
-    }
-    for p in procs.values():
-        p.start()
-
-    def announce(update):
-        for q in queues.values():
-            q.put(update)
+    sender, procs, results, announce = _two_receivers(timeout_s)
 
     def large(seed: int) -> list[tuple[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(seed)
@@ -285,23 +292,7 @@ def test_a_group_is_not_held_up_by_a_member_that_died_after_it_registered():
     next group is formed with the second, which never connects. The sender gives that up once
     its heartbeat has stood still for FROZEN_S, naming it, instead of waiting for the timeout."""
     timeout_s = 120.0
-    addr = f"127.0.0.1:{free_port()}"
-    world = 3
-    sender = WeightSender(addr, world, "gloo", timeout_s, member_names(2, 1))
-    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
-    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
-    procs = {
-        rank: _SPAWN.Process(
-            target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank], timeout_s), daemon=True
-        )
-        for rank in (1, 2)
-    }
-    for p in procs.values():
-        p.start()
-
-    def announce(update):
-        for q in queues.values():
-            q.put(update)
+    sender, procs, results, announce = _two_receivers(timeout_s)
 
     try:
         assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]

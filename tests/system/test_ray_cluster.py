@@ -208,6 +208,17 @@ def freeze_node(cluster, driver: Driver, process: str):
     return node, node_id, held, frozen, frozen_at
 
 
+def take_out(cluster, node, frozen: list) -> None:
+    """The frozen node "comes back" only to be taken out: its processes killed, the node removed."""
+    for p in frozen:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if node is not None:
+        cluster.remove_node(node, allow_graceful=False)
+
+
 def aof_commands(path: Path):
     """The commands of one of Redis's append-only files (RESP arrays of bulk strings)."""
     data, i = path.read_bytes(), 0
@@ -399,13 +410,7 @@ def test_the_actor_of_a_frozen_node_starts_again_on_another_node_and_the_old_one
         code = driver.wait(timeout=400)
     finally:
         driver.stop()
-        for p in frozen:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        if frozen:
-            cluster.remove_node(node, allow_graceful=False)
+        take_out(cluster, node if frozen else None, frozen)
     out = driver.out
     went_on(driver, run_dir, code, final, frozen_at)
     assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
@@ -521,13 +526,7 @@ def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_
         left = set(run_processes(run_dir, redis_port))
     finally:
         driver.stop()
-        for p in frozen:  # the node "comes back" only to be taken out
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        if frozen:
-            cluster.remove_node(node, allow_graceful=False)
+        take_out(cluster, node if frozen else None, frozen)
     out = driver.out
     assert code == 1, out[-4000:]
     assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the freeze:\n{out[-3000:]}"
