@@ -38,6 +38,7 @@ import numpy as np
 from pipeline_rl.config import RunConfig
 from pipeline_rl.engine.adapter_slot import POLICY_LORA_ID, engine_max_rank, lora_request, single_slot_cpu_lora
 from pipeline_rl.engine.engine_weights import keep_cpu_linear_weights
+from pipeline_rl.engine.idle_spin import shorten_idle_spin
 from pipeline_rl.engine.routes import RouteRecorder
 from pipeline_rl.engine.tp_swap import WORKER_EXTENSION, TensorParallelSwapHook
 from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
@@ -159,8 +160,10 @@ def set_engine_environment(cfg: RunConfig) -> None:
     if cfg.model.lora is not None and cfg.world.gpus_per_node == 0:
         single_slot_cpu_lora()
     tp = cfg.shared.tensor_parallel_size
-    if tp > 1 and cfg.world.gpus_per_node == 0 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binds(tp, sorted(os.sched_getaffinity(0)))
+    if tp > 1 and cfg.world.gpus_per_node == 0:
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binds(tp, sorted(os.sched_getaffinity(0)))
+        shorten_idle_spin()  # this process's reader of the workers' replies (tp_worker.py: the workers')
     from vllm import envs
 
     # vLLM freezes its environment variables when an engine starts: a later engine in the same

@@ -4,7 +4,8 @@ whole protocol): methods vLLM mixes into each worker process of a TP > 1 engine
 
 vLLM imports this module in every worker (they are spawned) before the worker loads its
 model: the import is where the worker's CPU linear layers are told to keep their weights, so
-that the copy plan (engine/engine_weights.py) can write into them.
+that the copy plan (engine/engine_weights.py) can write into them, and where a CPU worker's
+queue is told to let it sleep when there is nothing to do (engine/idle_spin.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors.torch import load as load_safetensors
 
 from pipeline_rl.engine.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
 from pipeline_rl.engine.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
+from pipeline_rl.engine.idle_spin import shorten_idle_spin
 from pipeline_rl.engine.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE, staged_key
 from pipeline_rl.streams.records import WeightUpdate, decode
 from pipeline_rl.weight_layout import dtype_of
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 keep_cpu_linear_weights()
 if not torch.cuda.is_available():
     single_slot_cpu_lora()
+    shorten_idle_spin()
 
 
 class _WorkerState:

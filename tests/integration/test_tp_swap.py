@@ -6,7 +6,8 @@ worker processes, each holding half of every sharded matrix), checked against tr
   greedy generation takes effect at the next decode step on both shards (swap_checks.py);
 - a check that fails in one worker only loads nothing: the old version keeps serving;
 - a load that fails in one worker only leaves no engine step to run on mixed weights;
-- a worker that dies fails the engine: generation stops with an error, never a token more.
+- a worker that dies fails the engine: generation stops with an error, never a token more;
+- workers with nothing to do sleep instead of spinning on their queue.
 
 These run in the suite's own process, after the other tests' in-process engines and models.
 They once ran in a fresh interpreter because, after other tests, the transformers reference
@@ -30,6 +31,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from fixtures.helpers import free_port, hf_model, perturbed, start_tp_client
@@ -37,6 +39,7 @@ from fixtures.swap_checks import swap_during_generation
 from safetensors.torch import load_file
 
 from pipeline_rl.config import load_config
+from pipeline_rl.engine.idle_spin import IDLE_SPIN_S
 from pipeline_rl.engine.llm_client import LLMClient
 from pipeline_rl.weight_sync import DIAGNOSE_S, WeightSender
 
@@ -168,6 +171,23 @@ def test_each_worker_holds_a_shard_and_logprobs_match_transformers(client, tiny_
     expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
     # fp32; the two shards' partial sums are added in another order than in one matrix product.
     assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+
+def test_idle_workers_sleep_instead_of_spinning(client):
+    """Once generation stops, each worker sleeps on its queue within IDLE_SPIN_S of its last
+    step (engine/idle_spin.py). vLLM's own readers spin (sched_yield) for a second after each
+    message, taking a core's share of CPU each: in the window measured here, from IDLE_SPIN_S +
+    0.2 s to 0.8 s after the last step, two spinning workers would use up to 2 x 0.5 s of CPU
+    (a third of that if they shared the cores with two other busy processes); two sleeping ones
+    use next to none, so an eighth of the lowest figure is the bound."""
+    workers = [psutil.Process(pid) for pid in on_worker(client, lambda w: os.getpid())]
+    greedy(client, "12 + 7 =")
+    time.sleep(IDLE_SPIN_S + 0.2)
+    before = [sum(w.cpu_times()[:2]) for w in workers]
+    window = 0.8 - (IDLE_SPIN_S + 0.2)
+    time.sleep(window)
+    used = sum(sum(w.cpu_times()[:2]) - b for w, b in zip(workers, before))
+    assert used < TP * window / 3 / 8, f"the idle workers used {used:.2f} s of CPU in {window:.1f} s"
 
 
 def test_broadcast_swap_takes_effect_at_the_next_step_on_both_shards(client, tiny_model, trained, broadcast):
