@@ -5,9 +5,9 @@ engine core's broadcast of each step to the workers, each worker's reply). A rea
 its queue empty keeps polling it with `sched_yield` for a second after its last message, and
 only then sleeps on a socket until the writer wakes it. On a GPU node that buys latency with
 cores nobody else needs. On CPU the cores it spins on are the ones the engine's next step, the
-trainer and the preprocessor need: an actor waits for new weights after every few steps, and for
-the second after each wait its workers and its engine core took a core and a half of a 2-core
-machine away from the trainer it was waiting for (docs/performance.md has the measurement).
+trainer and the preprocessor need: an actor waits for new weights after every few steps, and
+while it waits its spinning workers starve the trainer it waits for (measured in
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ two decode steps, so an engine that is generating never waits for a wake-up."""
 
 
 def shorten_idle_spin(seconds: float = IDLE_SPIN_S) -> None:
-    """Make every reader of vLLM's shared-memory queues created after this call (in this process,
-    and in the worker processes forked from it) spin `seconds` instead of vLLM's one second.
-    Idempotent; call it before a tensor-parallel CPU engine starts."""
+    """Make every reader of vLLM's shared-memory queues that this process creates after this
+    call spin `seconds` instead of vLLM's one second. Idempotent; the actor calls it before a
+    tensor-parallel CPU engine starts, each spawned worker when it imports tp_worker.py."""
     from vllm.distributed.device_communicators import shm_broadcast
 
     condition = shm_broadcast.SpinCondition
