@@ -156,7 +156,7 @@ def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
 def set_engine_environment(cfg: RunConfig) -> None:
     """Environment an actor's engine needs, set before vLLM starts (also by scripts/bench_actor.py)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the hook reaches it
-    keep_cpu_linear_weights()  # swaps copy into the weights (TP workers fork from here and inherit it)
+    keep_cpu_linear_weights()  # swaps copy into the weights (spawned TP workers: tp_worker.py)
     if cfg.model.lora is not None and cfg.world.gpus_per_node == 0:
         single_slot_cpu_lora()
     tp = cfg.shared.tensor_parallel_size
