@@ -3,8 +3,8 @@
     python scripts/build_deepspeed_ops.py
 
 DeepSpeed compiles on first use, into ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), the
-shared-memory collective op every CPU trainer loads and the CPU Adam op of ZeRO-Offload
-(trainer.optimizer.offload). `.ci/run` runs this on one core while the test models train on the
+CPU Adam op of ZeRO-Offload (trainer.optimizer.offload). Its shared-memory all-reduce op is not
+built: CPU trainers leave it out (`leave_out_shm_all_reduce` in pipeline_rl/trainer/model.py). `.ci/run` runs this on one core while the test models train on the
 other, so no test's time limit pays for a compile.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+OPS = ("CPUAdamBuilder",)
 
 
 def main() -> None:

@@ -24,9 +24,11 @@ if [ "${1:-}" = "--relock" ]; then
     echo "rewrote scripts/cpu-lock.txt"
 else
     # DeepSpeed builds from source against the locked torch (it is in the lock, so nothing replaces it).
-    # Bytecode at install: uv writes none otherwise, and with PYTHONDONTWRITEBYTECODE set every
-    # process would compile torch and vLLM from source at each start.
-    into=(--compile-bytecode --python .venv/bin/python)
+    # Bytecode at install only where Python will not write it on first import: with
+    # PYTHONDONTWRITEBYTECODE set every process would compile torch and vLLM from source at each
+    # start. Otherwise each module is compiled once, when first imported, and most never are.
+    into=(--python .venv/bin/python)
+    if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then into+=(--compile-bytecode); fi
     uv pip sync "${into[@]}" "${torch_src[@]}" scripts/cpu-lock.txt
     uv pip install "${into[@]}" --no-deps -e .
     for extra in "$@"; do  # the optional extras' locks, each on top of the CPU lock

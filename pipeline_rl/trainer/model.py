@@ -70,6 +70,23 @@ def _load_base(cfg: RunConfig) -> PreTrainedModel:
         unset_hf_deepspeed_config()  # later loads in this process (tests) are plain again
 
 
+def leave_out_shm_all_reduce() -> None:
+    """On CPU, keep DeepSpeed from building and loading its shared-memory all-reduce op when the
+    process group is made. Only DeepSpeed's inference all-reduce (tensor-parallel inference
+    layers) calls it, never ZeRO training, and its first build compiles two C++ files against
+    torch's headers; gloo's all-reduce serves the trainers. DeepSpeed keeps the ops it found
+    compatible in one dict, read when the group is made, so this marks the op unavailable there."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator is None or accelerator.device_name() != "cpu":
+        return
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW; with trainer.optimizer.offload DeepSpeed's CPU AdamW, which steps the offloaded
     fp32 state on the host (DeepSpeed refuses a torch optimizer there: too slow)."""

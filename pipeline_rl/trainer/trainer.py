@@ -49,7 +49,13 @@ from pipeline_rl.trainer.grad_norm import finite_norms
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
 from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
-from pipeline_rl.trainer.model import deepspeed_config, load_model, lr_factor, make_optimizer
+from pipeline_rl.trainer.model import (
+    deepspeed_config,
+    leave_out_shm_all_reduce,
+    load_model,
+    lr_factor,
+    make_optimizer,
+)
 from pipeline_rl.trainer.publisher import WeightPublisher
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.routing_replay import RoutingReplay
@@ -419,6 +425,7 @@ def _init_distributed(cfg: RunConfig) -> None:
     timeout = prepare_collectives(cfg.world.collective_timeout_s, blocking_wait=True)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    leave_out_shm_all_reduce()
     deepspeed.init_distributed(verbose=False, timeout=timeout)
 
 

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.preprocess.packing import pack_step
 from pipeline_rl.streams import open_streams
+from pipeline_rl.trainer.model import leave_out_shm_all_reduce
 
 pytestmark = pytest.mark.deepspeed
 
@@ -173,6 +174,16 @@ def test_optimizer_offload_gives_the_same_update(tiny_model, tmp_path):
     log = (tmp_path / "offload" / "trainer0.log").read_text()
     assert "optimizer DeepSpeedCPUAdam with its state in host memory (ZeRO-Offload)" in log, log[-3000:]
     assert update_error(results["offload"], results["device"], initial) < REL_TOL
+
+
+def test_cpu_trainers_leave_out_deepspeeds_shm_all_reduce():
+    """ZeRO training never calls DeepSpeed's shared-memory all-reduce (its inference layers do), so
+    a CPU trainer makes its process group without building or loading that op: DeepSpeed's own
+    loader, which the group calls, finds it unavailable."""
+    from deepspeed.comm.torch import build_shm_op
+
+    leave_out_shm_all_reduce()
+    assert build_shm_op() is None
 
 
 def test_updates_per_step_equal_consecutive_steps(tiny_model, tmp_path):
