@@ -4,8 +4,9 @@
 
 DeepSpeed compiles on first use, into ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), the
 CPU Adam op of ZeRO-Offload (trainer.optimizer.offload). Its shared-memory all-reduce op is not
-built: CPU trainers leave it out (`leave_out_shm_all_reduce` in pipeline_rl/trainer/model.py). `.ci/run` runs this on one core while the test models train on the
-other, so no test's time limit pays for a compile.
+built: CPU trainers leave it out (`leave_out_shm_all_reduce` in pipeline_rl/trainer/model.py).
+`.ci/run` runs this on one core while the test models train on the other, so no test's time
+limit pays for a compile.
 """
 
 from __future__ import annotations
