@@ -563,8 +563,8 @@ def warm_up(model: Path) -> None:
     (from disk into the page cache) and let vLLM inspect the model's architecture, which it does
     in a subprocess the first time on a machine and then caches (measured: 113 s from launch to
     the first step in a fresh environment, 46 s after), so that the first run timed is not the
-    only one to pay. DeepSpeed's CPU ops are compiled too (scripts/build_deepspeed_ops.py): the
-    first trainer of a fresh machine otherwise compiles its collective op, a minute on 2 cores."""
+    only one to pay. DeepSpeed's CPU Adam op is compiled too (scripts/build_deepspeed_ops.py): a
+    variant with trainer.optimizer.offload would otherwise compile it in its first timed run."""
     code = f"import deepspeed, transformers; from vllm.config import ModelConfig; ModelConfig(model={str(model)!r})"
     start = time.time()
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
