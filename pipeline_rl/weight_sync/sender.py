@@ -60,6 +60,9 @@ class WeightSender(Endpoint):
         """The plan of the next update: per bucket "1" when the last update found all its
         tensors flat (flat_span of the whole bucket), "" before any such update."""
         self._published: str | None = None
+        self._sent = -1
+        """The last version broadcast: one version is broadcast once per group (a receiver
+        takes a second announcement of it in the same group for over: receiver._join)."""
 
     def send(
         self,
@@ -86,7 +89,7 @@ class WeightSender(Endpoint):
             raise RuntimeError("WeightSender.send after close()")
         started = time.monotonic()
         try:
-            reform = self._group_name is None or self._registered() != self._tokens
+            reform = self._group_name is None or version <= self._sent or self._registered() != self._tokens
             if reform:
                 self._drop_group()
                 self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
@@ -103,6 +106,7 @@ class WeightSender(Endpoint):
                 self._form_group()
             if self._group is not None:
                 self._send_messages(update, layout, iter(named_tensors), check)
+            self._sent = version
         except ValueError:  # the tensors differ from the announcement: the sender's own fault
             self._drop_group()
             raise

@@ -212,6 +212,77 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         sender.close()
 
 
+def test_an_announcement_of_a_group_formed_again_since_is_over_for_every_receiver():
+    """The race of a tensor-parallel actor's replacement, whose two workers (ranks 1 and 2)
+    register as they read the announcements made before they started: rank 1 reads the last
+    one (update 3, of a group formed without them) before the sender, seeing them registered,
+    sends update 3 again to a group of both; rank 2 reads it after. That announcement is over
+    for rank 2 as well: joining the new group with it, rank 2 would wait there for rank 1, which
+    its actor gives the new group's announcement only once rank 2 has reported, and the sender
+    for both, until the timeout. Both receive update 3 by the new announcement; a second
+    delivery of that one is over at once."""
+    import threading
+
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, 3, "gloo", TIMEOUT_S, member_names(1, 2))
+    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
+
+    def start(rank: int):
+        proc = _SPAWN.Process(target=_receiver_main, args=(addr, rank, 3, queues[rank], results[rank]), daemon=True)
+        proc.start()
+        assert results[rank].get(timeout=120) == (rank, 0, "ready")
+        return proc
+
+    announced: list = []
+
+    def announce(update):
+        announced.append(update)
+        for q in queues.values():
+            q.put(update)
+
+    procs = [start(1), start(2)]
+    try:
+        sender.send(1, _weights(1), announce, bucket_mb=1)
+        assert [_report(results[rank], 1) for rank in (1, 2)] == ["ok", "ok"]
+        for p in procs:  # the actor and its workers are gone
+            p.kill()
+            p.join(10)
+        queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
+        results = {rank: _SPAWN.Queue() for rank in (1, 2)}
+        with pytest.raises(PeerGone):
+            sender.send(2, _weights(2), announced.append, bucket_mb=1)
+        sender.send(3, _weights(3), announced.append, bucket_mb=1)
+        assert sender.members == [0]  # nobody registered: announced only
+        first, before = announced[0], announced[-1]
+
+        procs += [start(1), start(2)]  # the replacement's workers read the announcements so far
+        queues[2].put(first)
+        assert _report(results[2], 1).startswith("StaleUpdate")  # registered, nothing received
+        queues[1].put(before)
+        assert _report(results[1], 3).startswith("NotMember")
+        assert sender.has_joiners()
+        again = threading.Thread(target=sender.send, args=(3, _weights(3), announced.append, 1), daemon=True)
+        again.start()
+        while announced[-1] is before:
+            time.sleep(0.05)
+        started = time.monotonic()
+        queues[2].put(before)  # read after the group of both was named
+        report = _report(results[2], 3)
+        assert report.startswith("StaleUpdate") and time.monotonic() - started < TIMEOUT_S, report
+        for q in queues.values():
+            q.put(announced[-1])
+        assert [_report(results[rank], 3) for rank in (1, 2)] == ["ok", "ok"]
+        again.join(TIMEOUT_S)
+        assert not again.is_alive() and sender.members == [0, 1, 2]
+        queues[1].put(announced[-1])
+        assert "received already" in _report(results[1], 3)
+    finally:
+        for p in procs:
+            p.kill()
+        sender.close()
+
+
 def _two_receivers(timeout_s: float):
     """A sender and two receiver processes (actor0 and actor1, ranks 1 and 2) of `timeout_s`:
     (sender, processes by rank, result queues by rank, announce)."""
