@@ -55,7 +55,12 @@ sends its weights again when a receiver joins (trainer.py), so a replacement of 
 gets current weights. An update whose group was formed without a receiver
 raises NotMember there (it joins from the next version, which forms a group with it). A receiver that reads an
 announcement older than "latest" or than "plan" (an actor restarted after that transfer
-ended) skips it. A receiver whose store connection broke (the trainer restarted) connects
+ended), or one of a group other than "group" (the sender has named another group since: that
+group's own announcement follows), skips it: every member of a group receives by that group's
+announcement, so the workers of one tensor-parallel engine, reading the same announcement a
+moment apart, never split between an old group and a new one and wait there for each other.
+The sender broadcasts a version once per group (sending one again names a new group), and a
+receiver skips a second announcement of a version its group has broadcast already. A receiver whose store connection broke (the trainer restarted) connects
 again.
 
 A failed transfer names who is gone: every member beats a counter in the store ("alive/RANK",
