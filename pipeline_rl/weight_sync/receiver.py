@@ -132,18 +132,17 @@ class WeightReceiver(Endpoint):
         group ends without each of its members, and after a failed one the sender names a new
         group, so it cannot have gone past an update of this group that this member has not
         taken part in. That saves a store round trip per update (a large share of a
-        small model's broadcast); one of this group not newer than that was broadcast once
-        already (a re-delivered announcement): StaleUpdate. Any other update is checked with
-        the sender's store: StaleUpdate when the sender has gone past it (a receiver that
-        starts reads the announcements made before it) or has named another group since (the
+        small model's broadcast). Any other update (another group's, or one already
+        received: a re-delivered announcement) is checked with the sender's store. It is over
+        (StaleUpdate) when the sender has gone past it (a receiver that starts reads the
+        announcements made before it); when the sender has named another group since (the
         same version sent again to a group that takes in a receiver that joined: that group's
-        own announcement follows, and the members may receive only by it, or one member
-        would wait in the new group for another that is still told the old announcement is
-        over); else the group is joined."""
-        if self._group is not None and update.group == self._group_name:
-            if update.version > self._received:
-                return
-            raise StaleUpdate(f"weight update {update.version} of group {update.group} was received already")
+        own announcement follows, and its members receive only by it, or one member would
+        wait in the new group for another still told the old announcement is over); and when
+        this receiver's group broadcast it already (each version once per group). Else the
+        group is joined."""
+        if self._group is not None and update.group == self._group_name and update.version > self._received:
+            return
         latest, name, planned = self._store_get(["latest", "group", "plan"])
         plan_version = planned.decode().partition(":")[0]
         newest = max(int(latest), int(plan_version))  # "plan" is set before the announcement
@@ -154,6 +153,8 @@ class WeightReceiver(Endpoint):
                 f"weight update {update.version} was announced to group {update.group}; "
                 f"the sender has formed group {name.decode()} since"
             )
+        if name.decode() == self._group_name and update.version <= self._received:
+            raise StaleUpdate(f"weight update {update.version} of group {update.group} was received already")
         if name.decode() != self._group_name:
             assert self._store is not None  # _store_get connected it
             self._drop_group()
