@@ -52,16 +52,16 @@ under a new token is a replacement process; two store round trips per update whe
 registered); the first group waits for every receiver, a later one takes those registered by
 then; a member found gone by a failed transfer is unregistered. A trainer that waits for data
 sends its weights again when a receiver joins (trainer.py), so a replacement of the only actor
-gets current weights. An update whose group was formed without a receiver
-raises NotMember there (it joins from the next version, which forms a group with it). A receiver that reads an
+gets current weights. An update whose group was formed without a receiver raises NotMember
+there (it joins from the next version, which forms a group with it). A receiver that reads an
 announcement older than "latest" or than "plan" (an actor restarted after that transfer
 ended), or one of a group other than "group" (the sender has named another group since: that
 group's own announcement follows), skips it: every member of a group receives by that group's
 announcement, so the workers of one tensor-parallel engine, reading the same announcement a
 moment apart, never split between an old group and a new one and wait there for each other.
 The sender broadcasts a version once per group (sending one again names a new group), and a
-receiver skips a second announcement of a version its group has broadcast already. A receiver whose store connection broke (the trainer restarted) connects
-again.
+receiver skips a second announcement of a version its group has broadcast already. A receiver
+whose store connection broke (the trainer restarted) connects again.
 
 A failed transfer names who is gone: every member beats a counter in the store ("alive/RANK",
 every HEARTBEAT_S, from a thread with a store connection of its own, made once the member

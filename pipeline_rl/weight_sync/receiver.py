@@ -143,26 +143,27 @@ class WeightReceiver(Endpoint):
         group is joined."""
         if self._group is not None and update.group == self._group_name and update.version > self._received:
             return
-        latest, name, planned = self._store_get(["latest", "group", "plan"])
+        latest, named, planned = self._store_get(["latest", "group", "plan"])
+        name = named.decode()
         plan_version = planned.decode().partition(":")[0]
         newest = max(int(latest), int(plan_version))  # "plan" is set before the announcement
         if update.version < newest:
             raise StaleUpdate(f"weight update {update.version} is older than the sender's latest {newest}")
-        if update.group != name.decode():
+        if update.group != name:
             raise StaleUpdate(
                 f"weight update {update.version} was announced to group {update.group}; "
-                f"the sender has formed group {name.decode()} since"
+                f"the sender has formed group {name} since"
             )
-        if name.decode() == self._group_name and update.version <= self._received:
-            raise StaleUpdate(f"weight update {update.version} of group {update.group} was received already")
-        if name.decode() != self._group_name:
+        if name == self._group_name and update.version <= self._received:
+            raise StaleUpdate(f"weight update {update.version} of group {name} was received already")
+        if name != self._group_name:
             assert self._store is not None  # _store_get connected it
             self._drop_group()
-            members = [tuple(m) for m in json.loads(self._store.get(members_key(name.decode())))]
+            members = [tuple(m) for m in json.loads(self._store.get(members_key(name)))]
             if (self.rank, self.token) not in members:
                 raise NotMember(f"weight update {update.version}'s group was formed without this receiver")
             group_rank = members.index((self.rank, self.token))
-            self._group_name = name.decode()
+            self._group_name = name
             self._group = self._build_group(group_rank, len(members))
             self._received = -1
 
