@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +51,14 @@ def _receiver_main(addr: str, rank: int, world: int, updates, results, timeout_s
             results.put((rank, update.version, "ok"))
         except Exception as e:
             results.put((rank, update.version, f"{type(e).__name__}: {e}"))
+
+
+def _start_receiver(addr: str, rank: int, world: int, queues: dict, results: dict):
+    """A `_receiver_main` process at `rank`, started and past its imports."""
+    proc = _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
+    proc.start()
+    assert results[rank].get(timeout=120) == (rank, 0, "ready")
+    return proc
 
 
 def test_member_names_follow_the_group_ranks():
@@ -145,10 +154,7 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
     results = {rank: _SPAWN.Queue() for rank in (1, 2)}
 
     def start(rank: int):
-        proc = _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
-        proc.start()
-        assert results[rank].get(timeout=120) == (rank, 0, "ready")
-        return proc
+        return _start_receiver(addr, rank, world, queues, results)
 
     procs = [start(1), start(2)]
 
@@ -221,18 +227,13 @@ def test_an_announcement_of_a_group_formed_again_since_is_over_for_every_receive
     its actor gives the new group's announcement only once rank 2 has reported, and the sender
     for both, until the timeout. Both receive update 3 by the new announcement; a second
     delivery of that one is over at once."""
-    import threading
-
     addr = f"127.0.0.1:{free_port()}"
     sender = WeightSender(addr, 3, "gloo", TIMEOUT_S, member_names(1, 2))
     queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
     results = {rank: _SPAWN.Queue() for rank in (1, 2)}
 
     def start(rank: int):
-        proc = _SPAWN.Process(target=_receiver_main, args=(addr, rank, 3, queues[rank], results[rank]), daemon=True)
-        proc.start()
-        assert results[rank].get(timeout=120) == (rank, 0, "ready")
-        return proc
+        return _start_receiver(addr, rank, 3, queues, results)
 
     announced: list = []
 
@@ -264,7 +265,7 @@ def test_an_announcement_of_a_group_formed_again_since_is_over_for_every_receive
         assert sender.has_joiners()
         again = threading.Thread(target=sender.send, args=(3, _weights(3), announced.append, 1), daemon=True)
         again.start()
-        while announced[-1] is before:
+        while announced[-1] is before and again.is_alive():
             time.sleep(0.05)
         started = time.monotonic()
         queues[2].put(before)  # read after the group of both was named
