@@ -84,8 +84,11 @@ actor's worker, whose heartbeat now beats at that rank) is given up the same way
 group is waited for likewise (on a store connection of its own, on a thread): gloo connects
 every pair of members then, and a member that registered and then died (a tensor-parallel
 actor's other worker, stopped by vLLM after the transfer that named the first) would hold it
-for the timeout. NCCL waits cannot be taken in slices (a blocking wait that runs out aborts the
-communicator): there a frozen member still costs the timeout.
+for the timeout. The sender sets ABANDONED after every failed transfer, not only a frozen
+member's: a member that died after connecting to the sender alone fails the sender's end at
+once, while a receiver still building the group would wait for it, and hold the next group up,
+for the whole timeout. NCCL waits cannot be taken in slices (a blocking wait that runs out
+aborts the communicator): there a frozen member still costs the timeout.
 
 An actor that leaves for good (the job was scaled below it: pipeline_rl/core/actor_count.py)
 deletes its ranks' registrations (`leave_group`) and waits, still receiving, until the sender

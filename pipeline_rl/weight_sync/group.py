@@ -58,8 +58,8 @@ frozen (its node hung or was cut off: its sockets stay open, so the transfer wou
 whole timeout): the transfer is given up. Four times DIAGNOSE_S, so that a receiver whose
 heartbeat thread is only starved of the CPU for a while is not taken for frozen."""
 ABANDONED = "abandoned"
-"""Store key the sender sets to the name of a group whose transfer it gave up: the receivers
-still waiting in that group give up too."""
+"""Store key the sender sets to the name of a group it gave up (its transfer failed, or a
+member froze or was replaced): the receivers still waiting in that group give up too."""
 
 
 class WeightGroupFailed(RuntimeError):
@@ -79,7 +79,7 @@ def backend_for(gpus_per_node: int) -> str:
 
 class MemberFrozen(WeightGroupFailed):
     """A transfer was given up because a member it waited on froze (FROZEN_S), or the sender
-    gave it up for that reason (ABANDONED)."""
+    gave its group up (ABANDONED)."""
 
 
 class StaleUpdate(Exception):

@@ -258,12 +258,15 @@ class WeightReceiver(Endpoint):
                 part.copy_(bounce)
 
     def _frozen_check(self, seen: dict[int, tuple[bytes | None, float]]) -> None:
-        """Give the transfer up when the sender gave it up (a member froze: ABANDONED names this
-        receiver's group); the next announcement's group is joined as usual."""
+        """Give the transfer up when the sender gave its group up (ABANDONED names it: the
+        sender's end failed, or a member froze or was replaced); the next announcement's group is
+        joined as usual."""
         assert self._store is not None
         name = self._group_name
         if self._store.check([ABANDONED]) and self._store.get(ABANDONED).decode() == name:
-            raise self._give_up(f"the sender gave up the transfer of group {name} (a member froze or was replaced)")
+            raise self._give_up(
+                f"the sender gave group {name} up (its transfer failed, or a member froze or was replaced)"
+            )
 
     def publish(self, key: str, value: str) -> None:
         """Set `key` in the sender's store: how a receiver in a process of its own (a

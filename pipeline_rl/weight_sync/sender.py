@@ -108,15 +108,24 @@ class WeightSender(Endpoint):
                 self._send_messages(update, layout, iter(named_tensors), check)
             self._sent = version
         except ValueError:  # the tensors differ from the announcement: the sender's own fault
-            self._drop_group()
+            self._abandon_group()
             raise
         except Exception as e:
-            self._drop_group()
+            self._abandon_group()
             failure = self._failed(self._store, version, started, e)
             for rank in self.gone:  # left out of the next group until they register again
                 self._unregister(rank)
             raise failure from e
         return time.perf_counter() - start
+
+    def _abandon_group(self) -> None:
+        """Drop the group after a failed transfer and say so to its receivers (ABANDONED): one
+        still building it may wait there for a member that died after connecting to the sender
+        alone, and would hold the next group up for the whole timeout."""
+        name = self._group_name
+        self._drop_group()
+        if name is not None and self._store is not None:
+            self._store.set(ABANDONED, name)
 
     def _form_group(self) -> None:
         """Choose the members of the group just named and build it: at the first update every

@@ -393,6 +393,45 @@ def test_a_group_is_not_held_up_by_a_member_that_died_after_it_registered():
         sender.close()
 
 
+def test_a_receiver_building_a_group_whose_sender_failed_gives_it_up():
+    """A member that died after connecting to the sender alone fails the sender's end of a new
+    group at once, while another receiver, still building the group, would wait for it until its
+    own timeout and hold the next group up as long. Here the member that never connects is a
+    live receiver that is not given the announcement (its heartbeat beats: no member is taken
+    for frozen), and the sender's timeout, shorter than the receivers', stands for its early
+    failure. The sender names the group given up (ABANDONED); the building receiver gives it up
+    at the end of its next wait slice."""
+    sender_timeout_s, timeout_s = 5.0, 120.0
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, 3, "gloo", sender_timeout_s, member_names(2, 1))
+    queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    results = {rank: _SPAWN.Queue() for rank in (1, 2)}
+    procs = [
+        _SPAWN.Process(target=_receiver_main, args=(addr, rank, 3, queues[rank], results[rank], timeout_s), daemon=True)
+        for rank in (1, 2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
+        sender.send(1, _weights(1), lambda u: [q.put(u) for q in queues.values()], bucket_mb=1)
+        assert [_report(results[rank], 1, timeout_s) for rank in (1, 2)] == ["ok", "ok"]
+        started = time.monotonic()
+        with pytest.raises(WeightGroupFailed) as failed:  # sent again: a new group of all three
+            sender.send(1, _weights(1), queues[1].put, bucket_mb=1)
+        assert not isinstance(failed.value.__cause__, MemberFrozen), repr(failed.value.__cause__)
+        # The sender's build times out, it sets ABANDONED, the receiver sees it at the end of a
+        # slice and takes DIAGNOSE_S to name who is gone: far below the receiver's own timeout.
+        bound = sender_timeout_s + WAIT_SLICE_S + DIAGNOSE_S + 5
+        rank, version, report = results[1].get(timeout=bound - (time.monotonic() - started))
+        assert (rank, version) == (1, 1) and "gave group" in report and "up" in report, report
+        assert time.monotonic() - started < bound < timeout_s
+    finally:
+        for p in procs:
+            p.kill()
+        sender.close()
+
+
 def _report(results, version: int, timeout_s: float = TIMEOUT_S) -> str:
     """A receiver's report of `version` (earlier versions' reports are skipped)."""
     while True:
