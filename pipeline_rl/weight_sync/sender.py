@@ -88,12 +88,13 @@ class WeightSender(Endpoint):
         if self._store is None:
             raise RuntimeError("WeightSender.send after close()")
         started = time.monotonic()
+        group = self._group_name
         try:
-            reform = self._group_name is None or version <= self._sent or self._registered() != self._tokens
+            reform = group is None or version <= self._sent or self._registered() != self._tokens
             if reform:
                 self._drop_group()
-                self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
-                self._store.set("group", self._group_name)
+                group = self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
+                self._store.set("group", group)
             update = self._announcement(version, specs, bucket_mb)
             plan = update.plan
             layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
@@ -108,23 +109,24 @@ class WeightSender(Endpoint):
                 self._send_messages(update, layout, iter(named_tensors), check)
             self._sent = version
         except ValueError:  # the tensors differ from the announcement: the sender's own fault
-            self._abandon_group()
+            self._abandon_group(group)
             raise
         except Exception as e:
-            self._abandon_group()
+            self._abandon_group(group)
             failure = self._failed(self._store, version, started, e)
             for rank in self.gone:  # left out of the next group until they register again
                 self._unregister(rank)
             raise failure from e
         return time.perf_counter() - start
 
-    def _abandon_group(self) -> None:
-        """Drop the group after a failed transfer and say so to its receivers (ABANDONED): one
-        still building it may wait there for a member that died after connecting to the sender
-        alone, and would hold the next group up for the whole timeout."""
-        name = self._group_name
+    def _abandon_group(self, name: str | None) -> None:
+        """Drop the group `name` after a failed transfer (`_frozen_check` may have let go of it
+        already) and say so to its receivers (ABANDONED): one still building it may wait there
+        for a member that died after connecting to the sender alone, or one that froze, and
+        would hold the next group up for the whole timeout."""
         self._drop_group()
-        if name is not None and self._store is not None:
+        if name is not None:
+            assert self._store is not None  # send checked it
             self._store.set(ABANDONED, name)
 
     def _form_group(self) -> None:
@@ -306,10 +308,10 @@ class WeightSender(Endpoint):
         """Give the transfer up when a member is gone without its sockets saying so: its
         heartbeat has stood still for FROZEN_S since this wait began (`seen`: per rank, its last
         beat and since when), or a replacement registered at its rank (whose heartbeat is then
-        the one at that rank). The receivers still in the group learn it from ABANDONED; `send`'s
-        failure path unregisters the members found gone, so the next version forms a group
+        the one at that rank). `send`'s failure path tells the receivers still in the group
+        (ABANDONED) and unregisters the members found gone, so the next version forms a group
         without them."""
-        assert self._store is not None and self._group_name is not None
+        assert self._store is not None
         store = self._store
         now = time.monotonic()
         replaced = self._replaced(store)
@@ -329,7 +331,6 @@ class WeightSender(Endpoint):
             why.append(f"no heartbeat for {FROZEN_S:g} s from {named(names, frozen)}")
         if replaced:
             why.append(f"{named(names, replaced)} replaced by a new process")
-        store.set(ABANDONED, self._group_name)
         raise self._give_up(f"gave the transfer up: {'; '.join(why)}")
 
     def _replaced(self, store: dist.Store) -> list[int]:
