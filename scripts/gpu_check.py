@@ -500,6 +500,7 @@ def main() -> int:
         with profile:
             version = run(cfg, 0)
         if host is not None:
+            host.dump_stats(out / "host_profile.prof")  # for pstats' callers and callees
             pstats.Stats(host).sort_stats("cumulative").print_stats(r"deepspeed|pipeline_rl", 25)
             pstats.Stats(host).sort_stats("tottime").print_stats(25)
         if args.sync_debug:

@@ -3,6 +3,7 @@ ZeRO-3), its optimizer (on the device or offloaded) and the DeepSpeed config tha
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -16,6 +17,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from pipeline_rl import lora
 from pipeline_rl.config import LrDecay, RunConfig, attention_kernel
 from pipeline_rl.core import packed_attention  # noqa: F401  (registers the varlen attention with transformers)
+
+log = logging.getLogger(__name__)
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:
@@ -49,10 +52,12 @@ def load_model(cfg: RunConfig) -> Any:
     integration): no rank ever holds the full model; rank 0 reads the checkpoint one module at a
     time and scatters it. With model.lora, peft adapters wrap it and only they are trained."""
     model = _load_base(cfg)
-    if cfg.model.lora is None:
-        return model
-    # The adapters in the training dtype, like the base (DeepSpeed keeps their float32 master copy).
-    return lora.wrap(model, cfg.model.lora, dtype=getattr(torch, cfg.model.dtype))
+    if cfg.model.lora is not None:
+        # The adapters in the training dtype, like the base (DeepSpeed keeps their float32 master copy).
+        model = lora.wrap(model, cfg.model.lora, dtype=getattr(torch, cfg.model.dtype))
+    if cfg.trainer.zero_stage == 3:
+        gather_whole_layers(model)
+    return model
 
 
 def _load_base(cfg: RunConfig) -> PreTrainedModel:
@@ -68,6 +73,25 @@ def _load_base(cfg: RunConfig) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
     finally:
         unset_hf_deepspeed_config()  # later loads in this process (tests) are plain again
+
+
+def gather_whole_layers(model: torch.nn.Module) -> None:
+    """Have ZeRO-3 gather each decoder layer's parameters as one unit (a DeepSpeed "leaf
+    module"), once for its forward and once for its backward. By default DeepSpeed hooks every
+    module that holds parameters and gathers each on its own, in forward and again in backward,
+    each gather with host bookkeeping before and after it that the device waits on. The memory
+    plan already counts a whole gathered layer and the next one prefetched. The layer classes
+    are the ones transformers keeps whole when it splits a model over devices. Call it before
+    deepspeed.initialize, which hooks the modules."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    layers: list[str] = [str(name) for name in getattr(model, "_no_split_modules", None) or ()]
+    if not layers:
+        log.warning(
+            "%s names no decoder layer class: ZeRO-3 gathers its parameters module by module", type(model).__name__
+        )
+        return
+    set_z3_leaf_modules(model, layers)
 
 
 def leave_out_shm_all_reduce() -> None:

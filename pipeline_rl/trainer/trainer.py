@@ -82,8 +82,11 @@ class Trainer:
         model.train()
         if cfg.trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-            if cfg.model.lora is not None:  # the frozen embeddings' output must carry grad into the checkpoints
-                model.enable_input_require_grads()
+        # Under LoRA nothing before the first layer needs a gradient (the embeddings are frozen),
+        # but the first layer's checkpoint, and ZeRO-3's release of a layer gathered whole once
+        # its backward is done, hang on its input's gradient.
+        if cfg.model.lora is not None and (cfg.trainer.gradient_checkpointing or cfg.trainer.zero_stage == 3):
+            model.enable_input_require_grads()
         self.routing = RoutingReplay(model) if cfg.shared.routing_replay else None
         self.published = trained_parameters(model)
         """What a weight update and a checkpoint's model carry: all parameters, or the adapter."""
