@@ -16,16 +16,16 @@ bf16 weights, gradient clipping. Prints throughput, MFU (GPU only: model FLOPs o
 dense bf16 peak), peak device memory against the `--dry-run` memory plan, and writes them as JSON
 to OUT/gpu_check.json. The trainer's micro-batches go through the trainer stream (JSONL) and
 `pipeline_rl.trainer.trainer.run`, exactly as in a run. `--suite` runs the bare loop and the
-trainer at 8k, 16k and 32k tokens, ZeRO-2, ZeRO-3 (also with TORCH_NCCL_BLOCKING_WAIT=1), LoRA,
-with and without gradient checkpointing, each in its own process, then a profile of each loop's
-steps (attention's share of device time) and the varlen attention's logprobs against sdpa's,
+trainer at 8k, 16k and 32k tokens, ZeRO-2, ZeRO-3, LoRA, with and without gradient
+checkpointing, each in its own process, profiles of the bare loop's, ZeRO-2's and ZeRO-3's steps
+(device time by kind side by side, attention's share, the device's busy share: what
+scripts/step_profile.py summarizes), the varlen attention's logprobs against sdpa's,
 and prints one table.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import json
 import os
@@ -40,6 +40,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from step_profile import StepProfile  # scripts/, beside this file
 
 from pipeline_rl.config import load_config, save_config
 from pipeline_rl.metrics import read_metrics
@@ -127,30 +130,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-ATTENTION_KERNELS = ("flash", "fmha", "sdpa", "attention")
-"""Substrings of the device kernels that compute attention (cuDNN's, flash's, PyTorch's)."""
-
-
-def attention_share(prof: torch.profiler.profile) -> dict:
-    """Attention kernels' share of the device's compute time (copies and memsets left out, so
-    that loading and the checkpoint do not count), and the five longest kernels."""
-    kernels = [
-        e
-        for e in prof.key_averages()
-        if e.self_device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset", "aten::", "cuda"))
-    ]
-    total = sum(e.self_device_time_total for e in kernels)
-    attention = sum(e.self_device_time_total for e in kernels if any(k in e.key.lower() for k in ATTENTION_KERNELS))
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:5]
-    return {
-        "attention_share": round(attention / total, 3) if total else None,
-        "kernel_s": round(total / 1e6, 3),
-        "top_kernels": [(e.key[:70], round(e.self_device_time_total / 1e6, 3)) for e in top],
-    }
-
-
 def bare_loop(
-    config: Qwen2Config, seq_length: int, rows: int, micro_batches: int, steps: int, gpu: bool
+    config: Qwen2Config,
+    seq_length: int,
+    rows: int,
+    micro_batches: int,
+    steps: int,
+    gpu: bool,
+    before_step: Callable[[int], None] = lambda step: None,
 ) -> list[float]:
     """The bare PyTorch loop of the module docstring; returns each step's seconds."""
     dev = "cuda" if gpu else "cpu"
@@ -161,7 +148,8 @@ def bare_loop(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)
     length = seq_length // rows
     times = []
-    for _ in range(steps):
+    for step in range(steps):
+        before_step(step)
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -315,9 +303,9 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
     ("bare 8k", ["--bare", "--seq-length", "8192"], {}),
     ("ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192"], {}),
     ("ZeRO-3 8k", ["--zero-stage", "3", "--seq-length", "8192"], {}),
-    ("ZeRO-3 8k, blocking wait", ["--zero-stage", "3", "--seq-length", "8192"], {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
     ("profile: bare 8k", ["--bare", "--seq-length", "8192", "--profile"], {}),
     ("profile: ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192", "--profile"], {}),
+    ("profile: ZeRO-3 8k", ["--zero-stage", "3", "--seq-length", "8192", "--profile"], {}),
     ("ZeRO-2 LoRA r16 8k", ["--zero-stage", "2", "--lora", "16", "--seq-length", "8192"], {}),
     ("ZeRO-3 LoRA r16 8k", ["--zero-stage", "3", "--lora", "16", "--seq-length", "8192"], {}),
     ("bare 16k", ["--bare", "--seq-length", "16384"], {}),
@@ -362,6 +350,12 @@ def suite(out: Path, steps: int, only: list[str]) -> int:
         results[name]["seconds"] = round(time.perf_counter() - t, 1)
         print(name, json.dumps(results[name]), flush=True)
     (out / "suite.json").write_text(json.dumps(results, indent=1))
+    print_suite(results)
+    return 0
+
+
+def print_suite(results: dict[str, dict]) -> None:
+    """The suite's table: each run against the bare loop of its length, then the profiles."""
     print(f"\n{'run':<28} {'tokens/s':>9} {'of bare':>8} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>9}")
     for name, r in results.items():
         if "tokens_per_s" not in r:
@@ -374,11 +368,18 @@ def suite(out: Path, steps: int, only: list[str]) -> int:
             f"{r.get('mfu') or 0:>6.3f} {peak:>9.2f} {plan or float('nan'):>9.2f} "
             f"{peak / plan if plan else float('nan'):>9.3f}"
         )
+    profiles = {name: r["profile"] for name, r in results.items() if r.get("profile")}
+    if profiles:  # device seconds by kind, the loops side by side
+        print(f"\n{'device s, steps 2 on':<22}" + "".join(f"{name.removeprefix('profile: '):>14}" for name in profiles))
+        for row in ("profiled_span_s", "device_busy_share", "kernel_s", "attention_share"):
+            print(f"{row:<22}" + "".join(f"{p.get(row) or 0:>14.3f}" for p in profiles.values()))
+        kinds = dict.fromkeys(kind for p in profiles.values() for kind in p["by_kind_s"])
+        for kind in kinds:
+            print(f"{kind:<22}" + "".join(f"{p['by_kind_s'].get(kind, 0):>14.3f}" for p in profiles.values()))
     for name, r in results.items():
-        shown = ("error", "attention_share", "top_kernels", "checkpoint_copy")
+        shown = ("error", "checkpoint_copy") + (("profile",) if name in profiles else ())
         if name == "checks" or any(k in r for k in shown):
             print(name, {k: v for k, v in r.items() if name == "checks" or k in shown})
-    return 0
 
 
 def main() -> int:
@@ -400,7 +401,11 @@ def main() -> int:
     parser.add_argument(
         "--checks", action="store_true", help="GPU: varlen against sdpa, and the checkpoint's host copies"
     )
-    parser.add_argument("--profile", action="store_true", help="profile the run: attention's share of device time")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the steps after the second: device time by kind, attention's share, the device's busy share",
+    )
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument(
         "--host-profile",
@@ -438,8 +443,8 @@ def main() -> int:
         print(json.dumps(checks, indent=1))
         return 0
     sequences_per_row = args.sequences_per_row
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
-    profile = torch.profiler.profile(activities=activities) if args.profile else contextlib.nullcontext()
+    # Steps 0 and 1 warm up kernels and the allocator: the profile and the timing leave them out.
+    profile = StepProfile(gpu) if args.profile else None
     result: dict = {
         "device": torch.cuda.get_device_name() if gpu else "cpu",
         "seq_length": seq_length,
@@ -448,8 +453,8 @@ def main() -> int:
         "parameters": params,
     }
     if args.bare:
-        with profile:
-            times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu)
+        before_step = (lambda step: profile.start() if step >= 2 else None) if profile else (lambda step: None)
+        times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu, before_step)
         timed = times[2:] if len(times) > 3 else times
         tokens_per_s = seq_length * args.micro_batches * len(timed) / sum(timed)
         result.update(loop="bare", tokens_per_s=round(tokens_per_s, 1), wall_s=round(sum(times), 1))
@@ -497,8 +502,9 @@ def main() -> int:
         if args.deepspeed:
             _merge_deepspeed(json.loads(args.deepspeed))
             result["deepspeed"] = json.loads(args.deepspeed)
-        with profile:
-            version = run(cfg, 0)
+        if profile is not None:
+            profile.trainer_steps_from(2)
+        version = run(cfg, 0)
         if host is not None:
             host.dump_stats(out / "host_profile.prof")  # for pstats' callers and callees
             pstats.Stats(host).sort_stats("cumulative").print_stats(r"deepspeed|pipeline_rl", 25)
@@ -522,11 +528,10 @@ def main() -> int:
         )
         if gpu:
             result["plan_gib"] = round(plan_gib(cfg), 2)
-    if args.profile and isinstance(profile, torch.profiler.profile):
-        if gpu:
-            result.update(attention_share(profile))
-        sort = "cuda_time_total" if gpu else "cpu_time_total"
-        print(profile.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    if profile is not None:
+        profile.stop()
+        print(profile.table())
+        result["profile"] = profile.summary()
     if gpu:
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
