@@ -37,8 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +47,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from step_profile import StepProfile  # scripts/, beside this file
+from step_profile import StepProfile, count_trainer_step_syncs, host_profile_trainer_steps  # scripts/, beside this file
 
 from pipeline_rl.config import load_config, save_config
 from pipeline_rl.metrics import read_metrics
@@ -230,49 +228,6 @@ def staging_check(gib: float = 4.0, chunk_mib: int = 256) -> dict:
             t.cpu()
     result["pageable .cpu() gb_per_s"] = round(count * chunk_mib * 2**20 / (time.perf_counter() - start) / 1e9, 1)
     return result
-
-
-def _profile_steps_after(warmup: int, host: cProfile.Profile) -> None:
-    """Have `host` profile every trainer step from version `warmup` on."""
-    from pipeline_rl.trainer.trainer import Trainer
-
-    step = Trainer._step
-
-    def profiled(self, *args, **kwargs):
-        if self.version >= warmup:
-            host.enable()
-        try:
-            return step(self, *args, **kwargs)
-        finally:
-            host.disable()
-
-    Trainer._step = profiled
-
-
-def _sync_sites_after(warmup: int, sites: Counter) -> None:
-    """Count by call site every device synchronization in the trainer's steps from version
-    `warmup` on (torch's sync debug mode): what a micro-batch may wait on."""
-    from pipeline_rl.trainer.trainer import Trainer
-
-    step = Trainer._step
-
-    def record(message, category, filename, lineno, file=None, line=None) -> None:
-        frames = [f for f in traceback.extract_stack()[:-1] if re.search(r"pipeline_rl|deepspeed", f.filename)]
-        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
-
-    def watched(self, *args, **kwargs):
-        if self.version < warmup:
-            return step(self, *args, **kwargs)
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            try:
-                return step(self, *args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-
-    Trainer._step = watched
 
 
 def _merge_deepspeed(extra: dict) -> None:
@@ -495,10 +450,10 @@ def main() -> int:
         start = time.perf_counter()
         host = cProfile.Profile() if args.host_profile else None
         if host is not None:
-            _profile_steps_after(2, host)
+            host_profile_trainer_steps(2, host)
         sync_sites: Counter = Counter()
         if args.sync_debug and gpu:
-            _sync_sites_after(2, sync_sites)
+            count_trainer_step_syncs(2, sync_sites)
         if args.deepspeed:
             _merge_deepspeed(json.loads(args.deepspeed))
             result["deepspeed"] = json.loads(args.deepspeed)

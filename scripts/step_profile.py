@@ -1,16 +1,21 @@
-"""What the device does during a loop's steps (`scripts/gpu_check.py --profile`): a torch profiler
-started before a chosen step and stopped after the last, and its summary: self time of the
-device's kernels (on CPU, of the operators) by kind, attention's share of it, the longest
-kernels, and on a GPU the share of the profiled span in which any kernel ran. A loop whose
-kernels take no longer than another's but runs slower has a device that waits on its host: the
-busy share says how much."""
+"""What a loop's steps do (`scripts/gpu_check.py --profile`, `--host-profile`, `--sync-debug`).
+StepProfile: a torch profiler started before a chosen step and stopped after the last, and its
+summary: self time of the device's kernels (on CPU, of the operators) by kind, attention's share
+of it, the longest kernels, and on a GPU the share of the profiled span in which any kernel ran.
+A loop whose kernels take no longer than another's but runs slower has a device that waits on
+its host: the busy share says how much. Then what the host does in the trainer's steps (cProfile),
+and where its steps wait for the device."""
 
 from __future__ import annotations
 
+import cProfile
 import re
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -132,3 +137,46 @@ class StepProfile:
     def table(self) -> str:
         sort = "self_cuda_time_total" if self.gpu else "self_cpu_time_total"
         return self.profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+
+
+def host_profile_trainer_steps(warmup: int, host: cProfile.Profile) -> None:
+    """Have `host` profile every trainer step from version `warmup` on."""
+    from pipeline_rl.trainer.trainer import Trainer
+
+    step = Trainer._step
+
+    def profiled(self, *args, **kwargs):
+        if self.version >= warmup:
+            host.enable()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            host.disable()
+
+    Trainer._step = profiled
+
+
+def count_trainer_step_syncs(warmup: int, sites: Counter) -> None:
+    """Count by call site every device synchronization in the trainer's steps from version
+    `warmup` on (torch's sync debug mode): what a micro-batch may wait on."""
+    from pipeline_rl.trainer.trainer import Trainer
+
+    step = Trainer._step
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if re.search(r"pipeline_rl|deepspeed", f.filename)]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
+
+    def watched(self, *args, **kwargs):
+        if self.version < warmup:
+            return step(self, *args, **kwargs)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            try:
+                return step(self, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+    Trainer._step = watched
