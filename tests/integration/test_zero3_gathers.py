@@ -1,5 +1,6 @@
 """ZeRO-3 gathers each decoder layer's parameters as one unit, once for its forward and once for
-its backward, with or without gradient checkpointing, and its update is the one ZeRO-2 makes."""
+its backward, with or without gradient checkpointing, and two ranks of it make the update one
+ZeRO-2 rank makes."""
 
 import shutil
 
@@ -69,19 +70,20 @@ def test_zero3_gathers_a_decoder_layer_at_once(tmp_path):
             assert runs[4, ckpt][phase] - runs[2, ckpt][phase] == 2, (ckpt, phase, runs)
 
 
-def test_zero3_with_checkpointing_makes_zero2s_update(tmp_path):
-    """The same step trained by ZeRO-3 with gradient checkpointing (layers gathered whole,
-    released, gathered again to recompute and to differentiate) and by plain ZeRO-2."""
+def test_zero3_on_two_ranks_with_checkpointing_makes_zero2s_update(tmp_path):
+    """The same step trained by two ZeRO-3 ranks with gradient checkpointing (each holds half of
+    every projection; layers gathered whole from both, released, gathered again to recompute
+    and differentiate) and by one plain ZeRO-2 rank."""
     _model(tmp_path / "model", 2)
     steps = make_steps(tmp_path / "model", 1, 4, seed=1)
     initial = load_file(tmp_path / "model" / "model.safetensors")
     weights = {}
-    for name, overrides in {
-        "zero2": ("trainer.zero_stage=2",),
-        "zero3": ("trainer.zero_stage=3", "trainer.gradient_checkpointing=true"),
-    }.items():
+    for name, ranks, overrides in (
+        ("zero2", 1, ("trainer.zero_stage=2",)),
+        ("zero3", 2, ("trainer.zero_stage=3", "trainer.gradient_checkpointing=true", "world.trainers=2")),
+    ):
         cfg = trainer_config(tmp_path / name, tmp_path / "model", "shared.max_steps=1", *overrides, *LINEAR_ADAM)
-        write_steps(cfg, steps, 1)
-        train(cfg)
+        write_steps(cfg, steps, ranks)
+        train(cfg, ranks)
         weights[name] = final_weights(cfg.run_dir, 1)
     assert update_error(weights["zero3"], weights["zero2"], initial) < REL_TOL
