@@ -46,8 +46,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile, beside this file
 
-from step_profile import StepProfile, count_trainer_step_syncs, host_profile_trainer_steps  # scripts/, beside this file
+from step_profile import StepProfile, count_trainer_step_syncs, host_profile_trainer_steps
 
 from pipeline_rl.config import load_config, save_config
 from pipeline_rl.metrics import read_metrics

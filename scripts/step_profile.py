@@ -135,7 +135,7 @@ class StepProfile:
         return result
 
     def table(self) -> str:
-        sort = "self_cuda_time_total" if self.gpu else "self_cpu_time_total"
+        sort = "self_device_time_total" if self.gpu else "self_cpu_time_total"
         return self.profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
 
 
