@@ -1,12 +1,11 @@
 """What the trainer's own step keeps for backward: gradient checkpointing takes effect (the model
 trains in train mode), and dropout acts in training only."""
 
-import shutil
-
 import pytest
 import torch
 from fixtures.trainer_runs import (
     make_steps,
+    probe_first_step,
     probe_trainer,
     repeated_logprobs,
     saved_for_backward,
@@ -30,12 +29,8 @@ def _saved(tmp_path, layers: int, checkpointing: bool) -> dict[str, int]:
     model = tmp_path / f"model{layers}"
     if not model.exists():
         _model(model, layers)
-    run_dir = tmp_path / f"run{layers}_{checkpointing}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir()
-    cfg = trainer_config(run_dir, model, f"trainer.gradient_checkpointing={checkpointing}", "preprocess.seq_length=256")
-    write_steps(cfg, make_steps(model, 1, 8, seed=0), 1)
-    return probe_trainer(cfg, saved_for_backward)
+    overrides = (f"trainer.gradient_checkpointing={checkpointing}", "preprocess.seq_length=256")
+    return probe_first_step(tmp_path / f"run{layers}_{checkpointing}", model, saved_for_backward, 8, *overrides)
 
 
 def test_gradient_checkpointing_keeps_one_hidden_state_per_layer(tmp_path):

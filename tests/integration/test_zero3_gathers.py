@@ -2,8 +2,6 @@
 its backward, with or without gradient checkpointing, and two ranks of it make the update one
 ZeRO-2 rank makes."""
 
-import shutil
-
 import pytest
 import torch
 from fixtures.trainer_runs import (
@@ -12,7 +10,7 @@ from fixtures.trainer_runs import (
     final_weights,
     make_steps,
     parameter_gathers,
-    probe_trainer,
+    probe_first_step,
     train,
     trainer_config,
     update_error,
@@ -42,18 +40,8 @@ def _gathers(tmp_path, layers: int, checkpointing: bool) -> dict[str, int]:
     model = tmp_path / f"model{layers}"
     if not model.exists():
         _model(model, layers)
-    run_dir = tmp_path / f"run{layers}_{checkpointing}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir()
-    cfg = trainer_config(
-        run_dir,
-        model,
-        "trainer.zero_stage=3",
-        f"trainer.gradient_checkpointing={checkpointing}",
-        "preprocess.seq_length=128",
-    )
-    write_steps(cfg, make_steps(model, 1, 4, seed=0), 1)
-    return probe_trainer(cfg, parameter_gathers)
+    overrides = ("trainer.zero_stage=3", f"trainer.gradient_checkpointing={checkpointing}", "preprocess.seq_length=128")
+    return probe_first_step(tmp_path / f"run{layers}_{checkpointing}", model, parameter_gathers, 4, *overrides)
 
 
 def test_zero3_gathers_a_decoder_layer_at_once(tmp_path):

@@ -2,23 +2,15 @@
 page in step with the schema (scripts/config_reference.py writes it)."""
 
 import dataclasses
-import importlib.util
-import sys
 import typing
-from pathlib import Path
+
+from fixtures.helpers import ROOT, load_script
 
 from pipeline_rl.config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["config_reference"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("config_reference")
 
 
 def _keys(cls, prefix=""):

@@ -1,23 +1,13 @@
 """scripts/step_profile.py, which sums a profile of a loop's steps by kind (gpu_check.py --profile):
 kernels sorted into kinds by name, and the device's busy share as the union of kernel intervals."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from fixtures.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def step_profile():
-    spec = importlib.util.spec_from_file_location("step_profile", ROOT / "scripts" / "step_profile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_profile"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("step_profile")
 
 
 # Kernel names as CUDA profiles of the trainer and the bare loop show them, and CPU operators.
