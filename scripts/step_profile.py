@@ -8,13 +8,14 @@ and where its steps wait for the device."""
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import re
 import time
 import traceback
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -103,16 +104,12 @@ class StepProfile:
     def trainer_steps_from(self, version: int) -> None:
         """Start when the trainer begins the step that makes `version` + 1 (its steps before
         that warm up kernels and the allocator)."""
-        from pipeline_rl.trainer.trainer import Trainer
+        around_trainer_steps(version, self._started)
 
-        step = Trainer._step
-
-        def profiled(trainer_self, *args, **kwargs):
-            if trainer_self.version >= version:
-                self.start()
-            return step(trainer_self, *args, **kwargs)
-
-        Trainer._step = profiled  # pyright: ignore[reportAttributeAccessIssue]
+    @contextlib.contextmanager
+    def _started(self) -> Iterator[None]:
+        self.start()
+        yield
 
     def summary(self) -> dict:
         """time_by_kind of the device's kernels (on CPU, of the operators), the profiled span, and
@@ -139,44 +136,53 @@ class StepProfile:
         return self.profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
 
 
-def host_profile_trainer_steps(warmup: int, host: cProfile.Profile) -> None:
-    """Have `host` profile every trainer step from version `warmup` on."""
+def around_trainer_steps(version: int, around: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run every trainer step from the one that makes `version` + 1 on inside `around()` (the
+    trainer's `_step` replaced for the rest of the process)."""
     from pipeline_rl.trainer.trainer import Trainer
 
     step = Trainer._step
 
-    def profiled(self, *args, **kwargs):
-        if self.version >= warmup:
-            host.enable()
+    def wrapped(trainer, *args, **kwargs):
+        if trainer.version < version:
+            return step(trainer, *args, **kwargs)
+        with around():
+            return step(trainer, *args, **kwargs)
+
+    Trainer._step = wrapped  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def host_profile_trainer_steps(version: int, host: cProfile.Profile) -> None:
+    """Have `host` profile every trainer step from `version` on (around_trainer_steps)."""
+
+    @contextlib.contextmanager
+    def enabled() -> Iterator[None]:
+        host.enable()
         try:
-            return step(self, *args, **kwargs)
+            yield
         finally:
             host.disable()
 
-    Trainer._step = profiled
+    around_trainer_steps(version, enabled)
 
 
-def count_trainer_step_syncs(warmup: int, sites: Counter) -> None:
-    """Count by call site every device synchronization in the trainer's steps from version
-    `warmup` on (torch's sync debug mode): what a micro-batch may wait on."""
-    from pipeline_rl.trainer.trainer import Trainer
-
-    step = Trainer._step
+def count_trainer_step_syncs(version: int, sites: Counter) -> None:
+    """Count by call site every device synchronization in the trainer's steps from `version` on
+    (torch's sync debug mode): what a micro-batch may wait on."""
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:
         frames = [f for f in traceback.extract_stack()[:-1] if re.search(r"pipeline_rl|deepspeed", f.filename)]
         sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
 
-    def watched(self, *args, **kwargs):
-        if self.version < warmup:
-            return step(self, *args, **kwargs)
+    @contextlib.contextmanager
+    def watched() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
             try:
-                return step(self, *args, **kwargs)
+                yield
             finally:
                 torch.cuda.set_sync_debug_mode(0)
 
-    Trainer._step = watched
+    around_trainer_steps(version, watched)
