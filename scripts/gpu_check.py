@@ -459,7 +459,7 @@ def main() -> int:
             _merge_deepspeed(json.loads(args.deepspeed))
             result["deepspeed"] = json.loads(args.deepspeed)
         if profile is not None:
-            profile.trainer_steps_from(2)
+            profile.trainer_steps(2, args.steps)
         version = run(cfg, 0)
         if host is not None:
             host.dump_stats(out / "host_profile.prof")  # for pstats' callers and callees

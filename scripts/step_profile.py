@@ -101,15 +101,19 @@ class StepProfile:
             self.span_s = time.perf_counter() - self.started
             self.profiler.stop()
 
-    def trainer_steps_from(self, version: int) -> None:
-        """Start when the trainer begins the step that makes `version` + 1 (its steps before
-        that warm up kernels and the allocator)."""
-        around_trainer_steps(version, self._started)
+    def trainer_steps(self, first: int, end: int) -> None:
+        """Profile the trainer's steps from the one that makes version `first` + 1 (the steps
+        before warm up kernels and the allocator) to the one that makes `end`, and nothing after
+        (the final checkpoint)."""
 
-    @contextlib.contextmanager
-    def _started(self) -> Iterator[None]:
-        self.start()
-        yield
+        @contextlib.contextmanager
+        def profiled(trainer) -> Iterator[None]:
+            self.start()
+            yield
+            if trainer.version + 1 >= end:
+                self.stop()
+
+        around_trainer_steps(first, profiled)
 
     def summary(self) -> dict:
         """time_by_kind of the device's kernels (on CPU, of the operators), the profiled span, and
@@ -136,9 +140,9 @@ class StepProfile:
         return self.profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
 
 
-def around_trainer_steps(version: int, around: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """Run every trainer step from the one that makes `version` + 1 on inside `around()` (the
-    trainer's `_step` replaced for the rest of the process)."""
+def around_trainer_steps(version: int, around: Callable[..., contextlib.AbstractContextManager]) -> None:
+    """Run every trainer step from the one that makes `version` + 1 on inside `around(trainer)`
+    (the trainer's `_step` replaced for the rest of the process)."""
     from pipeline_rl.trainer.trainer import Trainer
 
     step = Trainer._step
@@ -146,7 +150,7 @@ def around_trainer_steps(version: int, around: Callable[[], contextlib.AbstractC
     def wrapped(trainer, *args, **kwargs):
         if trainer.version < version:
             return step(trainer, *args, **kwargs)
-        with around():
+        with around(trainer):
             return step(trainer, *args, **kwargs)
 
     Trainer._step = wrapped  # pyright: ignore[reportAttributeAccessIssue]
@@ -156,7 +160,7 @@ def host_profile_trainer_steps(version: int, host: cProfile.Profile) -> None:
     """Have `host` profile every trainer step from `version` on (around_trainer_steps)."""
 
     @contextlib.contextmanager
-    def enabled() -> Iterator[None]:
+    def enabled(_trainer) -> Iterator[None]:
         host.enable()
         try:
             yield
@@ -175,7 +179,7 @@ def count_trainer_step_syncs(version: int, sites: Counter) -> None:
         sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
 
     @contextlib.contextmanager
-    def watched() -> Iterator[None]:
+    def watched(_trainer) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
