@@ -409,7 +409,11 @@ def main() -> int:
         "parameters": params,
     }
     if args.bare:
-        before_step = (lambda step: profile.start() if step >= 2 else None) if profile else (lambda step: None)
+
+        def before_step(step: int) -> None:
+            if profile is not None and step >= 2:
+                profile.start()
+
         times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu, before_step)
         timed = times[2:] if len(times) > 3 else times
         tokens_per_s = seq_length * args.micro_batches * len(timed) / sum(timed)
