@@ -11,7 +11,7 @@ from pipeline_rl.config.loader import (
     save_config,
 )
 from pipeline_rl.config.pool_sections import *  # noqa: F403  (the pools' sections)
-from pipeline_rl.config.resolve import MASK_FREE_ATTENTION, attention_kernel, on_ray
+from pipeline_rl.config.resolve import MASK_FREE_ATTENTION, attention_kernel, logprob_kernel, on_ray
 from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses)
 from pipeline_rl.config.schema import RunConfig
 from pipeline_rl.config.validate import ConfigError, validate
@@ -22,6 +22,7 @@ __all__ = [
     "ConfigError",
     "RunConfig",
     "attention_kernel",
+    "logprob_kernel",
     "conf_dirs",
     "find_config",
     "load_config",

@@ -89,6 +89,23 @@ class Attention(StrEnum):
     """Plain matmul attention with the same mask (slow; for debugging)."""
 
 
+class LogprobKernel(StrEnum):
+    """How each chunk of the output layer's logits becomes logprobs and entropies, and their
+    gradient (pipeline_rl/core/logprobs.py): the same float32 arithmetic either way."""
+
+    auto = "auto"
+    """compiled on a GPU where torch has its Triton compiler, eager elsewhere (on CPU the first
+    compile takes tens of seconds per process, more than a short run gains)."""
+    compiled = "compiled"
+    """torch.compile fuses the float32 log-softmax, entropy and gradient of a chunk into a few
+    passes over its logits in the model's dtype: no float32 [chunk, V] tensor exists (4 bytes
+    per row and vocabulary entry live in a bf16 model, against eager's 10). Compiles on the first
+    micro-batch of each process."""
+    eager = "eager"
+    """PyTorch operators, in place on a float32 copy of the chunk: a dozen passes over [chunk, V]
+    float32 tensors."""
+
+
 class LagGateMode(StrEnum):
     """What the max_lag gate removes from a stale sample (pipeline_rl/trainer/lag_gate.py)."""
 

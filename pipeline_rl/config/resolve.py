@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from pipeline_rl.config.choices import Attention
+from pipeline_rl.config.choices import Attention, LogprobKernel
 from pipeline_rl.config.schema import RunConfig
 
 MASK_FREE_ATTENTION = (Attention.varlen, Attention.flash_attention_2, Attention.flex_attention)
@@ -23,6 +23,14 @@ def attention_kernel(cfg: RunConfig, cuda: bool) -> Attention:
         return Attention.varlen
     flash = importlib.util.find_spec("flash_attn") is not None
     return Attention.flash_attention_2 if flash else Attention.varlen
+
+
+def logprob_kernel(cfg: RunConfig, cuda: bool) -> LogprobKernel:
+    """model.logprob_kernel made concrete (see config.choices.LogprobKernel)."""
+    if cfg.model.logprob_kernel != LogprobKernel.auto:
+        return cfg.model.logprob_kernel
+    triton = importlib.util.find_spec("triton") is not None
+    return LogprobKernel.compiled if cuda and triton else LogprobKernel.eager
 
 
 def on_ray(cfg: RunConfig) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline_rl.config.choices import (
     DType,
+    LogprobKernel,
     StreamsBackend,
     WandbMode,
 )
@@ -86,8 +87,12 @@ class ModelConfig:
     """Tokens whose logits, float32 log-softmax and entropy over the vocabulary are computed at
     once, in the trainer (only for the tokens it trains) and the logprob scorers; backward
     recomputes each chunk's logits once. The intermediates then exist for one chunk at a time
-    (about 10 bytes per row and vocabulary entry in a bf16 model: 3 GB for 2048 rows of a 152k
-    vocabulary) instead of for every token. 0: all tokens at once."""
+    (in a bf16 model, 10 bytes per row and vocabulary entry with the eager logprob kernel, 3 GB
+    for 2048 rows of a 152k vocabulary; 4 compiled) instead of for every token. 0: all tokens at
+    once."""
+    logprob_kernel: LogprobKernel = LogprobKernel.auto
+    """How each chunk's logits become float32 logprobs, entropies and their gradient, in the
+    trainer and the logprob scorers (config/choices.py LogprobKernel)."""
     lora: LoraConfig | None = None
     """Train low-rank adapters instead of all weights (null: full fine-tuning). The trainer trains
     and publishes only the adapter; the actor's engine serves it in one LoRA slot, written in

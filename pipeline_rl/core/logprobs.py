@@ -28,7 +28,9 @@ LM head does more than the output layer (`LOGIT_TRANSFORMS`) take the full logit
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,45 +94,81 @@ def _rows_logprobs(
     return token_logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """For a chunk of logits [rows, V] (the output layer's dtype, as the engine computes them):
-    the scaled float32 logits z, their log-sum-exp, each target's logprob and the entropy."""
-    z = logits.float().mul_(1.0 / temperature)
-    del logits
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float):
+    """For a chunk of logits [rows, V] (the output layer's dtype, as the engine computes them),
+    scaled by `scale` (1 / temperature) in float32: each row's log-sum-exp, its target's logprob
+    and the entropy. In place on one float32 copy when eager; compiled, a few passes over the
+    logits."""
+    z = logits.float().mul_(scale)
     lse = torch.logsumexp(z, -1)
     p = torch.sub(z, lse[:, None]).exp_()
     # H = lse - sum(p * z): one reduction over the rows, no [rows, V] product kept.
     entropy = lse - torch.linalg.vecdot(p, z)
-    return z, p, lse, z.gather(-1, targets[:, None])[:, 0] - lse, entropy
+    return lse, z.gather(-1, targets[:, None])[:, 0] - lse, entropy
+
+
+def _logits_grad_in_place(logits, targets, lse, entropy, grad_logp, grad_entropy, scale: float) -> torch.Tensor:
+    """The gradient of the chunk's logits (_ChunkedHead's formula), built in the storage of one
+    float32 copy: what eager needs least memory for."""
+    z = logits.float().mul_(scale)
+    p = torch.sub(z, lse[:, None]).exp_()
+    # grad_z * T = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(y), built in z's storage.
+    if grad_entropy is not None:
+        z.sub_((lse - entropy)[:, None]).mul_(grad_entropy[:, None])
+        if grad_logp is not None:
+            z.add_(grad_logp[:, None])
+    else:
+        z.copy_(grad_logp[:, None].expand_as(z))
+    z.mul_(p).neg_()
+    del p
+    if grad_logp is not None:
+        z.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+    return z.mul_(scale).to(logits.dtype)
+
+
+def _logits_grad_fused(logits, targets, lse, entropy, grad_logp, grad_entropy, scale: float) -> torch.Tensor:
+    """The same gradient written out of place, with the target's term as a comparison against
+    the vocabulary index instead of a scatter: the compiler fuses it into one pass that reads
+    the logits and writes their gradient, both in the model's dtype."""
+    logp = logits.float() * scale - lse[:, None]
+    grad = -logp.exp() * (grad_logp[:, None] + grad_entropy[:, None] * (logp + entropy[:, None]))
+    target = torch.arange(logits.shape[-1], device=logits.device)[None] == targets[:, None]
+    return ((grad + torch.where(target, grad_logp[:, None], 0.0)) * scale).to(logits.dtype)
+
+
+@functools.cache
+def _compiled() -> tuple[Callable, Callable]:
+    """The compiled chunk statistics and logits gradient, made once per process; `dynamic`: one
+    graph for every chunk length."""
+    return torch.compile(_chunk_stats, dynamic=True), torch.compile(_logits_grad_fused, dynamic=True)
 
 
 class _ChunkedHead(torch.autograd.Function):
     """The output layer and the float32 log-softmax, `chunk` rows at a time, with the gradient
     written out: forward keeps the rows' hidden states and two floats per row (log-sum-exp and
     entropy), no [rows, V] tensor; backward recomputes each chunk's logits once and forms their
-    gradient in place,
+    gradient,
 
         d logp[y] / dz = (onehot(y) - p) / T,    d H / dz = -p * (log p + H) / T,
 
-    (z the logits, T the temperature), then the layer's two products. The weight gradient is
-    summed over the chunks in float32, as one product over every row would."""
+    (z the logits, T the temperature), eagerly in place or by compiled kernels (`compiled`), then
+    the layer's two products. The weight gradient is summed over the chunks in float32, as one
+    product over every row would."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, compiled: bool):
         ctx.set_materialize_grads(False)
+        stats = _compiled()[0] if compiled else _chunk_stats
         logp, entropy, lse = [], [], []
         for i in range(0, max(hidden.shape[0], 1), chunk):  # a one-token padding row has none
             rows = slice(i, i + chunk)
-            z, p, row_lse, row_logp, row_entropy = _chunk_stats(
-                F.linear(hidden[rows], weight, bias), targets[rows], temperature
-            )
-            del z, p
+            row_lse, row_logp, row_entropy = stats(F.linear(hidden[rows], weight, bias), targets[rows], 1.0 / temperature)
             logp.append(row_logp)
             entropy.append(row_entropy)
             lse.append(row_lse)
         logp_all, entropy_all = torch.cat(logp), torch.cat(entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lse), entropy_all)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
         return logp_all, entropy_all
 
     @staticmethod
@@ -141,27 +179,24 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         if grad_logp is None and grad_entropy is None:
-            return (None if grad_h is None else grad_h.zero_(), grad_w, grad_b, None, None, None)
-        scale = 1.0 / ctx.temperature
+            return (None if grad_h is None else grad_h.zero_(), grad_w, grad_b, None, None, None, None)
+        logits_grad = _logits_grad_in_place
+        if ctx.compiled:  # its graph takes both gradients, zeros for the one the loss left out
+            logits_grad = _compiled()[1]
+            grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
+            grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
         for i in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(i, i + ctx.chunk)
             h = hidden[rows]
-            z = F.linear(h, weight, bias).float().mul_(scale)
-            p = torch.sub(z, lse[rows, None]).exp_()
-            # grad_z * T = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(y), built in z's storage.
-            if grad_entropy is not None:
-                z.sub_((lse[rows] - entropy[rows])[:, None]).mul_(grad_entropy[rows, None])
-                if grad_logp is not None:
-                    z.add_(grad_logp[rows, None])
-            else:
-                assert grad_logp is not None  # both None returned above
-                z.copy_(grad_logp[rows, None].expand_as(z))
-            z.mul_(p).neg_()
-            del p
-            if grad_logp is not None:
-                z.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])
-            g = z.mul_(scale).to(hidden.dtype)
-            del z
+            g = logits_grad(
+                F.linear(h, weight, bias),
+                targets[rows],
+                lse[rows],
+                entropy[rows],
+                None if grad_logp is None else grad_logp[rows],
+                None if grad_entropy is None else grad_entropy[rows],
+                1.0 / ctx.temperature,
+            )
             if grad_h is not None:
                 grad_h[rows] = g @ weight
             if grad_w is not None:
@@ -175,6 +210,7 @@ class _ChunkedHead(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -184,11 +220,13 @@ def token_logprobs(
     targets: torch.Tensor,
     temperature: float,
     chunk_tokens: int = 0,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden[i]) / temperature)[targets[i]] and the entropy of that
     distribution, for rows [N, H] of hidden states, in float32; `chunk_tokens` rows at a time
-    (module docstring; 0: all at once). `head` is the output layer (an nn.Linear), or
-    nn.Identity() when `hidden` already holds logits.
+    (module docstring; 0: all at once), each chunk's arithmetic compiled when `compiled`
+    (config.choices.LogprobKernel). `head` is the output layer (an nn.Linear), or nn.Identity()
+    when `hidden` already holds logits (always eager).
 
     The layer is called once, whatever the number of chunks: under ZeRO-3 each call gathers its
     weight with a collective, and ranks whose micro-batches differ in length must make the same
@@ -204,7 +242,7 @@ def token_logprobs(
         return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
 
     def chunked(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _ChunkedHead.apply(rows, head.weight, head.bias, targets, temperature, chunk)  # pyright: ignore[reportReturnType]
+        return _ChunkedHead.apply(rows, head.weight, head.bias, targets, temperature, chunk, compiled)  # pyright: ignore[reportReturnType]
 
     # Through the module's __call__ (its hooks: ZeRO-3 gathers the weight for this call and
     # again for its backward), with its forward replaced for this one call.
@@ -258,12 +296,13 @@ def packed_logprobs(
     prefix_lengths: list[int] | None = None,
     chunk_tokens: int = 0,
     wanted: list[int] | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs[t] = log p(input_ids[t] | earlier tokens of its sequence) at `temperature`, and
     entropy[t] of the distribution that token was drawn from; both 0 at each sequence's first
     token. Inputs are [1, T]; outputs are float32 [T] and carry gradients. With prefix lengths
-    (any > 0), the shared-prompt layout of the module docstring; `chunk_tokens` as in
-    `token_logprobs`. `wanted` (token indices, from the host): the output layer runs on the
+    (any > 0), the shared-prompt layout of the module docstring; `chunk_tokens` and `compiled`
+    as in `token_logprobs`. `wanted` (token indices, from the host): the output layer runs on the
     rows that predict those tokens only, and every other token's logprob and entropy is 0 (the
     trainer asks for the tokens its loss trains). A model loaded with the `varlen` attention
     needs `seq_lengths` (its sequence boundaries)."""
@@ -298,17 +337,17 @@ def packed_logprobs(
         index = to_device(torch.tensor(wanted, dtype=torch.long), input_ids.device)
         # Shared prompts: the trainer asks only for tokens that something predicts.
         rows = source[index] if shared else index - 1
-        lp, ent = token_logprobs(hidden[rows], head, input_ids[0, index], temperature, chunk_tokens)
+        lp, ent = token_logprobs(hidden[rows], head, input_ids[0, index], temperature, chunk_tokens, compiled)
         zero = torch.zeros(total, dtype=torch.float32, device=input_ids.device)
         return zero.index_add(0, index, lp) + anchor.float(), zero.index_add(0, index, ent)
     if shared:
         has = source >= 0
         token_logp, token_entropy = token_logprobs(
-            hidden[source.clamp(min=0)], head, input_ids[0], temperature, chunk_tokens
+            hidden[source.clamp(min=0)], head, input_ids[0], temperature, chunk_tokens, compiled
         )
         return token_logp * has + anchor.float(), token_entropy * has
     # Hidden states at t-1 predict token t; the last position predicts nothing.
-    token_logp, token_entropy = token_logprobs(hidden[:-1], head, input_ids[0, 1:], temperature, chunk_tokens)
+    token_logp, token_entropy = token_logprobs(hidden[:-1], head, input_ids[0, 1:], temperature, chunk_tokens, compiled)
     keep = ~sequence_starts(position_ids)[1:]
     zero = anchor.reshape(1).float()
     return torch.cat([zero, token_logp * keep]), torch.cat([zero, token_entropy * keep])

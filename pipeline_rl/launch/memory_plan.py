@@ -19,7 +19,8 @@ the large terms and leaves a margin for the rest:
   together); with sdpa, its [T, T] mask of a packed row, in the model's dtype,
   once per layer (the one term that grows with the square of preprocess.seq_length; the varlen
   and flash kernels make none); the output layer's chunk of logits with its float32 log-softmax
-  and their gradients (LOGITS_CHUNK_BYTES_PER_ENTRY per row and vocabulary entry); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
+  and their gradients (LOGITS_CHUNK_BYTES_PER_ENTRY per row and vocabulary entry, by
+  model.logprob_kernel); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
   PyTorch's allocator.
 - with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
   and the 16 bytes per parameter above for the adapter's parameters only; the actor holds the
@@ -33,7 +34,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_rl.config import MASK_FREE_ATTENTION, LoraConfig, RunConfig, attention_kernel
+from pipeline_rl.config import MASK_FREE_ATTENTION, LogprobKernel, LoraConfig, RunConfig, attention_kernel, logprob_kernel
 from pipeline_rl.core.routes import encoded_bytes_per_token
 from pipeline_rl.engine.adapter_slot import engine_max_rank
 
@@ -259,11 +260,12 @@ holds beyond PyTorch's allocator (gpu_check.py on an H100, torch 2.11, CUDA 13: 
 ZeRO-3, 1.68 GiB at ZeRO-2)."""
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed's default stage3_prefetch_bucket_size (parameters fetched ahead of use)."""
-LOGITS_CHUNK_BYTES_PER_ENTRY = 10
+LOGITS_CHUNK_BYTES_PER_ENTRY = {LogprobKernel.eager: 10, LogprobKernel.compiled: 4}
 """Bytes per row and vocabulary entry while a chunk of logits is live (core/logprobs.py
-_ChunkedHead, in a bf16 model): in forward the output layer's bf16 logits, their float32 copy and
-the float32 probabilities; in backward the float32 logits turned in place into their gradient,
-the probabilities, and the gradient in bf16."""
+_ChunkedHead, in a bf16 model), by logprob kernel. Eager: in forward the output layer's bf16
+logits, their float32 copy and the float32 probabilities; in backward the float32 logits turned
+in place into their gradient, the probabilities, and the gradient in bf16. Compiled: the bf16
+logits, and in backward their bf16 gradient beside them."""
 
 
 def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) -> int:
@@ -312,7 +314,7 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
     tokens = cfg.preprocess.seq_length
     per_token = activation_bytes_per_token(shape, size, cuda)
     chunk = min(cfg.model.logprob_chunk_tokens or tokens, tokens)
-    logits = LOGITS_CHUNK_BYTES_PER_ENTRY * chunk * shape.vocab
+    logits = LOGITS_CHUNK_BYTES_PER_ENTRY[logprob_kernel(cfg, cuda)] * chunk * shape.vocab
     if t.gradient_checkpointing:
         # Each layer keeps its input. The one layer backward recomputes at a time is live only
         # after the output layer's chunks are gone: the larger of the two sets the peak.

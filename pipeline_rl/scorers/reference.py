@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import LogprobKernel, RunConfig, logprob_kernel
 from pipeline_rl.scorers.base import Scorer, ScorerOutput
 from pipeline_rl.scorers.hf import load_model, pack_rows, scorer_device
 from pipeline_rl.streams.records import Rollout, RolloutGroup
@@ -24,6 +24,7 @@ class CompletionLogprobs:
         self.temperature = temperature
         self.seq_length = cfg.preprocess.seq_length
         self.chunk_tokens = cfg.model.logprob_chunk_tokens
+        self.compiled = logprob_kernel(cfg, torch.device(self.device).type == "cuda") == LogprobKernel.compiled
 
     def __call__(self, rollouts: list[Rollout]) -> list[list[float]]:
         from pipeline_rl.core.logprobs import packed_logprobs
@@ -40,6 +41,7 @@ class CompletionLogprobs:
                     torch.tensor([pos], device=self.device),
                     self.temperature,
                     chunk_tokens=self.chunk_tokens,
+                    compiled=self.compiled,
                 )
             logprobs = logprobs.tolist()
             start = 0

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline_rl.collectives import prepare_collectives
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import LogprobKernel, RunConfig, logprob_kernel
 from pipeline_rl.core.logprobs import packed_logprobs
 from pipeline_rl.core.process import launched_at, run_pool_process
 from pipeline_rl.lora import trained_parameters
@@ -109,6 +109,9 @@ class Trainer:
         if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
             log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
         self.device = torch.device(self.engine.device or "cpu")
+        kernel = logprob_kernel(cfg, self.device.type == "cuda")
+        self.compiled_logprobs = kernel == LogprobKernel.compiled
+        log.info("logprob kernel %s", kernel.value)
         # The stop agreement travels on the host (gloo): over NCCL it would make every
         # micro-batch wait for the device to finish the one before.
         self.host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.world.collective_timeout_s))
@@ -365,6 +368,7 @@ class Trainer:
             mb.prefix_lengths,
             self.cfg.model.logprob_chunk_tokens,
             wanted=wanted,
+            compiled=self.compiled_logprobs,
         )
         inputs = LossInputs(
             logprobs=logprobs,

@@ -176,6 +176,23 @@ def test_optimizer_offload_gives_the_same_update(tiny_model, tmp_path):
     assert update_error(results["offload"], results["device"], initial) < REL_TOL
 
 
+def test_compiled_logprob_kernel_gives_the_same_update(tiny_model, tmp_path):
+    """model.logprob_kernel=compiled (the GPU default; torch.compile's CPU backend here) trains
+    to the eager kernel's weights within the fp32 reduction-order bound REL_TOL."""
+    steps = make_steps(tiny_model, steps=2, groups=4, seed=4)
+    initial = load_file(tiny_model / "model.safetensors")
+    results = {}
+    for kernel in ("eager", "compiled"):
+        cfg = trainer_config(
+            tmp_path / kernel, tiny_model, "shared.max_steps=2", f"model.logprob_kernel={kernel}", *LINEAR_ADAM
+        )
+        write_steps(cfg, steps, ranks=1)
+        train(cfg, timeout=400)  # the first compile in a fresh cache takes about a minute on 2 cores
+        assert f"logprob kernel {kernel}" in (tmp_path / kernel / "trainer0.log").read_text()
+        results[kernel] = final_weights(cfg.run_dir, 2)
+    assert update_error(results["compiled"], results["eager"], initial) < REL_TOL
+
+
 def test_cpu_trainers_leave_out_deepspeeds_shm_all_reduce():
     """ZeRO training never calls DeepSpeed's shared-memory all-reduce (its inference layers do), so
     a CPU trainer makes its process group without building or loading that op: DeepSpeed's own

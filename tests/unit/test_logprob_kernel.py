@@ -1,0 +1,76 @@
+"""model.logprob_kernel: the compiled chunk arithmetic gives the eager one's logprobs, entropies
+and gradients, and the config picks it where it pays."""
+
+import importlib.util
+
+import pytest
+import torch
+from fixtures import helpers
+
+from pipeline_rl.config import load_config, logprob_kernel
+from pipeline_rl.core.logprobs import _compiled, _logits_grad_fused, _logits_grad_in_place, packed_logprobs
+
+
+@pytest.mark.parametrize("loss", ["both", "logprobs", "entropy"])
+def test_compiled_kernel_gives_the_eager_values_and_gradients(loss):
+    """Packed sequences through the real model, chunks that do and do not divide the rows, a
+    temperature: compiled (torch.compile's CPU backend here) against eager. Float32 throughout,
+    so the two differ only by the order of the sums over a 97-entry vocabulary (a few float32
+    ulps of values of order 1-10) and of the gradient's products; "logprobs" and "entropy" each
+    leave the other output out of the loss (the backward that gets one gradient None)."""
+    model = helpers.random_qwen2("sdpa", max_len=64)
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (9, 5, 12, 7)]
+    input_ids = torch.tensor([sum(seqs, [])])
+    position_ids = torch.tensor([[p for s in seqs for p in range(len(s))]])
+    results = []
+    for compiled in (False, True):
+        model.zero_grad()
+        calls = _compiled.cache_info().hits + _compiled.cache_info().misses
+        lp, ent = packed_logprobs(model, input_ids, position_ids, 0.8, chunk_tokens=6, compiled=compiled)
+        objective = {"both": lp.sum() + 0.3 * ent.sum(), "logprobs": lp.sum(), "entropy": ent.sum()}[loss]
+        objective.backward()
+        # Forward and backward took the compiled functions, or neither did.
+        assert _compiled.cache_info().hits + _compiled.cache_info().misses - calls == (2 if compiled else 0)
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp0, ent0, grads0), (lp1, ent1, grads1) = results
+    torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent1, ent0, atol=2e-5, rtol=1e-5)
+    for a, b in zip(grads1, grads0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_gradient_matches_the_in_place_one_on_bf16_logits():
+    """Both gradient formulas work in float32 and round to the logits' dtype once at the end: on
+    bf16 logits they agree to a bf16 rounding (a relative 2^-8), the target's entry included
+    (where the two terms nearly cancel when the model is sure of it)."""
+    g = torch.Generator().manual_seed(2)
+    rows, vocab = 8, 300
+    logits = (torch.randn(rows, vocab, generator=g) * 4).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    logits[0, targets[0]] = 30.0  # p(target) ~ 1: the target's gradient is a small difference
+    z = logits.float() * 1.25
+    lse = torch.logsumexp(z, -1)
+    p = (z - lse[:, None]).exp()
+    entropy = lse - (p * z).sum(-1)
+    grad_logp, grad_entropy = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    for gl, ge in ((grad_logp, grad_entropy), (grad_logp, None), (None, grad_entropy)):
+        eager = _logits_grad_in_place(logits, targets, lse, entropy, gl, ge, 1.25)
+        zeros = torch.zeros(rows)
+        fused = _logits_grad_fused(
+            logits, targets, lse, entropy, zeros if gl is None else gl, zeros if ge is None else ge, 1.25
+        )
+        assert fused.dtype == eager.dtype == torch.bfloat16
+        torch.testing.assert_close(fused.float(), eager.float(), rtol=2**-8, atol=1e-6)
+
+
+def test_auto_compiles_on_a_gpu_with_triton_only(monkeypatch):
+    cfg = load_config("tiny")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else found(name))
+    assert logprob_kernel(cfg, cuda=True) == "compiled"
+    assert logprob_kernel(cfg, cuda=False) == "eager"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else found(name))
+    assert logprob_kernel(cfg, cuda=True) == "eager"
+    assert logprob_kernel(load_config("tiny", ["model.logprob_kernel=compiled"]), cuda=False) == "compiled"
+    assert logprob_kernel(load_config("tiny", ["model.logprob_kernel=eager"]), cuda=True) == "eager"
