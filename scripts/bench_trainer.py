@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pipeline_rl.config import attention_kernel, load_config, save_config  # noqa: E402
+from pipeline_rl.config import LogprobKernel, attention_kernel, load_config, logprob_kernel, save_config  # noqa: E402
 from pipeline_rl.core.logprobs import packed_logprobs  # noqa: E402
 from pipeline_rl.preprocess.packing import pack_step, rollout_sequence  # noqa: E402
 from pipeline_rl.streams import open_streams  # noqa: E402
@@ -146,6 +146,7 @@ def bare_loop(model_path: Path, steps, cfg) -> tuple[float, float, int]:
                 mb.prefix_lengths,
                 cfg.model.logprob_chunk_tokens,
                 wanted=[t for t, m in enumerate(mb.loss_mask) if m > 0],
+                compiled=logprob_kernel(cfg, cuda=False) == LogprobKernel.compiled,
             )
             seq_index = torch.repeat_interleave(torch.arange(len(mb.seq_lengths)), torch.tensor(mb.seq_lengths))
             inputs = LossInputs(

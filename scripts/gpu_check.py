@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile, beside
 
 from step_profile import StepProfile, count_trainer_step_syncs, host_profile_trainer_steps
 
-from pipeline_rl.config import load_config, save_config
+from pipeline_rl.config import load_config, logprob_kernel, save_config
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.preprocess.packing import Sequence, pack_step
 from pipeline_rl.streams import open_streams
@@ -272,7 +272,11 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
         {},
     ),
     ("bare 32k", ["--bare", "--seq-length", "32768"], {}),
-    ("ZeRO-2 8k, 4 micro-batches", ["--zero-stage", "2", "--seq-length", "8192", "--micro-batches", "4"], {}),
+    (
+        "ZeRO-2 8k, eager logprobs",
+        ["--zero-stage", "2", "--seq-length", "8192", "model.logprob_kernel=eager"],
+        {},
+    ),
     ("ZeRO-2 32k", ["--zero-stage", "2", "--seq-length", "32768"], {}),
     (
         "ZeRO-2 32k, checkpointing",
@@ -482,6 +486,7 @@ def main() -> int:
             lora_rank=args.lora or None,
             gradient_checkpointing=cfg.trainer.gradient_checkpointing,
             attention=cfg.trainer.attention.value,
+            logprob_kernel=logprob_kernel(cfg, gpu).value,
             tokens_per_s=round(tokens_per_s, 1),
             wall_s=round(wall, 1),
             loss_first_last=[steps[0].get("loss"), steps[-1].get("loss")],

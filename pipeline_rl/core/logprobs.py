@@ -162,7 +162,9 @@ class _ChunkedHead(torch.autograd.Function):
         logp, entropy, lse = [], [], []
         for i in range(0, max(hidden.shape[0], 1), chunk):  # a one-token padding row has none
             rows = slice(i, i + chunk)
-            row_lse, row_logp, row_entropy = stats(F.linear(hidden[rows], weight, bias), targets[rows], 1.0 / temperature)
+            row_lse, row_logp, row_entropy = stats(
+                F.linear(hidden[rows], weight, bias), targets[rows], 1.0 / temperature
+            )
             logp.append(row_logp)
             entropy.append(row_entropy)
             lse.append(row_lse)

@@ -34,7 +34,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_rl.config import MASK_FREE_ATTENTION, LogprobKernel, LoraConfig, RunConfig, attention_kernel, logprob_kernel
+from pipeline_rl.config import (
+    MASK_FREE_ATTENTION,
+    LogprobKernel,
+    LoraConfig,
+    RunConfig,
+    attention_kernel,
+    logprob_kernel,
+)
 from pipeline_rl.core.routes import encoded_bytes_per_token
 from pipeline_rl.engine.adapter_slot import engine_max_rank
 

@@ -2,6 +2,7 @@
 and gradients, and the config picks it where it pays."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -74,3 +75,36 @@ def test_auto_compiles_on_a_gpu_with_triton_only(monkeypatch):
     assert logprob_kernel(cfg, cuda=True) == "eager"
     assert logprob_kernel(load_config("tiny", ["model.logprob_kernel=compiled"]), cuda=False) == "compiled"
     assert logprob_kernel(load_config("tiny", ["model.logprob_kernel=eager"]), cuda=True) == "eager"
+
+
+def test_compiled_kernels_keep_no_float32_rows_of_the_vocabulary():
+    """What the memory plan counts for the compiled kernel (LOGITS_CHUNK_BYTES_PER_ENTRY: 4 in a
+    bf16 model): the code the compiler generates for a chunk's statistics allocates only per-row
+    buffers, and for its gradient one [rows, V] buffer, the gradient itself in the logits' dtype.
+    Read from the generated code (torch.compile's CPU backend; the GPU's schedules the same
+    fusions)."""
+    from torch._inductor.utils import run_and_get_code
+
+    stats, logits_grad = _compiled()
+    rows, vocab = 64, 1000
+    logits = torch.randn(rows, vocab).bfloat16()
+    targets = torch.randint(0, vocab, (rows,))
+    (lse, _, entropy), stats_code = run_and_get_code(stats, logits, targets, 1.0)
+    _, grad_code = run_and_get_code(
+        logits_grad, logits, targets, lse, entropy, torch.randn(rows), torch.zeros(rows), 1.0
+    )
+    allocation = re.compile(r"empty_strided\w*\(\(([^)]*)\), \([^)]*\), (torch\.\w+)\)")
+
+    def wide_buffers(code: list[str]) -> list[str]:
+        """The dtypes of the [rows, V] buffers the generated code allocates ([rows] and [rows, 1]
+        are per-row)."""
+        found = [
+            (shape.replace(" ", "").rstrip(",").split(","), dtype)
+            for c in code
+            for shape, dtype in allocation.findall(c)
+        ]
+        assert found, code  # the pattern still reads this torch's generated code
+        return [dtype for dims, dtype in found if len(dims) > 1 and dims[1] != "1"]
+
+    assert wide_buffers(stats_code) == []
+    assert wide_buffers(grad_code) == ["torch.bfloat16"]
