@@ -6,7 +6,7 @@ import torch
 from fixtures.helpers import random_qwen2
 from transformers import AutoModelForCausalLM
 
-from pipeline_rl.config import ConfigError, RunConfig, ScorerConfig
+from pipeline_rl.config import ConfigError, LogprobKernel, RunConfig, ScorerConfig
 from pipeline_rl.preprocess.advantages import group_advantages
 from pipeline_rl.preprocess.preprocessor import Counters, LostGroups, ScoringStage
 from pipeline_rl.scorers import ReferenceLogprobScorer, Scorer, load_scorers
@@ -130,8 +130,11 @@ def random_model_dir(tmp_path_factory):
     return path
 
 
-def test_reference_scorer_matches_each_sequence_alone(random_model_dir):
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_reference_scorer_matches_each_sequence_alone(random_model_dir, kernel):
+    """Both logprob kernels (model.logprob_kernel) give each sequence's logprobs alone."""
     cfg = RunConfig()
+    cfg.model.logprob_kernel = LogprobKernel(kernel)
     cfg.model.path = str(random_model_dir)
     cfg.shared.temperature = 0.7
     cfg.preprocess.seq_length = 16  # several rows, and one sequence longer than a row
@@ -145,6 +148,7 @@ def test_reference_scorer_matches_each_sequence_alone(random_model_dir):
         RolloutGroup(problem_id="p1", group_id="g1", rollouts=[rollout(ids(7), ids(14)), rollout(ids(3), ids(6))]),
     ]
     scorer = ReferenceLogprobScorer(cfg)
+    assert scorer.logprobs.compiled == (kernel == "compiled")
     scorer.score(groups)
     model = AutoModelForCausalLM.from_pretrained(random_model_dir).eval()
     for group in groups:
