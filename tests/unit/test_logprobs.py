@@ -256,11 +256,12 @@ def test_models_with_transformed_logits_use_their_own_logits():
     torch.testing.assert_close(via_logits, plain, atol=1e-6, rtol=1e-6)
 
 
-def test_a_one_token_row_has_a_zero_logprob_and_a_gradient_path():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_one_token_row_has_a_zero_logprob_and_a_gradient_path(compiled):
     """A padding micro-batch is one token: nothing is predicted, and backward still runs (the
-    output layer is called with no rows on every rank alike)."""
+    output layer is called with no rows on every rank alike), with either logprob kernel."""
     model = random_qwen2("sdpa")
-    lp, ent = packed_logprobs(model, torch.tensor([[5]]), torch.tensor([[0]]), 1.0, chunk_tokens=4)
+    lp, ent = packed_logprobs(model, torch.tensor([[5]]), torch.tensor([[0]]), 1.0, chunk_tokens=4, compiled=compiled)
     assert lp.tolist() == [0.0] and ent.tolist() == [0.0]
     (lp.sum() + ent.sum()).backward()
 
