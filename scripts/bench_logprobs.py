@@ -4,7 +4,7 @@
 log_softmax, a gather: what `gpu_check.py --bare` does), forward and backward of one
 micro-batch whose second half is trained. Each runs in its own process: seconds per micro-batch
 (the best of --repeats after a warm-up step, which holds the compile), the ratio to the bare
-head's, and the peak memory the step added (CPU: resident set; GPU: allocated). Then the same
+head's, and the peak memory the timed steps added (CPU: resident set, sampled; GPU: allocated). Then the same
 for the arithmetic alone, from given logits to the logits' gradient (no matrix product): on a
 GPU that is where the kernels differ (passes over [rows, V] tensors, bound by memory
 bandwidth), while on a CPU the products dominate the whole head's time.
@@ -24,6 +24,7 @@ import json
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,29 @@ VARIANTS = ("bare", "eager", "compiled")
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class ResidentPeak:
+    """The largest resident set seen while it runs, sampled every millisecond: on CPU a step's
+    [rows, V] tensors are large allocations, returned to the system when freed, and live for far
+    longer than a millisecond."""
+
+    def __init__(self):
+        self.peak = resident_bytes()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __enter__(self) -> ResidentPeak:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 def measure(variant: str, args: argparse.Namespace) -> dict:
@@ -98,12 +122,13 @@ def measure(variant: str, args: argparse.Namespace) -> dict:
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        step()
-        synced()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with ResidentPeak() as resident:
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            step()
+            synced()
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if gpu else resident.peak
     arithmetic()
     synced()
     arithmetic_times = []
