@@ -97,8 +97,7 @@ def measure(variant: str, args: argparse.Namespace) -> dict:
     else:
         from pipeline_rl.core.logprobs import _chunk_stats, _compiled, _logits_grad_in_place
 
-        stats, logits_grad = _compiled() if variant == "compiled" else (_chunk_stats, _logits_grad_in_place)
-        no_entropy = torch.zeros_like(coef) if variant == "compiled" else None
+        stats = _compiled()[0] if variant == "compiled" else _chunk_stats
 
     def arithmetic() -> None:
         if variant == "bare":
@@ -108,7 +107,11 @@ def measure(variant: str, args: argparse.Namespace) -> dict:
         else:
             rows = logits[half - 1 : -1]
             lse, _, entropy = stats(rows, targets[half:], 1.0)
-            logits_grad(rows, targets[half:], lse, entropy, -coef, no_entropy, 1.0)
+            if variant == "compiled":
+                _compiled()[1](rows, targets[half:], lse, entropy, -coef, torch.zeros_like(coef), 1.0)
+            else:
+                z = rows.to(torch.float32, copy=True)  # the float32 copy eager makes
+                _logits_grad_in_place(z, targets[half:], lse, entropy, -coef, None, 1.0, rows.dtype)
 
     def synced() -> None:
         if gpu:

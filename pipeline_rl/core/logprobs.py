@@ -107,10 +107,12 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, scale: float):
     return lse, z.gather(-1, targets[:, None])[:, 0] - lse, entropy
 
 
-def _logits_grad_in_place(logits, targets, lse, entropy, grad_logp, grad_entropy, scale: float) -> torch.Tensor:
-    """The gradient of the chunk's logits (_ChunkedHead's formula), built in the storage of one
-    float32 copy: what eager needs least memory for."""
-    z = logits.float().mul_(scale)
+def _logits_grad_in_place(
+    z: torch.Tensor, targets, lse, entropy, grad_logp, grad_entropy, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """The gradient, in `dtype`, of the chunk's logits (_ChunkedHead's formula), built in the
+    storage of `z`, the float32 logits times `scale`, which it takes over: what eager needs least
+    memory for (the caller frees the logits in the model's dtype once copied)."""
     p = torch.sub(z, lse[:, None]).exp_()
     # grad_z * T = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(y), built in z's storage.
     if grad_entropy is not None:
@@ -123,7 +125,7 @@ def _logits_grad_in_place(logits, targets, lse, entropy, grad_logp, grad_entropy
     del p
     if grad_logp is not None:
         z.scatter_add_(-1, targets[:, None], grad_logp[:, None])
-    return z.mul_(scale).to(logits.dtype)
+    return z.mul_(scale).to(dtype)
 
 
 def _logits_grad_fused(logits, targets, lse, entropy, grad_logp, grad_entropy, scale: float) -> torch.Tensor:
@@ -182,23 +184,24 @@ class _ChunkedHead(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         if grad_logp is None and grad_entropy is None:
             return (None if grad_h is None else grad_h.zero_(), grad_w, grad_b, None, None, None, None)
-        logits_grad = _logits_grad_in_place
-        if ctx.compiled:  # its graph takes both gradients, zeros for the one the loss left out
-            logits_grad = _compiled()[1]
+        fused = _compiled()[1] if ctx.compiled else None
+        if fused is not None:  # its graph takes both gradients, zeros for the one the loss left out
             grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
             grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
+        scale = 1.0 / ctx.temperature
         for i in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(i, i + ctx.chunk)
             h = hidden[rows]
-            g = logits_grad(
-                F.linear(h, weight, bias),
-                targets[rows],
-                lse[rows],
-                entropy[rows],
-                None if grad_logp is None else grad_logp[rows],
-                None if grad_entropy is None else grad_entropy[rows],
-                1.0 / ctx.temperature,
-            )
+            g_logp = None if grad_logp is None else grad_logp[rows]
+            g_entropy = None if grad_entropy is None else grad_entropy[rows]
+            if fused is not None:
+                logits = F.linear(h, weight, bias)
+                g = fused(logits, targets[rows], lse[rows], entropy[rows], g_logp, g_entropy, scale)
+                del logits
+            else:
+                z = F.linear(h, weight, bias).float().mul_(scale)
+                g = _logits_grad_in_place(z, targets[rows], lse[rows], entropy[rows], g_logp, g_entropy, scale, h.dtype)
+                del z
             if grad_h is not None:
                 grad_h[rows] = g @ weight
             if grad_w is not None:

@@ -46,17 +46,20 @@ def test_fused_gradient_matches_the_in_place_one_on_bf16_logits():
     bf16 logits they agree to a bf16 rounding (a relative 2^-8), the target's entry included
     (where the two terms nearly cancel when the model is sure of it)."""
     g = torch.Generator().manual_seed(2)
-    rows, vocab = 8, 300
-    logits = (torch.randn(rows, vocab, generator=g) * 4).bfloat16()
+    rows, vocab, width = 8, 300, 16
+    h = torch.randn(rows, width, generator=g).bfloat16()
+    weight = torch.randn(vocab, width, generator=g).bfloat16()
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    logits[0, targets[0]] = 30.0  # p(target) ~ 1: the target's gradient is a small difference
+    weight[targets[0]] = h[0] * 2  # p(target) ~ 1 in row 0: the target's gradient is a small difference
+    logits = torch.nn.functional.linear(h, weight)
+    assert torch.softmax(logits[0].float(), -1)[targets[0]] > 0.99
     z = logits.float() * 1.25
     lse = torch.logsumexp(z, -1)
     p = (z - lse[:, None]).exp()
     entropy = lse - (p * z).sum(-1)
     grad_logp, grad_entropy = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
     for gl, ge in ((grad_logp, grad_entropy), (grad_logp, None), (None, grad_entropy)):
-        eager = _logits_grad_in_place(logits, targets, lse, entropy, gl, ge, 1.25)
+        eager = _logits_grad_in_place(logits.float() * 1.25, targets, lse, entropy, gl, ge, 1.25, logits.dtype)
         zeros = torch.zeros(rows)
         fused = _logits_grad_fused(
             logits, targets, lse, entropy, zeros if gl is None else gl, zeros if ge is None else ge, 1.25
