@@ -204,10 +204,12 @@ class _ChunkedHead(torch.autograd.Function):
                 del z
             if grad_h is not None:
                 grad_h[rows] = g @ weight
+            # Summed into float32 from the product in the model's dtype: no float32 copy of a
+            # [V, H] product or of the [rows, V] gradient.
             if grad_w is not None:
-                grad_w += (g.t() @ h).float()
+                grad_w.add_(g.t() @ h)
             if grad_b is not None:
-                grad_b += g.float().sum(0)
+                grad_b.add_(g.sum(0, dtype=torch.float32))
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),

@@ -337,7 +337,8 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
         "gathered parameters": int(gathered),
         "activations": int(activations),
         "attention masks": int(masks),
-        # The output layer's weight gradient is summed over the chunks in float32 (full fine-tuning).
-        "logits chunk": int(logits) + (4 * shape.vocab * shape.hidden if lora is None else 0),
+        # The output layer's weight gradient is summed over the chunks in float32, each chunk's
+        # product in the model's dtype beside it (full fine-tuning).
+        "logits chunk": int(logits) + ((4 + size) * shape.vocab * shape.hidden if lora is None else 0),
         "CUDA context": CUDA_OUTSIDE_ALLOCATOR if cuda else 0,
     }
