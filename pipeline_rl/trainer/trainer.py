@@ -14,8 +14,7 @@ them; a step whose samples the gate dropped entirely advances the version withou
 Every `weight_update_interval` versions rank 0 gathers the full weights (all ranks take part
 under ZeRO-3) and broadcasts them to the actors in the weight-update group (trainer/publisher.py:
 one that died is left out, its replacement joins at a later version); every `checkpoint_every`
-versions, at
-max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (pipeline_rl/trainer/checkpoint.py)
+versions, at max_steps and on SIGTERM/SIGINT the ranks write a checkpoint (trainer/checkpoint.py)
 and a restart resumes from it.
 """
 
@@ -104,14 +103,13 @@ class Trainer:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, started=launched_at())),  # pyright: ignore[reportArgumentType]
         )
         self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
-        offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""
-        log.info("optimizer %s%s", type(optimizer).__name__, offload)
-        if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
-            log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
         self.device = torch.device(self.engine.device or "cpu")
         kernel = logprob_kernel(cfg, self.device.type == "cuda")
         self.compiled_logprobs = kernel == LogprobKernel.compiled
-        log.info("logprob kernel %s", kernel.value)
+        offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""
+        log.info("optimizer %s%s; logprob kernel %s", type(optimizer).__name__, offload, kernel.value)
+        if torch.cuda.is_available():  # what the memory plan calls model and optimizer state
+            log.info("device memory after set-up: %.2f GiB allocated", torch.cuda.memory_allocated() / 2**30)
         # The stop agreement travels on the host (gloo): over NCCL it would make every
         # micro-batch wait for the device to finish the one before.
         self.host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.world.collective_timeout_s))
@@ -308,11 +306,9 @@ class Trainer:
         values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
         # The ratio metrics average over the passes; every pass trains the same tokens.
         values["trained_tokens"] /= self.cfg.trainer.epochs
-        # Inference/training consistency on tokens sampled by the very weights being trained
-        # (lag 0), and on those of them whose rollout no swap touched: a swap mid-rollout leaves
-        # the engine's KV cache computed by older weights, which the trainer's forward does not
-        # repeat; on unswapped tokens behaviour and trainer logprobs differ only by numerics
-        # (kernels, dtypes) and an MoE router's choices.
+        # Inference/training consistency on tokens sampled by the weights being trained (lag 0),
+        # and on those whose rollout no swap touched (a swap mid-rollout leaves a KV cache of
+        # older weights): there logprobs differ only by numerics and an MoE router's choices.
         for name in ("lag0", "unswapped"):
             if totals[f"{name}_tokens"]:
                 values[f"mismatch/{name}_tokens"] = totals[f"{name}_tokens"]

@@ -34,11 +34,7 @@ def test_compiled_kernel_gives_the_eager_values_and_gradients(loss):
         # Forward and backward took the compiled functions, or neither did.
         assert _compiled.cache_info().hits + _compiled.cache_info().misses - calls == (2 if compiled else 0)
         results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
-    (lp0, ent0, grads0), (lp1, ent1, grads1) = results
-    torch.testing.assert_close(lp1, lp0, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(ent1, ent0, atol=2e-5, rtol=1e-5)
-    for a, b in zip(grads1, grads0):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    helpers.assert_same_logprobs_and_gradients(results[1], results[0], value_atol=2e-5)
 
 
 def test_fused_gradient_matches_the_in_place_one_on_bf16_logits():
