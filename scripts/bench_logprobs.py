@@ -158,12 +158,13 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=2048, help="model.logprob_chunk_tokens")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     parser.add_argument("--variant", choices=VARIANTS, help="measure this one in this process (internal)")
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(measure(args.variant, args)))
         return 0
-    passed = [a for a in sys.argv[1:]]
+    passed = sys.argv[1:]
     results = {}
     for variant in VARIANTS:
         out = subprocess.run(
@@ -174,6 +175,8 @@ def main() -> int:
             print(f"{variant}: failed (exit {out.returncode})", file=sys.stderr)
             return 1
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     bare = results["bare"]["seconds"]
     print(
         f"output layer + logprobs, {args.tokens} tokens ({args.tokens - args.tokens // 2} trained), "

@@ -6,7 +6,7 @@ loop doing the same work.
     python scripts/gpu_check.py --reduced       # CPU: a tiny model, fp32, gloo (the test suite runs this)
     python scripts/gpu_check.py --lora 16       # the same with LoRA adapters of rank 16 on the frozen base
     python scripts/gpu_check.py --bare          # the bare loop alone on the same shapes and tokens
-    python scripts/gpu_check.py --suite         # the whole comparison (GPU, about 7 minutes on an H200)
+    python scripts/gpu_check.py --suite         # the whole comparison (GPU, about 8 minutes on an H200)
     python scripts/gpu_check.py model.logprob_chunk_tokens=512   # any config override
 
 The bare loop: the same model in bf16 without DeepSpeed, each micro-batch's sequences as one
@@ -19,8 +19,10 @@ to OUT/gpu_check.json. The trainer's micro-batches go through the trainer stream
 trainer at 8k, 16k and 32k tokens, ZeRO-2, ZeRO-3, LoRA, with and without gradient
 checkpointing, each in its own process, profiles of the bare loop's, ZeRO-2's and ZeRO-3's steps
 (device time by kind side by side, attention's share, the device's busy share: what
-scripts/step_profile.py summarizes), the varlen attention's logprobs against sdpa's,
-and prints one table.
+scripts/step_profile.py summarizes), ZeRO-2 with the eager logprob kernel beside the compiled
+default, and last the checks (the varlen attention's logprobs against sdpa's, the compiled
+logprob kernel's against eager's, scripts/bench_logprobs.py at 8k, the checkpoint's host
+copies), and prints one table.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile, beside this file
 
+from device_checks import logprob_kernels, staging_check, varlen_against_sdpa
 from step_profile import StepProfile, count_trainer_step_syncs, host_profile_trainer_steps
 
 from pipeline_rl.config import load_config, logprob_kernel, save_config
@@ -166,71 +169,6 @@ def bare_loop(
     return times
 
 
-def varlen_against_sdpa(model_dir: Path, seq_length: int, rows: int) -> dict:
-    """On the GPU in bf16: logprobs of one packed row under the varlen attention and under sdpa
-    with the block-diagonal mask, and the gradient through varlen."""
-    from transformers import AutoModelForCausalLM
-
-    from pipeline_rl.core.logprobs import packed_logprobs
-
-    g = torch.Generator().manual_seed(0)
-    length = seq_length // rows
-    ids = torch.randint(0, 1000, (1, seq_length), generator=g).cuda()
-    pos = torch.arange(length).repeat(rows)[None].cuda()
-    out = {}
-    for attn in ("sdpa", "varlen"):
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn)
-        model.to("cuda")
-        lp, _ = packed_logprobs(model, ids, pos, 1.0, [length] * rows, chunk_tokens=2048)
-        lp.sum().backward()
-        out[attn] = (lp.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
-        del model
-    d = (out["varlen"][0] - out["sdpa"][0]).abs()
-    g_rel = (out["varlen"][1] - out["sdpa"][1]).norm() / out["sdpa"][1].norm()
-    return {
-        "logprob_max_abs_diff": round(d.max().item(), 4),
-        "logprob_mean_abs_diff": round(d.mean().item(), 5),
-        "grad_rel_diff_layer0_q": round(g_rel.item(), 4),
-    }
-
-
-def staging_check(gib: float = 4.0, chunk_mib: int = 256) -> dict:
-    """The checkpoint's host copies (trainer/host_staging.py) on the GPU: `gib` of bf16 tensors in
-    chunks of `chunk_mib`, each host chunk compared with a plain copy of its device tensors; the
-    device's copy rate, the whole pass's rate (the comparison is the overlapped host work), and a
-    plain pageable `.cpu()` of the same tensors for scale."""
-    from pipeline_rl.trainer.host_staging import host_chunks
-
-    per_chunk = chunk_mib * 2**20 // 2 // 4  # four tensors a chunk
-    count = int(gib * 2**30 // (chunk_mib * 2**20))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    chunks = [
-        [(f"c{c}.t{i}", torch.randn(per_chunk, device="cuda", generator=g, dtype=torch.bfloat16)) for i in range(4)]
-        for c in range(count)
-    ]
-    torch.cuda.synchronize()
-    result = {}
-    for attempt in ("first (allocates the pinned buffers)", "second"):
-        stats: dict[str, float] = {}
-        mismatches = 0
-        start = time.perf_counter()
-        for c, host in enumerate(host_chunks(iter(chunks), stats)):
-            mismatches += sum(not torch.equal(host[n], t.cpu()) for n, t in chunks[c])
-        wall = time.perf_counter() - start
-        result[attempt] = {
-            "gb": round(stats["bytes"] / 1e9, 2),
-            "device_copy_gb_per_s": round(stats["bytes"] / stats["copy_s"] / 1e9, 1),
-            "pass_gb_per_s_with_check": round(stats["bytes"] / wall / 1e9, 1),
-            "mismatched_tensors": mismatches,
-        }
-    start = time.perf_counter()
-    for chunk in chunks:
-        for _, t in chunk:
-            t.cpu()
-    result["pageable .cpu() gb_per_s"] = round(count * chunk_mib * 2**20 / (time.perf_counter() - start) / 1e9, 1)
-    return result
-
-
 def _merge_deepspeed(extra: dict) -> None:
     """Have the trainer's DeepSpeed config take `extra`'s keys (one level of nesting merged)."""
     import pipeline_rl.trainer.model as model_module
@@ -255,7 +193,6 @@ def plan_gib(cfg) -> float:
 
 
 SUITE: list[tuple[str, list[str], dict[str, str]]] = [
-    ("checks", ["--checks"], {}),
     ("bare 8k", ["--bare", "--seq-length", "8192"], {}),
     ("ZeRO-2 8k", ["--zero-stage", "2", "--seq-length", "8192"], {}),
     ("ZeRO-3 8k", ["--zero-stage", "3", "--seq-length", "8192"], {}),
@@ -283,6 +220,7 @@ SUITE: list[tuple[str, list[str], dict[str, str]]] = [
         ["--zero-stage", "2", "--seq-length", "32768", "trainer.gradient_checkpointing=true"],
         {},
     ),
+    ("checks", ["--checks"], {}),  # last: the ratios first if the device's time runs out
 ]
 
 
@@ -359,7 +297,9 @@ def main() -> int:
         "--only", action="append", default=[], help="with --suite: the runs whose names start with this"
     )
     parser.add_argument(
-        "--checks", action="store_true", help="GPU: varlen against sdpa, and the checkpoint's host copies"
+        "--checks",
+        action="store_true",
+        help="GPU: varlen against sdpa, the logprob kernels (bench_logprobs.py at 8k), the checkpoint's host copies",
     )
     parser.add_argument(
         "--profile",
@@ -398,6 +338,7 @@ def main() -> int:
         checks = {
             "varlen against sdpa": varlen_against_sdpa(model_dir, 8192, 16),
             "checkpoint host copies": staging_check(),
+            "logprob kernels, 8k tokens": logprob_kernels(out, 8192),
         }
         (out / "gpu_check.json").write_text(json.dumps(checks, indent=1))
         print(json.dumps(checks, indent=1))
