@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile, beside this file
 
 from device_checks import logprob_kernels, staging_check, varlen_against_sdpa
-from step_profile import StepProfile, count_trainer_step_syncs, host_profile_trainer_steps
+from step_profile import StepProfile, around_trainer_steps, count_trainer_step_syncs, host_profile_trainer_steps
+from step_tally import StepTally, fuse_adamw, tally_compiled_logprobs
 
 from pipeline_rl.config import load_config, logprob_kernel, save_config
 from pipeline_rl.metrics import read_metrics
@@ -140,13 +141,14 @@ def bare_loop(
     steps: int,
     gpu: bool,
     before_step: Callable[[int], None] = lambda step: None,
+    bf16: bool = True,
 ) -> list[float]:
     """The bare PyTorch loop of the module docstring; returns each step's seconds."""
     dev = "cuda" if gpu else "cpu"
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
     model: Any = Qwen2ForCausalLM(config)
-    model.to(device=dev, dtype=torch.bfloat16 if gpu else torch.float32)
+    model.to(device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=gpu)
     length = seq_length // rows
     times = []
@@ -321,6 +323,14 @@ def main() -> int:
     parser.add_argument(
         "--deepspeed", default=None, metavar="JSON", help="extra DeepSpeed config keys, e.g. zero_optimization settings"
     )
+    parser.add_argument(
+        "--tally",
+        nargs="?",
+        const="989,4800",
+        metavar="TFLOPS,GBS",
+        help="CPU, bf16: count the FLOPs and bytes of the steps after the first by kind, and price "
+        "them at this peak and bandwidth (default an H200's; scripts/step_tally.py)",
+    )
     parser.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.logprob_chunk_tokens=512")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.reduced
@@ -344,6 +354,12 @@ def main() -> int:
         print(json.dumps(checks, indent=1))
         return 0
     sequences_per_row = args.sequences_per_row
+    bf16 = gpu or args.tally is not None
+    price = [float(x) for x in args.tally.split(",")] if args.tally else None  # TFLOP/s, GB/s
+    tally = StepTally(price[0] * 1e12, price[1] * 1e9) if price else None
+    if tally is not None:
+        fuse_adamw()
+        tally_compiled_logprobs(tally)
     # Steps 0 and 1 warm up kernels and the allocator: the profile and the timing leave them out.
     profile = StepProfile(gpu) if args.profile else None
     result: dict = {
@@ -358,8 +374,12 @@ def main() -> int:
         def before_step(step: int) -> None:
             if profile is not None and step >= 2:
                 profile.start()
+            if tally is not None and step == 1:
+                tally.__enter__()
 
-        times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu, before_step)
+        times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu, before_step, bf16)
+        if tally is not None:
+            tally.__exit__(None, None, None)
         timed = times[2:] if len(times) > 3 else times
         tokens_per_s = seq_length * args.micro_batches * len(timed) / sum(timed)
         result.update(loop="bare", tokens_per_s=round(tokens_per_s, 1), wall_s=round(sum(times), 1))
@@ -370,7 +390,7 @@ def main() -> int:
             [
                 f"run_dir={out / 'run'}",
                 f"model.path={model_dir}",
-                f"model.dtype={'bfloat16' if gpu else 'float32'}",
+                f"model.dtype={'bfloat16' if bf16 else 'float32'}",
                 f"trainer.zero_stage={args.zero_stage}",
                 f"shared.max_steps={args.steps}",
                 "trainer.checkpoint_every=0",
@@ -409,6 +429,8 @@ def main() -> int:
             result["deepspeed"] = json.loads(args.deepspeed)
         if profile is not None:
             profile.trainer_steps(2, args.steps)
+        if tally is not None:
+            around_trainer_steps(1, lambda _trainer: tally)
         version = run(cfg, 0)
         if host is not None:
             host.dump_stats(out / "host_profile.prof")  # for pstats' callers and callees
@@ -434,6 +456,12 @@ def main() -> int:
         )
         if gpu:
             result["plan_gib"] = round(plan_gib(cfg), 2)
+    if tally is not None:
+        result["tally"] = {
+            "by_kind": tally.summary(),
+            "least_s": tally.least_seconds(),
+            "most_bytes_gb": tally.most_bytes(),
+        }
     if profile is not None:
         profile.stop()
         print(profile.table())

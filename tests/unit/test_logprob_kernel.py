@@ -9,7 +9,13 @@ import torch
 from fixtures import helpers
 
 from pipeline_rl.config import load_config, logprob_kernel
-from pipeline_rl.core.logprobs import _compiled, _logits_grad_fused, _logits_grad_in_place, packed_logprobs
+from pipeline_rl.core.logprobs import (
+    _chunk_stats,
+    _compiled,
+    _logits_grad_fused,
+    _logits_grad_in_place,
+    packed_logprobs,
+)
 
 
 @pytest.mark.parametrize("loss", ["both", "logprobs", "entropy"])
@@ -107,3 +113,32 @@ def test_compiled_kernels_keep_no_float32_rows_of_the_vocabulary():
 
     assert wide_buffers(stats_code) == []
     assert wide_buffers(grad_code) == ["torch.bfloat16"]
+
+
+def test_compiled_kernel_compiles_once_per_case_not_per_micro_batch():
+    """Each micro-batch trains a different number of rows. With the rows a dynamic dimension the
+    compiler makes a few graphs per function at first (rows 0 and 1 are special cases; a chunk
+    and a remainder; a backward with or without the entropy's gradient) and then reuses them:
+    new row counts make no new graph. Were it to compile per size, a GPU run would recompile at
+    every micro-batch until torch's recompile limit, then run eager from there on."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = helpers.random_qwen2("sdpa", max_len=64)
+    g = torch.Generator().manual_seed(5)
+
+    def micro_batch(tokens: int, with_entropy: bool) -> None:
+        ids = torch.randint(0, 97, (1, tokens), generator=g)
+        lp, ent = packed_logprobs(model, ids, torch.arange(tokens)[None], 1.0, chunk_tokens=8, compiled=True)
+        (lp.sum() + (0.1 * ent.sum() if with_entropy else 0)).backward()
+
+    def graphs() -> list[int]:
+        return [len(_debug_get_cache_entry_list(f)) for f in (_chunk_stats, _logits_grad_fused)]
+
+    for tokens in (1, 2, 3, 9, 13, 20):
+        micro_batch(tokens, with_entropy=True)
+        micro_batch(tokens, with_entropy=False)
+    first = graphs()
+    assert all(0 < n < torch._dynamo.config.recompile_limit for n in first), first
+    for tokens in (5, 11, 17, 31, 40, 26):
+        micro_batch(tokens, with_entropy=tokens % 2 == 0)
+    assert graphs() == first
