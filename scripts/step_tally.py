@@ -62,6 +62,27 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of `tensors`, a tensor passed twice counted once."""
+    return sum(map(_nbytes, {(t.data_ptr(), t.shape, t.dtype): t for t in tensors}.values()))
+
+
+def _mutated(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operator writes in place (its schema's written arguments; fused optimizers
+    list the gradients too, written only when unscaling fp16 gradients: left out)."""
+    values = {**dict(zip((a.name for a in func._schema.arguments), args, strict=False)), **kwargs}
+    return [
+        t
+        for a in func._schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write and a.name != "grads"
+        for t in _tensors(values.get(a.name))
+    ]
+
+
 class StepTally(TorchDispatchMode):
     """Counts, by kind (step_profile.kind_of, plus "compiled"), the operators run while it is
     entered, their FLOPs (torch's flop counter formulas: matrix products and attention) and their
@@ -97,14 +118,11 @@ class StepTally(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view or func.overloadpacket in _ALLOCATIONS:
             return out
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        mutates = func._schema.is_mutable
-        if not mutates and {t.data_ptr() for t in outputs} <= {t.data_ptr() for t in inputs}:
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        if not func._schema.is_mutable and {t.data_ptr() for t in outputs} <= {t.data_ptr() for t in inputs}:
             return out  # metadata only (an alias, a detach)
         read = inputs[1:] if func.overloadpacket in _WRITE_ONLY else inputs
-        unique = {(t.data_ptr(), t.shape, t.dtype): t for t in read}
-        nbytes = sum(map(_nbytes, unique.values())) + sum(map(_nbytes, outputs))
+        nbytes = _unique_bytes(read) + _unique_bytes(outputs + _mutated(func, args, kwargs))
         formula = _FLOPS.get(func.overloadpacket) or _FLOPS.get(func)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         self._add(kind_of(func._schema.name), float(flops), float(nbytes), str(func))
@@ -121,9 +139,7 @@ class StepTally(TorchDispatchMode):
                 return fn(*args, **kwargs)
             with _disable_current_modes():
                 out = fn(*args, **kwargs)
-            inputs = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            nbytes = sum(map(_nbytes, inputs.values())) + sum(map(_nbytes, outputs))
+            nbytes = _unique_bytes(_tensors((args, kwargs))) + _unique_bytes(_tensors(out))
             self._add("compiled", 0.0, float(nbytes), f"compiled {fn.__name__}")
             return out
 

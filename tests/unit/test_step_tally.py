@@ -91,3 +91,18 @@ def test_a_compiled_function_counts_only_while_the_tally_is_entered(step_tally):
         double(x)
     double(x)  # after: not counted
     assert tally.summary()["compiled"]["ops"] == 1
+
+
+def test_an_optimizer_step_counts_the_state_it_writes_in_place(step_tally):
+    """torch's fused AdamW returns nothing: what it writes is in its schema. Per float32
+    parameter it reads the weight, its gradient and the two moments and writes the weight and
+    the moments: 28 bytes."""
+    weight = torch.nn.Parameter(torch.randn(1000))
+    weight.grad = torch.randn(1000)
+    opt = torch.optim.AdamW([weight], fused=True)
+    opt.step()  # makes the moments
+    with step_tally.StepTally(PEAK, BANDWIDTH) as tally:
+        opt.step()
+    counted = tally.summary()["optimizer"]
+    # And the step count (one float32): incremented (read, written) by a foreach add, then read.
+    assert counted["ops"] == 2 and counted["bytes"] == 28 * 1000 + 3 * 4
