@@ -154,8 +154,8 @@ class _ChunkedHead(torch.autograd.Function):
         d logp[y] / dz = (onehot(y) - p) / T,    d H / dz = -p * (log p + H) / T,
 
     (z the logits, T the temperature), eagerly in place or by compiled kernels (`compiled`), then
-    the layer's two products. The weight gradient is summed over the chunks in float32, as one
-    product over every row would."""
+    the layer's two products. The weight gradient is summed over the chunks in the model's dtype
+    (each chunk's product added in place), as a loop sums its micro-batches' gradients."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, compiled: bool):
@@ -180,9 +180,10 @@ class _ChunkedHead(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_w: torch.Tensor | None = None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         if grad_logp is None and grad_entropy is None:
+            grad_w = torch.zeros_like(weight) if need_w else None
             return (None if grad_h is None else grad_h.zero_(), grad_w, grad_b, None, None, None, None)
         fused = _compiled()[1] if ctx.compiled else None
         if fused is not None:  # its graph takes both gradients, zeros for the one the loss left out
@@ -204,15 +205,17 @@ class _ChunkedHead(torch.autograd.Function):
                 del z
             if grad_h is not None:
                 grad_h[rows] = g @ weight
-            # Summed into float32 from the product in the model's dtype: no float32 copy of a
-            # [V, H] product or of the [rows, V] gradient.
-            if grad_w is not None:
-                grad_w.add_(g.t() @ h)
+            # Summed in the model's dtype by the products themselves, as a loop accumulates its
+            # micro-batches' gradients: no float32 [V, H] buffer, each chunk read and written once.
+            if need_w:
+                grad_w = g.t() @ h if grad_w is None else grad_w.addmm_(g.t(), h)
             if grad_b is not None:
                 grad_b.add_(g.sum(0, dtype=torch.float32))
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros_like(weight)
         return (
             grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
+            grad_w,
             None if grad_b is None else grad_b.to(weight.dtype),
             None,
             None,

@@ -20,7 +20,7 @@ the large terms and leaves a margin for the rest:
   once per layer (the one term that grows with the square of preprocess.seq_length; the varlen
   and flash kernels make none); the output layer's chunk of logits with its float32 log-softmax
   and their gradients (LOGITS_CHUNK_BYTES_PER_ENTRY per row and vocabulary entry, by
-  model.logprob_kernel); and the CUDA context, cuBLAS workspaces and NCCL buffers outside
+  model.logprob_kernel) and the output layer's weight gradient the chunks sum into; and the CUDA context, cuBLAS workspaces and NCCL buffers outside
   PyTorch's allocator.
 - with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
   and the 16 bytes per parameter above for the adapter's parameters only; the actor holds the
@@ -337,8 +337,7 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
         "gathered parameters": int(gathered),
         "activations": int(activations),
         "attention masks": int(masks),
-        # The output layer's weight gradient is summed over the chunks in float32, each chunk's
-        # product in the model's dtype beside it (full fine-tuning).
-        "logits chunk": int(logits) + ((4 + size) * shape.vocab * shape.hidden if lora is None else 0),
+        # The output layer's weight gradient, which the chunks' products sum into (full fine-tuning).
+        "logits chunk": int(logits) + (size * shape.vocab * shape.hidden if lora is None else 0),
         "CUDA context": CUDA_OUTSIDE_ALLOCATOR if cuda else 0,
     }
