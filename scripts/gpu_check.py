@@ -7,6 +7,7 @@ loop doing the same work.
     python scripts/gpu_check.py --lora 16       # the same with LoRA adapters of rank 16 on the frozen base
     python scripts/gpu_check.py --bare          # the bare loop alone on the same shapes and tokens
     python scripts/gpu_check.py --suite         # the whole comparison (GPU, about 8 minutes on an H200)
+    python scripts/gpu_check.py --tally --bare  # CPU, bf16: a step's FLOPs and bytes by kind (scripts/step_tally.py)
     python scripts/gpu_check.py model.logprob_chunk_tokens=512   # any config override
 
 The bare loop: the same model in bf16 without DeepSpeed, each micro-batch's sequences as one
@@ -140,8 +141,8 @@ def bare_loop(
     micro_batches: int,
     steps: int,
     gpu: bool,
+    bf16: bool,
     before_step: Callable[[int], None] = lambda step: None,
-    bf16: bool = True,
 ) -> list[float]:
     """The bare PyTorch loop of the module docstring; returns each step's seconds."""
     dev = "cuda" if gpu else "cpu"
@@ -377,7 +378,7 @@ def main() -> int:
             if tally is not None and step == 1:
                 tally.__enter__()
 
-        times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu, before_step, bf16)
+        times = bare_loop(config, seq_length, sequences_per_row, args.micro_batches, args.steps, gpu, bf16, before_step)
         if tally is not None:
             tally.__exit__(None, None, None)
         timed = times[2:] if len(times) > 3 else times

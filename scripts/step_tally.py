@@ -280,7 +280,7 @@ def report(at: dict[str, dict[str, dict[str, float]]], args, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     bottom = [0.0] * len(names)
     for kind in kinds:
         values = [at[n].get(kind, {}).get("least_ms", 0.0) for n in names]
@@ -288,7 +288,7 @@ def report(at: dict[str, dict[str, dict[str, float]]], args, out: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel(f"ms a step at {args.peak_tflops:g} TFLOP/s, {args.bandwidth_gbs:g} GB/s")
     ax.set_title(f"Least device time a step, {args.layers} layers, {args.tokens} tokens a micro-batch (counted on CPU)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(out / "step_tally.png", dpi=120)
     print(f"\nwrote {out / 'step_tally.json'} and {out / 'step_tally.png'}")
