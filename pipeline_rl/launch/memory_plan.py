@@ -20,8 +20,8 @@ the large terms and leaves a margin for the rest:
   once per layer (the one term that grows with the square of preprocess.seq_length; the varlen
   and flash kernels make none); the output layer's chunk of logits with its float32 log-softmax
   and their gradients (LOGITS_CHUNK_BYTES_PER_ENTRY per row and vocabulary entry, by
-  model.logprob_kernel) and the output layer's weight gradient the chunks sum into; and the CUDA context, cuBLAS workspaces and NCCL buffers outside
-  PyTorch's allocator.
+  model.logprob_kernel) and the output layer's weight gradient the chunks sum into; and the CUDA
+  context, cuBLAS workspaces and NCCL buffers outside PyTorch's allocator.
 - with model.lora: the trainer holds the frozen base in model.dtype (divided by r under ZeRO-3)
   and the 16 bytes per parameter above for the adapter's parameters only; the actor holds the
   adapter's slot (at vLLM's reserved rank) beside the base; an update is the adapter.

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fixtures.helpers import ROOT
@@ -15,18 +16,28 @@ from fixtures.helpers import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 
-@pytest.mark.parametrize("lora", [[], ["--lora", "4"]], ids=["full", "lora"])
-def test_gpu_check_runs_in_reduced_mode(tmp_path, lora):
-    profile = [] if lora else ["--profile"]
-    out = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--reduced", "--steps", "3", "--out", str(tmp_path), *lora, *profile],
+VOCAB, WIDTH, INNER, LAYERS, HEADS, KV_HEADS = 512, 64, 128, 2, 4, 2  # gpu_check.REDUCED
+PER_LAYER = 2 * WIDTH * WIDTH + 2 * WIDTH * (WIDTH // HEADS * KV_HEADS) + 3 * WIDTH * INNER
+"""Weights a token meets in a decoder layer's products: q and o; k and v; the MLP's three."""
+
+
+def reduced_gpu_check(out: Path, *args: str) -> dict:
+    """`gpu_check.py --reduced ARGS`'s result (OUT/gpu_check.json), after it exits cleanly."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--reduced", "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=540,
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora", "4"]], ids=["full", "lora"])
+def test_gpu_check_runs_in_reduced_mode(tmp_path, lora):
+    profile = [] if lora else ["--profile"]
+    result = reduced_gpu_check(tmp_path, "--steps", "3", *lora, *profile)
     assert result["device"] == "cpu" and result["version"] == 3
     assert result["lora_rank"] == (int(lora[1]) if lora else None)
     assert result["tokens_per_s"] > 0 and all(math.isfinite(x) for x in result["loss_first_last"])
@@ -41,30 +52,24 @@ def test_the_tally_counts_the_bare_loops_matrix_products_exactly(tmp_path):
     meets in a product (each decoder layer's projections; the tied output layer, on every
     token), from the arithmetic of a forward and its backward (2 + 4 FLOPs per weight and
     token); attention is counted apart."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/gpu_check.py",
-            "--reduced",
-            "--bare",
-            "--tally",
-            "--steps",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    vocab, width, inner, layers, heads, kv_heads = 512, 64, 128, 2, 4, 2  # gpu_check.REDUCED
-    kv_width = width // heads * kv_heads
-    per_layer = 2 * width * width + 2 * width * kv_width + 3 * width * inner  # q, o; k, v; the MLP's three
+    result = reduced_gpu_check(tmp_path, "--bare", "--tally", "--steps", "2")
     tokens = result["seq_length"] * result["micro_batches_per_step"]
     counted = result["tally"]["by_kind"]
-    assert counted["matmul"]["flops"] == 6 * tokens * (layers * per_layer + vocab * width)
+    assert counted["matmul"]["flops"] == 6 * tokens * (LAYERS * PER_LAYER + VOCAB * WIDTH)
     assert counted["attention"]["flops"] > 0 and counted["matmul"]["bytes"] > 0
     assert set(result["tally"]["least_s"]) == set(counted)
+
+
+def test_the_tally_counts_the_trainers_output_layer_on_the_trained_tokens_only(tmp_path):
+    """The trainer's step under `--tally`, with the compiled logprob kernel: the decoder layers'
+    products as in the bare loop, the output layer's on the trained half of the tokens only, 8
+    FLOPs per weight and row (forward, its recomputation in backward, the two gradients), and
+    the compiled kernel counted once per micro-batch in forward and once in backward (one chunk
+    each), in the counted step only."""
+    result = reduced_gpu_check(
+        tmp_path, "--tally", "--steps", "2", "--zero-stage", "2", "model.logprob_kernel=compiled"
+    )
+    tokens = result["seq_length"] * result["micro_batches_per_step"]
+    counted = result["tally"]["by_kind"]
+    assert counted["matmul"]["flops"] == 6 * tokens * LAYERS * PER_LAYER + 8 * (tokens // 2) * VOCAB * WIDTH
+    assert counted["compiled"]["ops"] == 2 * result["micro_batches_per_step"]
