@@ -53,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile, beside
 
 from device_checks import logprob_kernels, staging_check, varlen_against_sdpa
 from step_profile import StepProfile, around_trainer_steps, count_trainer_step_syncs, host_profile_trainer_steps
-from step_tally import StepTally, fuse_adamw, tally_compiled_logprobs
 
 from pipeline_rl.config import load_config, logprob_kernel, save_config
 from pipeline_rl.metrics import read_metrics
@@ -356,9 +355,12 @@ def main() -> int:
         return 0
     sequences_per_row = args.sequences_per_row
     bf16 = gpu or args.tally is not None
-    price = [float(x) for x in args.tally.split(",")] if args.tally else None  # TFLOP/s, GB/s
-    tally = StepTally(price[0] * 1e12, price[1] * 1e9) if price else None
-    if tally is not None:
+    tally = None
+    if args.tally:  # imported here: the GPU's runs need none of it
+        from step_tally import StepTally, fuse_adamw, tally_compiled_logprobs
+
+        tflops, gbs = (float(x) for x in args.tally.split(","))
+        tally = StepTally(tflops * 1e12, gbs * 1e9)
         fuse_adamw()
         tally_compiled_logprobs(tally)
     # Steps 0 and 1 warm up kernels and the allocator: the profile and the timing leave them out.
