@@ -92,9 +92,7 @@ class StepTally(TorchDispatchMode):
     def __init__(self, peak_flops: float, bandwidth: float) -> None:
         super().__init__()
         self.peak_flops, self.bandwidth = peak_flops, bandwidth
-        self.kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"ops": 0, "flops": 0.0, "bytes": 0.0})
-        self.ops: list[tuple[str, float, float]] = []  # (kind, flops, bytes) of each operator, in order
-        self.bytes_by_name: dict[str, float] = defaultdict(float)
+        self.ops: list[tuple[str, str, float, float]] = []  # (kind, name, flops, bytes) of each, in order
         self.entered = 0  # `fused` counts only while the tally is entered
 
     def __enter__(self):
@@ -104,14 +102,6 @@ class StepTally(TorchDispatchMode):
     def __exit__(self, *exc):
         self.entered -= 1
         return super().__exit__(*exc)
-
-    def _add(self, kind: str, flops: float, nbytes: float, name: str) -> None:
-        self.bytes_by_name[name] += nbytes
-        entry = self.kinds[kind]
-        entry["ops"] += 1
-        entry["flops"] += flops
-        entry["bytes"] += nbytes
-        self.ops.append((kind, flops, nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -123,9 +113,9 @@ class StepTally(TorchDispatchMode):
             return out  # metadata only (an alias, a detach)
         read = inputs[1:] if func.overloadpacket in _WRITE_ONLY else inputs
         nbytes = _unique_bytes(read) + _unique_bytes(outputs + _mutated(func, args, kwargs))
-        formula = _FLOPS.get(func.overloadpacket) or _FLOPS.get(func)
+        formula = _FLOPS.get(func.overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
-        self._add(kind_of(func._schema.name), float(flops), float(nbytes), str(func))
+        self.ops.append((kind_of(func._schema.name), str(func), float(flops), float(nbytes)))
         return out
 
     def fused(self, fn: Callable) -> Callable:
@@ -140,24 +130,34 @@ class StepTally(TorchDispatchMode):
             with _disable_current_modes():
                 out = fn(*args, **kwargs)
             nbytes = _unique_bytes(_tensors((args, kwargs))) + _unique_bytes(_tensors(out))
-            self._add("compiled", 0.0, float(nbytes), f"compiled {fn.__name__}")
+            self.ops.append(("compiled", f"compiled {fn.__name__}", 0.0, float(nbytes)))
             return out
 
         return counted
 
     def summary(self) -> dict:
-        return {kind: dict(entry) for kind, entry in sorted(self.kinds.items())}
+        """By kind: the operators, their FLOPs and their bytes."""
+        kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"ops": 0, "flops": 0.0, "bytes": 0.0})
+        for kind, _, flops, nbytes in self.ops:
+            entry = kinds[kind]
+            entry["ops"] += 1
+            entry["flops"] += flops
+            entry["bytes"] += nbytes
+        return {kind: kinds[kind] for kind in sorted(kinds)}
 
     def most_bytes(self, n: int = 12) -> list[tuple[str, float]]:
         """The `n` operators that moved the most bytes in all (GB)."""
-        ranked = sorted(self.bytes_by_name.items(), key=lambda item: -item[1])[:n]
+        by_name: dict[str, float] = defaultdict(float)
+        for _, name, _, nbytes in self.ops:
+            by_name[name] += nbytes
+        ranked = sorted(by_name.items(), key=lambda item: -item[1])[:n]
         return [(name, round(nbytes / 1e9, 3)) for name, nbytes in ranked]
 
     def least_seconds(self) -> dict[str, float]:
         """By kind, the least time a device with the given peak (FLOP/s) and memory bandwidth
         (bytes/s) spends on the counted operators: each the longer of its FLOPs and its bytes."""
         seconds: dict[str, float] = defaultdict(float)
-        for kind, flops, nbytes in self.ops:
+        for kind, _, flops, nbytes in self.ops:
             seconds[kind] += max(flops / self.peak_flops, nbytes / self.bandwidth)
         return dict(seconds)
 
