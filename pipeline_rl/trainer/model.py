@@ -27,6 +27,11 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         # Copying each gradient into one buffer as backward produces it costs a copy kernel and
         # host time per parameter and micro-batch; the gradients are reduced from where they lie.
         zero["contiguous_gradients"] = False
+    if cfg.trainer.zero_stage == 3:
+        # By default ZeRO-3 replaces torch.nn.functional.linear, process-wide, with a Python
+        # autograd function (host work in every projection's forward and backward). Torch's own
+        # linear saves the same tensors, and a layer's weights are gathered again for its backward.
+        zero["memory_efficient_linear"] = False
     if cfg.trainer.optimizer.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {

@@ -50,9 +50,12 @@ def test_zero3_gathers_a_decoder_layer_at_once(tmp_path):
     one unit, a layer costs one gather in forward and one in backward; checkpointed too (its
     backward's recomputation gathers it, and it stays until its gradients are made). Gathered
     module by module (DeepSpeed's default, the code before) the two layers cost 18 gathers in
-    forward, and no DeepSpeed parameter is ever gathered alone."""
+    forward, and no DeepSpeed parameter is ever gathered alone. The projections run through
+    torch's own linear: DeepSpeed's replacement (its default under ZeRO-3) would gather a
+    weight alone in backward were it not gathered already."""
     runs = {(layers, ckpt): _gathers(tmp_path, layers, ckpt) for layers in (2, 4) for ckpt in (False, True)}
     assert all(r["forward_single"] == r["backward_single"] == 0 for r in runs.values()), runs
+    assert all(r["torch_linear"] == 1 for r in runs.values()), runs
     for ckpt in (False, True):
         for phase in ("forward_fetches", "backward_fetches"):
             assert runs[4, ckpt][phase] - runs[2, ckpt][phase] == 2, (ckpt, phase, runs)
