@@ -29,6 +29,7 @@ copies), and prints one table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -79,6 +80,8 @@ REDUCED = dict(
     num_key_value_heads=2,
     tie_word_embeddings=True,
 )
+# Between the reduced model's largest vector (64 elements) and its smallest matrix (2,048).
+REDUCED_PERSISTENCE = 1000
 # Dense bf16 peak FLOP/s by device name (vendor data sheets).
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -427,9 +430,24 @@ def main() -> int:
         sync_sites: Counter = Counter()
         if args.sync_debug and gpu:
             count_trainer_step_syncs(2, sync_sites)
-        if args.deepspeed:
-            _merge_deepspeed(json.loads(args.deepspeed))
-            result["deepspeed"] = json.loads(args.deepspeed)
+        extra = json.loads(args.deepspeed) if args.deepspeed else {}
+        if args.reduced and args.zero_stage == 3:
+            # At width 64 every parameter is under DeepSpeed's persistence threshold (1e5
+            # elements) and ZeRO-3 would partition none. Here, as at the full shape under the
+            # default, the matrices are partitioned and gathered, the vectors (norms, biases) kept.
+            zero = {"stage3_param_persistence_threshold": REDUCED_PERSISTENCE, **extra.get("zero_optimization", {})}
+            extra = {**extra, "zero_optimization": zero}
+        if extra:
+            _merge_deepspeed(extra)
+            result["deepspeed"] = extra
+        partitioned: list[int] = []  # parameters ZeRO-3 partitions (the rest it keeps whole on every rank)
+
+        def count_partitioned(trainer) -> contextlib.AbstractContextManager:
+            partitioned[:] = [sum(not getattr(p, "ds_persist", True) for p in trainer.model.parameters())]
+            return contextlib.nullcontext()
+
+        if args.zero_stage == 3:
+            around_trainer_steps(0, count_partitioned)
         if profile is not None:
             profile.trainer_steps(2, args.steps)
         if tally is not None:
@@ -456,6 +474,7 @@ def main() -> int:
             tokens_per_s=round(tokens_per_s, 1),
             wall_s=round(wall, 1),
             loss_first_last=[steps[0].get("loss"), steps[-1].get("loss")],
+            partitioned_parameters=partitioned[0] if partitioned else None,
         )
         if gpu:
             result["plan_gib"] = round(plan_gib(cfg), 2)

@@ -41,6 +41,10 @@ def test_gpu_check_runs_in_reduced_mode(tmp_path, lora):
     assert result["device"] == "cpu" and result["version"] == 3
     assert result["lora_rank"] == (int(lora[1]) if lora else None)
     assert result["tokens_per_s"] > 0 and all(math.isfinite(x) for x in result["loss_first_last"])
+    # ZeRO-3 (the script's default) partitions every matrix of the base model as at the full
+    # shape (the tied embedding, seven projections a layer) and keeps the vectors (norms, biases)
+    # and LoRA's rank-4 adapters whole.
+    assert result["zero_stage"] == 3 and result["partitioned_parameters"] == 1 + 7 * LAYERS
     if profile:  # the third step's operators (the first two warm up), matrix products among them
         assert 0 < result["profile"]["by_kind_s"]["matmul"] < result["profile"]["kernel_s"]
         assert result["profile"]["kernel_s"] < result["profile"]["profiled_span_s"]
