@@ -443,7 +443,8 @@ def main() -> int:
         partitioned: list[int] = []  # parameters ZeRO-3 partitions (the rest it keeps whole on every rank)
 
         def count_partitioned(trainer) -> contextlib.AbstractContextManager:
-            partitioned[:] = [sum(not getattr(p, "ds_persist", True) for p in trainer.model.parameters())]
+            if not partitioned:  # once: what ZeRO-3 partitions does not change between steps
+                partitioned.append(sum(not getattr(p, "ds_persist", True) for p in trainer.model.parameters()))
             return contextlib.nullcontext()
 
         if args.zero_stage == 3:
