@@ -111,6 +111,14 @@ def validate(cfg: RunConfig) -> None:
             "'shared.routing_replay' records routes in the engine's one worker: it needs "
             f"'shared.tensor_parallel_size' 1, got {cfg.shared.tensor_parallel_size}"
         )
+    if cfg.shared.routing_replay and cfg.world.gpus_per_node > 0 and not cfg.actor.llm.enforce_eager:
+        # The recorder is a Python function each MoE router calls in the forward pass: a replayed
+        # CUDA graph runs the captured kernels only, so it would record no routes.
+        raise ConfigError(
+            "'shared.routing_replay' records each token's experts from a Python hook inside the forward "
+            "pass, which CUDA graphs skip when they replay: set 'actor.llm.enforce_eager' true "
+            "(or 'shared.routing_replay' false) on GPUs"
+        )
     lora = cfg.model.lora
     if lora is not None:
         if not 1 <= lora.rank <= 512:

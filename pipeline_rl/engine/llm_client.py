@@ -153,9 +153,16 @@ def engine_args(cfg: RunConfig, model_path: str) -> dict[str, Any]:
     return args
 
 
+PINNED_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+"""The model runner every engine uses, whatever the machine: V1, which the CPU runner subclasses
+(what every test runs) and whose attributes engine/routes.py reads. Unset, vLLM picks V2 wherever
+triton is installed (a GPU); spawned TP workers inherit it from this process's environment."""
+
+
 def set_engine_environment(cfg: RunConfig) -> None:
     """Environment an actor's engine needs, set before vLLM starts (also by scripts/bench_actor.py)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the hook reaches it
+    os.environ.update(PINNED_RUNNER)
     keep_cpu_linear_weights()  # swaps copy into the weights (spawned TP workers: tp_worker.py)
     if cfg.model.lora is not None and cfg.world.gpus_per_node == 0:
         single_slot_cpu_lora()

@@ -1,4 +1,5 @@
-"""The in-flight weight swap: a lock around every forward pass of an in-process vLLM engine.
+"""The in-flight weight swap: a lock around every step (forward pass and sampling) of an in-process
+vLLM engine.
 
 The swap contract, for both hooks (this one, TP = 1; engine/tp_swap.py, TP > 1):
 1. receive: `hook.receiver(...)` is the engine's end of the weight broadcast; its
@@ -16,19 +17,24 @@ The swap contract, for both hooks (this one, TP = 1; engine/tp_swap.py, TP > 1):
    the first of it (`on_new_version`), and records the swap's lock wait and hold.
 `SwapGate.swap` is that sequence; each hook supplies how it stages, checks and loads.
 
-The engine's forward pass and logits happen in the model runner's `execute_model`;
-sampling afterwards uses no weights. The hook wraps `execute_model` in a lock and tells its
-owner (`on_new_version`) when a forward pass is the first one with a new policy version, so
-that tokens can be tagged with the version that produced them. `swap` takes the same lock,
-copies the new weights into the engine's parameters and sets the new version. A swap thus
-waits at most one forward pass; sequences in flight keep their KV cache and continue with the
-new weights from the next decode step.
+Both hooks gate the engine core's `step` (schedule, forward pass, sampling, output update): the
+gate wraps `EngineCore.step_fn` and tells its owner (`on_new_version`) when a step is the first
+one with a new policy version, so that tokens can be tagged with the version that produced them.
+A narrower gate would not do: vLLM's Model Runner V2 (what a GPU with triton picks by default)
+keeps only the hidden states in `execute_model` and computes the logits and samples in
+`sample_tokens`, a second executor call that `EngineCore.step` makes after the first returns; a
+swap let in between the two would sample a token of the old body's hidden states through a new
+(or half-copied) output layer, tagged with the old version. `swap` takes the same lock, copies
+the new weights into the engine's parameters and sets the new version. A swap thus waits at most
+one engine step; sequences in flight keep their KV cache and continue with the new weights from
+the next decode step. The engine's environment also pins the V1 runner
+(engine/llm_client.py: `set_engine_environment`), whose attributes engine/routes.py reads.
 
 A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
-another forward pass before the swap has run.
+another step before the swap has run.
 
 On GPU (TP = 1) the broadcast is received on a stream of its own and the load is queued on the
-engine's stream, after the forward pass in flight and before the next one (engine/swap_streams.py):
+engine's stream, after the step's kernels and before the next step's (engine/swap_streams.py):
 the engine keeps generating while an update is transferred, and the lock is held only while the
 copies are queued.
 
@@ -108,7 +114,7 @@ class Receiver(Protocol):
 class SwapStats:
     version: int
     lock_wait_s: float
-    """Time between asking for the lock and getting it (at most one forward pass)."""
+    """Time between asking for the lock and getting it (at most one engine step)."""
     load_s: float
     """Time the lock was held: the staged check's verdict read, the new weights copied in."""
     call_s: float = 0.0
@@ -134,8 +140,8 @@ def _prompt_gil(interval_s: float = 1e-4):
 
 
 class SwapGate:
-    """The lock both hooks share: it wraps one engine callable (`owner.attr`: the model
-    runner's forward pass with TP = 1, the engine core's step with TP > 1), tells its owner when
+    """The lock both hooks share: it wraps one engine callable (`owner.attr`: the engine core's
+    step, for every engine; a stand-in's in tests), tells its owner when
     a call is the first with a new version, and lets a swap in between two calls, with priority
     (a turnstile: once a swap waits, no new call starts before it has run). `swap` is the swap
     contract (module docstring); a hook supplies `stage`, `receiver`, `_check` and `_load`."""
@@ -265,13 +271,15 @@ class SwapGate:
 
 
 class WeightSwapHook(SwapGate):
-    """Gates `model_runner.execute_model` and swaps weights between forward passes; the update
-    is held in this process. What it swaps: the model's weights (EngineWeights) or, with LoRA,
-    the policy's adapter slot (AdapterSlot); both prepare an update without the lock and load it
-    under it."""
+    """Gates the engine core's step and swaps weights between two steps; the update is held in
+    this process (TP = 1: the model runner is in this process too). What it swaps: the model's
+    weights (EngineWeights) or, with LoRA, the policy's adapter slot (AdapterSlot); both prepare
+    an update without the lock and load it under it."""
 
-    def __init__(self, model_runner, version: int, weights: EngineWeights | AdapterSlot, history: int = 10000):
-        super().__init__(model_runner, "execute_model", version, history)
+    def __init__(
+        self, engine_core, model_runner, version: int, weights: EngineWeights | AdapterSlot, history: int = 10000
+    ):
+        super().__init__(engine_core, "step_fn", version, history)
         self.weights = weights
         device = next(model_runner.get_model().parameters()).device
         self.streams = SwapStreams(device)
@@ -280,18 +288,19 @@ class WeightSwapHook(SwapGate):
     def install(
         cls, llm_engine, model_path: str | Path, version: int, adapter_dir: str | Path | None = None
     ) -> WeightSwapHook:
-        """Hook the model runner of an in-process vLLM LLMEngine (single worker, in this process);
+        """Hook an in-process vLLM LLMEngine (engine core and its single worker in this process);
         with `adapter_dir` (the adapter the engine serves in its LoRA slot) updates are adapters."""
         try:
+            engine_core = llm_engine.engine_core.engine_core
             runner = llm_engine.model_executor.driver_worker.worker.model_runner
         except AttributeError:
             raise RuntimeError(
-                "the weight-swap hook needs the model runner in this process: set "
+                "the weight-swap hook needs the engine core and the model runner in this process: set "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 and use one worker (tensor_parallel_size=1)"
             ) from None
         if adapter_dir is not None:
-            return cls(runner, version, AdapterSlot(runner, adapter_dir))
-        return cls(runner, version, EngineWeights.of(runner, model_path))
+            return cls(engine_core, runner, version, AdapterSlot(runner, adapter_dir))
+        return cls(engine_core, runner, version, EngineWeights.of(runner, model_path))
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ticket: str = "local") -> Staged:
         try:

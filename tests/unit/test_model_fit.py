@@ -41,5 +41,14 @@ def test_routing_replay_needs_one_engine_worker():
         load_config("base", ["shared.routing_replay=true", "shared.tensor_parallel_size=2"])
 
 
+def test_routing_replay_is_refused_where_cuda_graphs_replay():
+    """The route recorder is Python called inside the forward pass: a replayed CUDA graph skips
+    it, so on GPUs routing replay needs the eager engine; on CPU (no graphs) either is taken."""
+    with pytest.raises(ConfigError, match=r"CUDA graphs skip when they replay: set 'actor.llm.enforce_eager' true"):
+        load_config("base", ["shared.routing_replay=true", "world.gpus_per_node=8", "actor.llm.enforce_eager=false"])
+    load_config("base", ["shared.routing_replay=true", "world.gpus_per_node=8", "actor.llm.enforce_eager=true"])
+    load_config("base", ["shared.routing_replay=true", "world.gpus_per_node=0", "actor.llm.enforce_eager=false"])
+
+
 def test_nothing_to_check_before_the_model_is_built(tmp_path):
     check_model_fit(load_config("base", [f"model.path={tmp_path / 'not_built'}", "shared.routing_replay=true"]))
