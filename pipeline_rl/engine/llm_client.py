@@ -270,7 +270,7 @@ class LLMClient:
     ) -> Receiver:
         """This engine's end of the weight-update group: the actor process itself, or with TP > 1
         every worker of the engine (see weight_sync.group_ranks); every wait of a transfer
-        within `timeout_s` (world.collective_timeout_s)."""
+        within `timeout_s` (weight_sync.transfer_timeout_s)."""
         ranks, world = group_ranks(actor_index, actors, self.hook.tensor_parallel_size)
         return self.hook.receiver(addr, ranks[0], world, backend, timeout_s, stage_on_host)
 

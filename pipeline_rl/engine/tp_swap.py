@@ -1,19 +1,24 @@
 """The in-flight weight swap for tensor-parallel engines (shared.tensor_parallel_size > 1).
 
 With TP > 1, vLLM runs one model shard per worker process, while the engine core and its
-scheduler stay in the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0). The gate therefore
-moves up one level: `TensorParallelSwapHook` wraps the engine core's step (schedule, forward
-pass in every worker, sample, update) in the lock. `on_new_version` fires at the same moment
-as with TP = 1 (before the first forward pass with new weights), so per-token versions work
-as they do there.
+scheduler stay in the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0). As with TP = 1,
+`TensorParallelSwapHook` wraps the engine core's step (schedule, forward pass in every worker,
+sample, update) in the lock, and `on_new_version` fires before the first step with new weights.
 
 A swap has two phases:
-1. Staging, without the lock: each worker receives the whole update into a buffer of its own,
-   in a thread of the worker process (every TP worker is a rank of the weight-update group,
-   see weight_sync.group_ranks), and sets a key in the sender's store when done. The engine
-   keeps stepping meanwhile.
-   Each worker checks what it received (complete, the checkpoint's names and shapes) right
-   there, and reports the verdict with its status; the actor's `Staged` carries any failure.
+1. Staging: each worker receives the whole update into a buffer of its own (every TP worker is
+   a rank of the weight-update group, see weight_sync.group_ranks), in parts: the join, each
+   bucket, the end. Each part is a call the actor queues to every worker between two engine
+   steps (`SwapGate.between_steps`), and the engine steps once between two parts. A worker runs
+   it in its own loop, after the last step's collectives have finished on its device and
+   finishing its own before it returns. So the weight-sync communicator and the engine's TP
+   communicator are never active at once in a worker, and every worker meets their collectives
+   in one order, the order of its message queue, which vLLM broadcasts to all workers alike.
+   NCCL asks exactly that of several communicators in one process: without it two workers that
+   launch them in different orders can deadlock. The price: the engine does not step while a
+   bucket is on the wire (docs/performance.md has the measured cost).
+   At the end each worker checks what it received (complete, the checkpoint's names and
+   shapes) and replies with the verdict; the actor's `Staged` carries any failure.
 2. Under the lock, between two steps: if any worker's check failed, nothing loads (the old
    version keeps serving); otherwise a load message goes to every worker without waiting for
    the replies, and the new version is set. Each worker reads its messages in order, so it
@@ -46,7 +51,7 @@ from safetensors.torch import save as save_safetensors
 
 from pipeline_rl.engine.vllm_hook import Staged, SwapGate
 from pipeline_rl.streams.records import WeightUpdate, encode
-from pipeline_rl.weight_sync import DIAGNOSE_S, INCARNATION, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
+from pipeline_rl.weight_sync import INCARNATION, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +64,10 @@ GROUP_FAILED = "group failed: "
 PEER_GONE = "peer gone: "
 """The same, failed because members are gone (weight_sync.PeerGone)."""
 CHECK = "check: "
-"""Prefix of a worker's reply or status whose staged update failed its check."""
-
-
-def staged_key(ticket: str, rank: int) -> str:
-    return f"staged/{ticket}/{rank}"
+"""Prefix of a worker's reply whose staged update failed its check."""
+BUCKETS_PER_CALL = 1
+"""Buckets of an update each worker receives in one call between two engine steps: the engine
+steps once between two calls."""
 
 
 def _failures(replies: list[str | None]) -> str | None:
@@ -184,42 +188,49 @@ class TensorParallelReceiver:
         self.incarnation: str | None = None
 
     def receive(self, update: WeightUpdate) -> Staged:
+        """Have every worker receive the update and stage it, in parts that each run between two
+        engine steps (`SwapGate.between_steps`): the join, each bucket, the end and check."""
         ticket = f"{update.version}-{uuid.uuid4().hex[:8]}"
         hook = self.hook
-        with hook._turnstile, hook.lock:  # the sender is waiting: start before the next step
-            failed = _failures(
-                hook._rpc(
-                    "pipeline_rl_receive",
-                    ticket,
-                    self.addr,
-                    self.first_rank,
-                    self.world_size,
-                    self.backend,
-                    self.timeout.total_seconds(),
-                    self.stage_on_host,
-                    encode(update),
-                )
+        self._between_steps(
+            update,
+            "pipeline_rl_receive",
+            ticket,
+            self.addr,
+            self.first_rank,
+            self.world_size,
+            self.backend,
+            self.timeout.total_seconds(),
+            self.stage_on_host,
+            encode(update),
+        )
+        if self.incarnation is None or self._store is None:
+            self._read_incarnation(update)
+        buckets = len(update.bucket_sizes)
+        for first in range(0, buckets, BUCKETS_PER_CALL):
+            self._between_steps(
+                update, "pipeline_rl_receive_buckets", ticket, first, min(first + BUCKETS_PER_CALL, buckets)
             )
-        if failed:
-            raise RuntimeError(f"weight update {update.version}: {failed}")
-        keys = [staged_key(ticket, self.first_rank + r) for r in range(hook.tensor_parallel_size)]
-        try:
-            if self._store is None:
-                self._store = dist.TCPStore(
-                    self._host, self._port, self.world_size, is_master=False, timeout=self.timeout
-                )
-                self.incarnation = self._store.get(INCARNATION).decode()
-            # A worker whose transfer fails reports it within the timeout and its diagnosis.
-            self._store.wait(keys, self.timeout + timedelta(seconds=2 * DIAGNOSE_S))
-            statuses = [self._store.get(k).decode() for k in keys]
-            for k in keys:
-                self._store.delete_key(k)
-        except Exception as e:
-            self._store = None  # the sender's store went away (trainer restarted): connect again next time
-            raise WeightGroupFailed(
-                f"weight update {update.version}: no report from the TP workers through the weight-sync store at "
-                f"{self.addr} ({e}): {SENDER} (weight-update rank 0, the sender, hosts it) is gone, or a worker hangs"
-            ) from e
+        replies = hook.between_steps(lambda: hook._rpc("pipeline_rl_receive_end", ticket))
+        self._raise_failed(update, replies)
+        return _staged(ticket, replies, f"weight update {update.version}")
+
+    def _between_steps(self, update: WeightUpdate, method: str, *args: Any) -> None:
+        """Call `method` in every worker between two engine steps and raise any worker's failure.
+        The workers whose part went through keep the group: the sender names a new one after a
+        failed transfer, and their next join leaves this one for it."""
+        hook = self.hook
+        replies = hook.between_steps(lambda: hook._rpc(method, *args))
+        if _failures(replies) is None:
+            return
+        self._raise_failed(update, replies)
+        raise RuntimeError(f"weight update {update.version}: {_failures(replies)}")
+
+    @staticmethod
+    def _raise_failed(update: WeightUpdate, replies: list[str | None]) -> None:
+        """Raise what a worker's failed transfer means for the actor (a failed check is the
+        swap's to refuse, not raised here)."""
+        statuses = [r for r in replies if r is not None]
         gone = [s for s in statuses if s.startswith(PEER_GONE)]
         if gone:
             raise PeerGone(gone[0].removeprefix(PEER_GONE))
@@ -229,7 +240,18 @@ class TensorParallelReceiver:
         stale = [s for s in statuses if s.startswith(STALE)]
         if stale:
             raise StaleUpdate(stale[0].removeprefix(STALE))
-        return _staged(ticket, [None if s == "ok" else s for s in statuses], f"weight update {update.version}")
+
+    def _read_incarnation(self, update: WeightUpdate) -> None:
+        """The sender's incarnation, from its store (the workers joined it already)."""
+        try:
+            self._store = dist.TCPStore(self._host, self._port, self.world_size, is_master=False, timeout=self.timeout)
+            self.incarnation = self._store.get(INCARNATION).decode()
+        except Exception as e:
+            self._store = None  # the sender's store went away (trainer restarted): connect again next time
+            raise WeightGroupFailed(
+                f"weight update {update.version}: the weight-sync store at {self.addr} is unreachable ({e}): "
+                f"{SENDER} (weight-update rank 0, the sender, hosts it) is gone"
+            ) from e
 
     def close(self) -> None:
         self._store = None

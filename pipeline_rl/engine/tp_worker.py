@@ -11,9 +11,9 @@ queue is told to let it sleep when there is nothing to do (engine/idle_spin.py).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from safetensors.torch import load as load_safetensors
 from pipeline_rl.engine.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
 from pipeline_rl.engine.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
 from pipeline_rl.engine.idle_spin import shorten_idle_spin
-from pipeline_rl.engine.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE, staged_key
+from pipeline_rl.engine.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE
 from pipeline_rl.streams.records import WeightUpdate, decode
 from pipeline_rl.weight_layout import dtype_of
 from pipeline_rl.weight_sync import PeerGone, StaleUpdate, WeightGroupFailed, WeightReceiver
@@ -41,7 +41,8 @@ class _WorkerState:
         """This worker's shard of the model, or (LoRA) of the policy's adapter slot."""
         self.receiver: WeightReceiver | None = None
         self.staged: tuple[str, Prepared | PreparedAdapter] | None = None
-        self.receiving: threading.Thread | None = None
+        self.receiving: tuple[str, WeightUpdate] | None = None
+        """The ticket and announcement of the update being received."""
         self.load_s: deque[float] = deque(maxlen=10000)
         """Seconds each load took in this worker (at the head of the step after the swap)."""
 
@@ -111,54 +112,77 @@ class TensorParallelWorker:
         stage_on_host: bool,
         update: bytes,
     ) -> str | None:
-        """Start receiving an announced broadcast as weight-update rank `rank + self.rank`, in a
-        thread; it reports to the sender's store under staged_key(ticket, that rank)."""
+        """Begin receiving an announced broadcast as weight-update rank `rank + self.rank`: check
+        it and join its group (WeightReceiver.begin). Like every receiving call, it runs in the
+        worker's own loop, between two engine steps (the module docstring of engine/tp_swap.py
+        says why); the reply is None or why it failed (a STALE, PEER_GONE, GROUP_FAILED or
+        CHECK prefix says how)."""
         state = self._pipeline_rl
-        if state.receiving is not None and state.receiving.is_alive():
-            return f"worker {self.rank}: still receiving the previous update"
-        my_rank = rank + self.rank
+        state.staged = None
         try:
             if state.receiver is None:
                 # Staged on host, a worker keeps only its shard: the views its copy plan reads.
                 keep = (
                     state.weights.source_views() if stage_on_host and isinstance(state.weights, EngineWeights) else None
                 )
-                state.receiver = WeightReceiver(addr, my_rank, world_size, backend, timeout_s, stage_on_host, keep)
+                state.receiver = WeightReceiver(
+                    addr, rank + self.rank, world_size, backend, timeout_s, stage_on_host, keep
+                )
             announced = decode(update, WeightUpdate)
         except Exception as e:
             return f"worker {self.rank}: {e}"
-        receiver = state.receiver
-        state.staged = None
+        state.receiving = (ticket, announced)
 
-        def receive() -> None:
-            try:
-                if receiver.device.type == "cuda":  # the current device is per thread
-                    torch.cuda.set_device(receiver.device)
-                if receiver.keep is not None:
-                    kept = receiver.receive_kept(announced)
-                    status = self._pipeline_rl_prepare_kept(ticket, announced, kept) or "ok"
-                else:
-                    named = receiver.receive(announced)
-                    if receiver.device.type == "cuda":
-                        # The engine loads from these buffers on its own streams: the broadcast's
-                        # kernels must be done before the actor is told so.
-                        torch.cuda.synchronize(receiver.device)
-                    status = self._pipeline_rl_prepare(ticket, named) or "ok"
-            except StaleUpdate as e:
-                status = f"{STALE}{e}"
-            except WeightGroupFailed as e:
-                prefix = PEER_GONE if isinstance(e, PeerGone) else GROUP_FAILED
-                status = f"{prefix}worker {self.rank} (weight-update rank {my_rank}): {e}"
-            except Exception as e:
-                status = f"worker {self.rank} (weight-update rank {my_rank}): {e}"
-            try:
-                receiver.publish(staged_key(ticket, my_rank), status)
-            except Exception:
-                log.exception("worker %d could not report the end of weight update %d", self.rank, announced.version)
+        def begin(receiver: WeightReceiver) -> None:
+            receiver.begin(announced)
 
-        state.receiving = threading.Thread(target=receive, name="weight-receiver", daemon=True)
-        state.receiving.start()
-        return None
+        return self._pipeline_rl_receiving(begin)
+
+    def pipeline_rl_receive_buckets(self, ticket: str, first: int, stop: int) -> str | None:
+        """Receive buckets first .. stop - 1 of the update `pipeline_rl_receive` began."""
+        if self._pipeline_rl.receiving is None or self._pipeline_rl.receiving[0] != ticket:
+            return f"worker {self.rank}: update {ticket} is not being received"
+        return self._pipeline_rl_receiving(lambda receiver: receiver.receive_buckets(first, stop))
+
+    def pipeline_rl_receive_end(self, ticket: str) -> str | None:
+        """End the update's transfer and stage it: checked against this worker's copy plan."""
+        state = self._pipeline_rl
+        if state.receiving is None or state.receiving[0] != ticket:
+            return f"worker {self.rank}: update {ticket} is not being received"
+        announced = state.receiving[1]
+        state.receiving = None
+
+        def stage(receiver: WeightReceiver) -> str | None:
+            named = receiver.end()
+            if receiver.keep is not None:
+                return self._pipeline_rl_prepare_kept(ticket, announced, receiver._kept)
+            return self._pipeline_rl_prepare(ticket, named)
+
+        return self._pipeline_rl_receiving(stage)
+
+    def _pipeline_rl_receiving(self, step: Callable[[WeightReceiver], str | None]) -> str | None:
+        """Run one part of a transfer on this worker's receiver, the engine's collectives
+        finished before it starts and its own before it returns; the reply is None or why it
+        failed."""
+        receiver = self._pipeline_rl.receiver
+        assert receiver is not None
+        try:
+            if receiver.device.type == "cuda":  # the last step's collectives may still run on the device
+                torch.cuda.synchronize(receiver.device)
+            reply = step(receiver)
+            if receiver.device.type == "cuda":  # the engine loads from these buffers on its own streams
+                torch.cuda.synchronize(receiver.device)
+            return reply
+        except StaleUpdate as e:
+            self._pipeline_rl.receiving = None
+            return f"{STALE}{e}"
+        except WeightGroupFailed as e:
+            self._pipeline_rl.receiving = None
+            prefix = PEER_GONE if isinstance(e, PeerGone) else GROUP_FAILED
+            return f"{prefix}worker {self.rank} (weight-update rank {receiver.rank}): {e}"
+        except Exception as e:
+            self._pipeline_rl.receiving = None
+            return f"worker {self.rank} (weight-update rank {receiver.rank}): {e}"
 
     def pipeline_rl_load(self, ticket: str) -> str | None:
         state = self._pipeline_rl

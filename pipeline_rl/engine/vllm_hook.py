@@ -244,6 +244,22 @@ class SwapGate:
                 self.swap_count += 1
             return stats
 
+    def between_steps(self, call: Callable[[], Any]) -> Any:
+        """Run `call` between two engine calls, with a swap's priority; then, while the engine is
+        busy, wait (at most two calls' length) until it has begun its next call, so that a
+        caller making many such calls in a row lets the engine step between each two."""
+        with self._turnstile, self.lock:
+            result = call()
+            passes = self.forward_passes
+            released = time.perf_counter()
+        began, ended = self._last_call
+        length = ended - began
+        if released - ended < 2 * length + 1e-3:  # the engine was stepping before this call
+            deadline = released + 2 * length + 1e-3
+            while self.forward_passes == passes and time.perf_counter() < deadline:
+                time.sleep(1e-4)
+        return result
+
     def recent_swaps(self) -> tuple[list[SwapStats], int]:
         """The latest swaps, oldest first (at most `history`), and the count of all swaps so far,
         read together from any thread."""
@@ -345,9 +361,11 @@ class LocalReceiver:
         return self.endpoint.incarnation
 
     def receive(self, update: WeightUpdate) -> Staged:
+        # Staging (a LoRA update's packing and copies) runs on the receive stream too: the load
+        # waits for that stream's event, recorded when this block ends.
         with self.hook.streams.receiving():
             tensors = self.endpoint.receive(update)
-        return self.hook.stage(tensors, ticket=str(update.version))
+            return self.hook.stage(tensors, ticket=str(update.version))
 
     def close(self) -> None:
         self.endpoint.close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -84,6 +86,8 @@ class WeightReceiver(Endpoint):
         self._views: list[torch.Tensor] = []
         self._parts: list[list[torch.Tensor]] = []
         """Per bucket, its messages' bytes in the receive buffer."""
+        self._transfer: tuple[WeightUpdate, Layout, float] | None = None
+        """The transfer `begin` started: its announcement, layout and start time."""
 
     def receive(self, update: WeightUpdate) -> list[tuple[str, torch.Tensor]]:
         """Take part in the broadcast announced by `update`; returns (name, tensor) pairs whose
@@ -92,11 +96,20 @@ class WeightReceiver(Endpoint):
         Raises StaleUpdate for an announcement whose transfer is over, ValueError for an
         inconsistent announcement, and WeightGroupFailed, naming the members that did not
         finish, when a member dies or stalls past the timeout."""
+        buckets = self.begin(update)
+        self.receive_buckets(0, buckets)
+        return self.end()
+
+    def begin(self, update: WeightUpdate) -> int:
+        """The first part of `receive`, in three calls for a caller that must order each
+        bucket's transfer against other collectives (a tensor-parallel worker between two engine
+        steps, engine/tp_worker.py): check the announcement and join its group. Returns the
+        number of buckets; then `receive_buckets` for each, and `end`."""
         kept = self._kept_layout(update, None)
         if kept is None:
             check_announcement(update)
         started = time.monotonic()
-        try:
+        with self._failing(update.version, started):
             self._join(update)
             plan = update.plan
             if self.keep is not None and update.names != self._names:
@@ -104,25 +117,52 @@ class WeightReceiver(Endpoint):
                 self._names = list(update.names)
                 kept = None
             layout = kept if kept is not None and kept.plan == plan else self._new_layout(update, plan)
-            self._receive_messages(layout)
+            self._transfer = (update, layout, started)
+        return len(layout.bucket_sizes)
+
+    def receive_buckets(self, first: int, stop: int) -> None:
+        """Receive buckets first .. stop - 1 of the transfer `begin` started."""
+        assert self._transfer is not None, "receive_buckets before begin"
+        update, layout, started = self._transfer
+        with self._failing(update.version, started):
+            self._receive_messages(layout, first, stop)
+
+    def end(self) -> list[tuple[str, torch.Tensor]]:
+        """Close the transfer `begin` started (every bucket received): the update's tensors, as
+        `receive` returns them."""
+        assert self._transfer is not None, "end before begin"
+        update, _, started = self._transfer
+        self._transfer = None
+        with self._failing(update.version, started):
             if self.backend == "gloo" and time.monotonic() - started >= FROZEN_S:
                 # Long enough to have been taken for frozen (this process, stopped, wakes to
                 # find its transfer done): the sender may have given it up and unregistered
                 # this receiver, which then registers again through the failure path.
                 self._frozen_check({})
             self._received = update.version
+        return list(zip(update.names, self._views))
+
+    @contextlib.contextmanager
+    def _failing(self, version: int, started: float) -> Iterator[None]:
+        """What a failure inside a transfer becomes: StaleUpdate as it is; ValueError (an
+        announcement this receiver cannot take, not a fault of the group) after leaving the
+        group; anything else WeightGroupFailed, naming the members that are gone."""
+        try:
+            yield
         except StaleUpdate:
+            self._transfer = None
             raise
-        except ValueError:  # an announcement this receiver cannot take: not a fault of the group
+        except ValueError:
+            self._transfer = None
             self._drop_group()
             self._store = None
             raise
         except Exception as e:
+            self._transfer = None
             self._drop_group()
-            failed = self._failed(self._store, update.version, started, e)
+            failed = self._failed(self._store, version, started, e)
             self._store = None  # a trainer that restarted hosts a new store: connect again next time
             raise failed from e
-        return list(zip(update.names, self._views))
 
     def _join(self, update: WeightUpdate) -> None:
         """Make sure `update` is current and this receiver is in the group that broadcasts it.
@@ -224,25 +264,27 @@ class WeightReceiver(Endpoint):
         self._kept = {}
         self._kept_by_index = []
 
-    def _receive_messages(self, layout: Layout) -> None:
-        """Into the receive buffer: the messages of two buckets started at a time, bucket b + 2's
-        once bucket b's are done (a message never waits behind more than two buckets: NCCL
-        counts a collective's timeout from its start). Staged on host: one message at a time
-        through the bounce buffer."""
+    def _receive_messages(self, layout: Layout, first: int, stop: int) -> None:
+        """Into the receive buffer, buckets first .. stop - 1: the messages of two buckets
+        started at a time, bucket b + 2's once bucket b's are done (a message never waits behind
+        more than two buckets: NCCL counts a collective's timeout from its start). Staged on
+        host: one message at a time through the bounce buffer."""
         parts = self._parts
         if not self.stage_on_host:
-            started = [[self._start(part) for part in bucket] for bucket in parts[:2]]
-            for b in range(len(parts)):
-                for work in started[b]:
+            started = {b: [self._start(part) for part in parts[b]] for b in range(first, min(first + 2, stop))}
+            for b in range(first, stop):
+                for work in started.pop(b):
                     self._wait_for(work)
-                if b + 2 < len(parts):
-                    started.append([self._start(part) for part in parts[b + 2]])
+                if b + 2 < stop:
+                    started[b + 2] = [self._start(part) for part in parts[b + 2]]
             return
         if self._bounce is None or self._bounce.numel() < layout.largest:
             self._bounce = None
             self._bounce = torch.empty(layout.largest, dtype=torch.uint8, device=self.device)
         if self.keep is not None:
             for msg in layout.messages:
+                if not first <= msg.bucket < stop:
+                    continue
                 bounce = self._bounce[: msg.stop - msg.start]
                 self._wait_for(self._start(bounce))
                 for i, (at, n) in zip(msg.members, msg.at):
@@ -251,7 +293,7 @@ class WeightReceiver(Endpoint):
                         for block, (shape, stride, offset) in self._kept_by_index[i]:
                             block.copy_(tensor.as_strided(shape, stride, tensor.storage_offset() + offset))
             return
-        for bucket in parts:
+        for bucket in parts[first:stop]:
             for part in bucket:
                 bounce = self._bounce[: part.numel()]
                 self._wait_for(self._start(bounce))

@@ -35,7 +35,7 @@ import psutil
 import pytest
 import torch
 from fixtures.helpers import free_port, hf_model, perturbed, start_tp_client
-from fixtures.swap_checks import swap_during_generation
+from fixtures.swap_checks import generate_with_swap, swap_during_generation
 from safetensors.torch import load_file
 
 from pipeline_rl.config import load_config
@@ -198,6 +198,75 @@ def test_broadcast_swap_takes_effect_at_the_next_step_on_both_shards(client, tin
     )
     broadcast(trained, client.version + 1)
     assert client.hook.failures == 0
+
+
+def test_weight_sync_and_engine_collectives_run_in_one_order_on_every_worker(client, trained, broadcast):
+    """Each worker records every collective of the engine's TP group and every message of the
+    weight broadcast, as they begin and end, while an update arrives during a generation: both
+    workers meet them in the same order, and never has one of each in flight at once (NCCL's
+    rule for several communicators in one process; engine/tp_swap.py)."""
+
+    def record(worker):
+        import threading as worker_threading
+
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from pipeline_rl.weight_sync import receiver as receiver_module
+
+        events: list[tuple[str, str]] = []
+        lock = worker_threading.Lock()
+        worker._collective_events = events
+
+        def log(kind: str, what: str) -> None:
+            with lock:
+                events.append((kind, what))
+
+        communicator = get_tp_group().device_communicator
+        for name in ("all_reduce", "gather", "all_gather"):
+
+            def engine_op(*args, _call=getattr(communicator, name), _name=name, **kwargs):
+                log("engine+", _name)
+                try:
+                    return _call(*args, **kwargs)
+                finally:
+                    log("engine-", _name)
+
+            setattr(communicator, name, engine_op)
+        cls = receiver_module.WeightReceiver
+        start, wait_for = cls._start, cls._wait_for
+
+        def weights_start(self, buffer):
+            log("weights+", "broadcast")
+            return start(self, buffer)
+
+        def weights_wait_for(self, work):
+            try:
+                return wait_for(self, work)
+            finally:
+                log("weights-", "broadcast")
+
+        cls._start, cls._wait_for = weights_start, weights_wait_for
+
+    def collected(worker):
+        return list(worker._collective_events)
+
+    on_worker(client, record)
+    prompt = client.tokenizer.encode("12 + 7 =")
+    weights = perturbed(trained, seed=3)
+    c = generate_with_swap(client, prompt, 120, lambda: broadcast(weights, client.version + 1), swap_after=20)
+    broadcast(trained, client.version + 1)
+    first, second = on_worker(client, collected)
+    assert len(set(c.versions)) == 2, "the update did not arrive during the generation"
+    starts = [[e for e in events if e[0].endswith("+")] for events in (first, second)]
+    assert starts[0] == starts[1], "the workers met the two groups' collectives in different orders"
+    for events in (first, second):
+        assert sum(k == "weights+" for k, _ in events) >= 2 * 3  # two updates of 3 buckets or more
+        assert sum(k == "engine+" for k, _ in events) > 100
+        engine, weights_in_flight = 0, 0
+        for kind, what in events:
+            engine += {"engine+": 1, "engine-": -1}.get(kind, 0)
+            weights_in_flight += {"weights+": 1, "weights-": -1}.get(kind, 0)
+            assert not (engine and weights_in_flight), f"{what} ran with the other group's collective in flight"
 
 
 def test_check_failing_in_one_worker_loads_nothing(client, trained):

@@ -112,3 +112,26 @@ def test_on_cpu_nothing_is_queued(monkeypatch):
     with s.receiving(), s.loading():
         pass
     assert s.engine is None and s.received is None and s.loaded is None
+
+
+def test_a_tp1_receiver_stages_on_the_receive_stream_before_its_event(fake_cuda):
+    """Staging makes device work of its own (a LoRA update is packed and copied on the device):
+    it is queued on the receive stream, before the event the load waits for."""
+    from types import SimpleNamespace
+
+    from pipeline_rl.engine.vllm_hook import LocalReceiver, Staged
+
+    rec = fake_cuda
+
+    def stage(tensors, ticket):
+        rec.log.append(("stage", rec.current))
+        return Staged(ticket)
+
+    def receive(update):
+        rec.log.append(("messages", rec.current))
+        return []
+
+    hook = SimpleNamespace(streams=SwapStreams(torch.device("cuda", 0)), stage=stage)
+    LocalReceiver(hook, SimpleNamespace(receive=receive)).receive(SimpleNamespace(version=1))  # pyright: ignore[reportArgumentType]
+    assert rec.log[:2] == [("messages", "receive"), ("stage", "receive")]
+    assert rec.log[2][:2] == ("record", "receive") and len(rec.log) == 3
