@@ -117,7 +117,7 @@ class Actor:
         self.receiver = None
         self.weight_sync_addr = addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         if addr:
-            from pipeline_rl.weight_sync import backend_for
+            from pipeline_rl.weight_sync import backend_for, transfer_timeout_s
 
             backend = backend_for(cfg.world.gpus_per_node)
             self.receiver = self.llm.weight_receiver(
@@ -125,7 +125,7 @@ class Actor:
                 index,
                 self.actor_count.largest,
                 backend,
-                cfg.world.collective_timeout_s,
+                transfer_timeout_s(cfg.world.collective_timeout_s),
                 cfg.actor.llm.stage_weights_on_host,
             )
             self.llm.start_receiver(self.receiver, self.streams.reader(Topic.WEIGHTS, WeightUpdate))

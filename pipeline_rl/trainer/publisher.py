@@ -20,7 +20,14 @@ from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.streams.api import Streams
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.trainer.full_weights import Named, gathered_chunks, parameter_specs
-from pipeline_rl.weight_sync import WeightGroupFailed, WeightSender, backend_for, group_ranks, member_names
+from pipeline_rl.weight_sync import (
+    WeightGroupFailed,
+    WeightSender,
+    backend_for,
+    group_ranks,
+    member_names,
+    transfer_timeout_s,
+)
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,7 @@ class WeightPublisher:
                 addr,
                 group_ranks(0, actors, self.tp)[1],
                 backend_for(cfg.world.gpus_per_node),
-                cfg.world.collective_timeout_s,
+                transfer_timeout_s(cfg.world.collective_timeout_s),
                 member_names(actors, self.tp),
             )
             self.writer = streams.writer(Topic.WEIGHTS)

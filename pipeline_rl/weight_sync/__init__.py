@@ -49,7 +49,7 @@ is there, so that a run goes on when an actor dies and takes its replacement bac
 registers ("ready/RANK", set to a token of its own) when it connects to the store; the sender
 forms a new group when the registrations differ from the group's members (a rank registered
 under a new token is a replacement process; two store round trips per update when all are
-registered); the first group waits for every receiver, a later one takes those registered by
+registered); the first group waits for every receiver (up to the timeout), a later one takes those registered by
 then; a member found gone by a failed transfer is unregistered. A trainer that waits for data
 sends its weights again when a receiver joins (trainer.py), so a replacement of the only actor
 gets current weights. An update whose group was formed without a receiver raises NotMember
@@ -69,26 +69,30 @@ has reached the store, so it beats while the member waits in a collective), and 
 DIAGNOSE_S apart, and raises WeightGroupFailed naming the members whose counter stood still
 (dead, or hung with the interpreter stuck; names by rank under the store key "members", which
 the sender sets). A store that cannot be reached means the sender, which hosts it, is gone.
-The timeout of every wait is `world.collective_timeout_s` (pipeline_rl/collectives.py).
+The timeout of every wait is half the run's `world.collective_timeout_s` (`transfer_timeout_s`:
+under ZeRO-3 the other trainer ranks wait for rank 0's broadcast inside a collective that times
+out at the whole of it, so a hung receiver costs one failed update, never the trainer pool).
 
 A member that freezes (its node hung or cut off) keeps its sockets open, so a transfer to it
-would wait for that whole timeout. On gloo every wait is taken in slices (WAIT_SLICE_S);
+would wait for that whole timeout. Every wait is taken in slices (WAIT_SLICE_S: gloo waits
+each slice, NCCL's completion is polled, since a blocking NCCL wait that runs out aborts its
+communicator);
 between two, the sender reads its members' counters, and once one has stood still for FROZEN_S
 it gives the transfer up: it sets ABANDONED to the group's name, keeps the group object for good
-(destroying it would join threads that wait on the frozen member), raises MemberFrozen, and,
+(destroying it would join threads that wait on the frozen member; an NCCL communicator is
+aborted, which ends its kernel), raises MemberFrozen, and,
 through the usual failure path, PeerGone naming the member, which it unregisters. Receivers
 still waiting in that group see ABANDONED and give up too; the next version forms a group
 without the frozen member, and a member that was only slow registers again when it wakes. A
 member whose rank a new process registered at since (the replacement of a tensor-parallel
 actor's worker, whose heartbeat now beats at that rank) is given up the same way. Building a
 group is waited for likewise (on a store connection of its own, on a thread): gloo connects
-every pair of members then, and a member that registered and then died (a tensor-parallel
+every pair of members then, NCCL at a one-element broadcast made there, and a member that registered and then died (a tensor-parallel
 actor's other worker, stopped by vLLM after the transfer that named the first) would hold it
 for the timeout. The sender sets ABANDONED after every failed transfer, not only a frozen
 member's: a member that died after connecting to the sender alone fails the sender's end at
 once, while a receiver still building the group would wait for it, and hold the next group up,
-for the whole timeout. NCCL waits cannot be taken in slices (a blocking wait that runs out
-aborts the communicator): there a frozen member still costs the timeout.
+for the whole timeout.
 
 An actor that leaves for good (the job was scaled below it: pipeline_rl/core/actor_count.py)
 deletes its ranks' registrations (`leave_group`) and waits, still receiving, until the sender
@@ -112,6 +116,7 @@ from pipeline_rl.weight_sync.group import (
     backend_for,
     group_ranks,
     member_names,
+    transfer_timeout_s,
 )
 from pipeline_rl.weight_sync.receiver import WeightReceiver, leave_group, published_version
 from pipeline_rl.weight_sync.sender import WeightSender
@@ -136,4 +141,5 @@ __all__ = [
     "leave_group",
     "member_names",
     "published_version",
+    "transfer_timeout_s",
 ]

@@ -57,6 +57,22 @@ FROZEN_S = 10.0
 frozen (its node hung or was cut off: its sockets stay open, so the transfer would wait for the
 whole timeout): the transfer is given up. Four times DIAGNOSE_S, so that a receiver whose
 heartbeat thread is only starved of the CPU for a while is not taken for frozen."""
+TRANSFER_SHARE = 0.5
+"""The weight-update group's timeout as a share of the run's collective timeout
+(`transfer_timeout_s`)."""
+POLL_S = 1e-4
+"""How often an NCCL transfer's completion is polled within a slice of its wait."""
+
+
+def transfer_timeout_s(collective_timeout_s: float) -> float:
+    """The bound on every wait of the weight-update group (a transfer, forming a group, the first
+    update's wait for its receivers). Under ZeRO-3 the other trainer ranks wait for rank 0's
+    broadcast inside a collective of their own (the next bucket's gather) that times out at the
+    run's collective timeout: bounded well below it (and its diagnosis, DIAGNOSE_S, with it), a
+    receiver that hangs costs the trainer pool one failed update, never its collectives."""
+    return collective_timeout_s * TRANSFER_SHARE
+
+
 ABANDONED = "abandoned"
 """Store key the sender sets to the name of a group it gave up (its transfer failed, or a
 member froze or was replaced): the receivers still waiting in that group give up too."""
@@ -78,8 +94,8 @@ def backend_for(gpus_per_node: int) -> str:
 
 
 class MemberFrozen(WeightGroupFailed):
-    """A transfer was given up because a member it waited on froze (FROZEN_S), or the sender
-    gave its group up (ABANDONED)."""
+    """A transfer was given up because a member it waited on froze (FROZEN_S), its timeout ran
+    out, or the sender gave its group up (ABANDONED)."""
 
 
 class StaleUpdate(Exception):
@@ -183,51 +199,66 @@ class Endpoint:
         return self._group.broadcast([buffer], self._opts)
 
     def _wait_for(self, work: Any) -> None:
-        """Wait for `work` of the current group. NCCL: within the timeout (its blocking wait
-        aborts the communicator when a wait runs out, so it cannot be waited for in slices).
-        gloo: in slices of WAIT_SLICE_S, between which `_frozen_check` may give the transfer up
-        (raising MemberFrozen) before gloo's own timeout would end it."""
-        if self.backend != "gloo":
-            work.wait(self.timeout)
-            return
+        """Wait for `work` of the current group within the timeout, in slices of WAIT_SLICE_S,
+        between which `_frozen_check` may give the transfer up (raising MemberFrozen) before the
+        timeout would end it. gloo waits each slice itself; NCCL's completion is polled (a
+        blocking NCCL wait that runs out aborts the communicator, so it cannot be sliced), then
+        waited for once done, which raises its error if it failed."""
         seen: dict[int, tuple[bytes | None, float]] = {}
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
-            try:
-                work.wait(timedelta(seconds=WAIT_SLICE_S))
-                return
-            except RuntimeError:
-                if work.is_completed():  # failed, not a slice that ran out: gloo's own error
-                    raise
+            if self.backend == "gloo":
+                try:
+                    work.wait(timedelta(seconds=WAIT_SLICE_S))
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # failed, not a slice that ran out: gloo's own error
+                        raise
+            else:
+                slice_end = min(time.monotonic() + WAIT_SLICE_S, deadline)
+                while not work.is_completed() and time.monotonic() < slice_end:
+                    time.sleep(POLL_S)
+                if work.is_completed():
+                    work.wait()
+                    return
+            if time.monotonic() >= deadline:
+                raise self._give_up(f"gave the transfer up after its timeout, {self.timeout.total_seconds():g} s")
             self._frozen_check(seen)
 
     def _build_group(self, rank: int, size: int) -> Any:
         """The group named `self._group_name`, this member at `rank` of `size`, on a store
         connection of its own (a group being made blocks its connection in waits for the other
-        members' addresses). gloo connects every pair of members as the group is made, so a
-        member that registered and then died or froze would hold that for the whole timeout:
-        the group is made on a thread of its own and waited for like a transfer
-        (`_frozen_check` between slices; a thread given up ends at gloo's timeout). An NCCL
-        group connects at its first collective."""
+        members' addresses). Its members connect as it is made (gloo: every pair; NCCL: at a
+        first one-element broadcast, made here so that the connection is not the first
+        transfer's, where it would block the calling thread), so a member that registered and
+        then died or froze would hold that for the whole timeout: the group is made on a thread
+        of its own and waited for like a transfer (`_frozen_check` between slices; a thread given
+        up ends at the group's timeout, or never, for a frozen NCCL peer: it is a daemon)."""
         assert self._group_name is not None
         name = self._group_name
         store = dist.TCPStore(self.host, self.port, None, is_master=False, timeout=self.timeout)
-        if self.backend != "gloo":
-            return new_group(store, name, rank, size, self.backend, self.timeout)
         made: dict[str, Any] = {}
 
         def build() -> None:
             try:
-                made["group"] = new_group(store, name, rank, size, self.backend, self.timeout)
+                group: Any = new_group(store, name, rank, size, self.backend, self.timeout)
+                if self.backend == "nccl":
+                    torch.cuda.set_device(self.device)  # the current device is per thread
+                    group.broadcast([torch.zeros(1, device=self.device)], self._opts).wait()
+                made["group"] = group
             except Exception as e:  # raised below, unless the wait was given up meanwhile
                 made["error"] = e
 
         thread = threading.Thread(target=build, name=f"weight-group-{name}", daemon=True)
         thread.start()
         seen: dict[int, tuple[bytes | None, float]] = {}
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
             thread.join(WAIT_SLICE_S)
             if not thread.is_alive():
                 break
+            if time.monotonic() >= deadline:
+                raise MemberFrozen(f"gave forming the group up after its timeout, {self.timeout.total_seconds():g} s")
             self._frozen_check(seen)
         if "error" in made:
             raise made["error"]
@@ -238,7 +269,10 @@ class Endpoint:
         and the receivers each say when)."""
 
     def _give_up(self, why: str) -> MemberFrozen:
-        """Keep the current group for good (its threads wait on a frozen member) and leave it."""
+        """Keep the current group for good (its threads wait on a frozen member) and leave it;
+        an NCCL communicator is aborted first, so that its kernel waiting on the member ends."""
+        if self.backend == "nccl" and self._group is not None:
+            self._group.abort()
         self._abandoned.append(self._group)
         self._drop_group()
         return MemberFrozen(why)

@@ -18,6 +18,7 @@ from pipeline_rl.weight_sync.group import (
     ABANDONED,
     FROZEN_S,
     INCARNATION,
+    WAIT_SLICE_S,
     Endpoint,
     members_key,
     named,
@@ -131,19 +132,38 @@ class WeightSender(Endpoint):
 
     def _form_group(self) -> None:
         """Choose the members of the group just named and build it: at the first update every
-        receiver (waiting up to the timeout, as a collective would), later the receivers
-        registered by then (a member found gone is unregistered; a replacement registers when
-        it connects). No group when no receiver is registered: the update is announced only."""
+        receiver (waiting up to the timeout for them, after which the group takes those
+        registered: under ZeRO-3 the other trainer ranks wait in a gather meanwhile, which must
+        not time out with this wait), later the receivers registered by then (a member found
+        gone is unregistered; a replacement registers when it connects, and joins at the next
+        version). No group when no receiver is registered: the update is announced only."""
         assert self._store is not None and self._group_name is not None
         if not self._formed:
             self._formed = True
-            self._store.wait([ready_key(r) for r in range(1, self.world_size)], self.timeout)
+            self._wait_for_receivers()
         self._tokens = self._registered()
         members = [0, *self._tokens]
         self.members = members
         self._store.set(members_key(self._group_name), json.dumps([[0, ""], *self._tokens.items()]))
         if len(members) > 1:
             self._group = self._build_group(0, len(members))
+
+    def _wait_for_receivers(self) -> None:
+        """Wait up to the timeout for every receiver to register; say which did not."""
+        assert self._store is not None
+        keys = [ready_key(r) for r in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self._store.check(keys):
+            if time.monotonic() >= deadline:
+                names = json.loads(self._store.get("members"))
+                missing = [r for r in range(1, self.world_size) if not self._store.check([ready_key(r)])]
+                log.warning(
+                    "the first weight update goes without %s: not registered within %g s; they join at the next version",
+                    named(names, missing),
+                    self.timeout.total_seconds(),
+                )
+                return
+            time.sleep(WAIT_SLICE_S / 10)
 
     def _peers(self) -> list[int]:
         # The members of the group that failed: a rank registered since, or one that left the

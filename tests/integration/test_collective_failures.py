@@ -532,3 +532,105 @@ def test_a_trainer_whose_receiver_dies_goes_on_without_it(tmp_path, tiny_model):
     assert published[1]["weight_update_members"] == 1 and published[1]["weight_update_failed_total"] == 0
     assert "weight_update_members" not in published[2] and published[2]["weight_update_failed_total"] == 1
     assert all(published[v]["weight_update_members"] == 0 for v in (3, 4)), published
+
+
+def _stream_receiver(cfg_path: str, addr: str, rank: int, world: int, ready, freeze_after: int | None) -> None:
+    """An actor's receiver reading the "weights" stream; it reports each update (or its error),
+    and stops itself (SIGSTOP: a frozen node, sockets open) right after update `freeze_after`."""
+    import signal
+
+    from pipeline_rl.config import load_saved_config
+    from pipeline_rl.streams import open_streams
+    from pipeline_rl.streams.records import WeightUpdate
+    from pipeline_rl.weight_sync import transfer_timeout_s
+
+    cfg = load_saved_config(Path(cfg_path))
+    reader = open_streams(cfg).reader("weights", WeightUpdate)
+    receiver = WeightReceiver(addr, rank, world, "gloo", transfer_timeout_s(cfg.world.collective_timeout_s))
+    ready.put((rank, "listening"))
+    while True:
+        for entry in reader.read(timeout=0.5):
+            try:
+                receiver.receive(entry.record)
+                ready.put((rank, entry.record.version))
+            except Exception as e:
+                ready.put((rank, f"{type(e).__name__}"))
+            if entry.record.version == freeze_after:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _without_frozen_check() -> None:
+    """In a trainer rank: never take a member for frozen by its heartbeat, as if no heartbeat
+    reached the sender: only the transfer's timeout ends a wait for a frozen receiver."""
+    from pipeline_rl.weight_sync import sender
+
+    sender.FROZEN_S = float("inf")
+
+
+@pytest.mark.deepspeed
+def test_a_frozen_receiver_costs_one_update_not_the_zero3_trainer_pool(tmp_path):
+    """Two ZeRO-3 trainer ranks broadcast to two receivers; one stops itself (SIGSTOP) after
+    version 1. With the heartbeat check off, rank 0's wait for it ends only at the transfer's
+    timeout (half the collective timeout), while rank 1 waits for rank 0 in the next bucket's
+    gather, a collective of the collective timeout: both ranks survive, the update fails naming
+    the frozen actor within the bound, and the later updates go to the other receiver. The model
+    (4 layers of width 384, 38 MB in float32) is larger than the kernel's socket buffers can take
+    for the frozen receiver, so the broadcast does wait for it."""
+    import re
+    import signal
+
+    from transformers import Qwen2ForCausalLM
+
+    from pipeline_rl.demo.tiny_model import qwen2_config
+    from pipeline_rl.weight_sync import transfer_timeout_s
+
+    model = tmp_path / "model"
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(qwen2_config(97, hidden=384, layers=4, heads=6, kv_heads=6)).save_pretrained(model)
+    collective_s = 24.0
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = trainer_config(
+        run_dir,
+        model,
+        "shared.max_steps=4",
+        "trainer.zero_stage=3",
+        "world.trainers=2",
+        "world.actors=2",
+        f"world.collective_timeout_s={collective_s}",
+    )
+    write_steps(cfg, make_steps(model, 4, 2, seed=0), ranks=2)
+    addr = f"127.0.0.1:{free_port()}"
+    ready = _SPAWN.Queue()
+    receivers = [
+        _SPAWN.Process(
+            target=_stream_receiver,
+            args=(str(run_dir / "config.yaml"), addr, rank, 3, ready, 1 if rank == 2 else None),
+            daemon=True,
+        )
+        for rank in (1, 2)
+    ]
+    for p in receivers:
+        p.start()
+    assert sorted(ready.get(timeout=120) for _ in receivers) == [(1, "listening"), (2, "listening")]
+    procs = start_ranks(run_dir, 2, before_main=_without_frozen_check, env={WEIGHT_SYNC_ADDR_ENV: addr})
+    try:
+        wait_all(procs, run_dir, timeout=collective_s + 120)
+    finally:
+        for p in procs:
+            p.kill()
+        for p in receivers:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+    log = (run_dir / "trainer0.log").read_text()
+    failed = re.search(r"weight update 2 failed after ([\d.]+) s", log)
+    assert failed is not None and "actor1 (weight-update rank 2)" in log, log[-3000:]
+    bound = transfer_timeout_s(collective_s)
+    # The transfer's wait ends at its timeout, seen at the end of a slice; DIAGNOSE_S names the member.
+    assert bound <= float(failed.group(1)) < bound + 2 * WAIT_SLICE_S + 1, failed.group(0)
+    assert bound + DIAGNOSE_S < collective_s  # what keeps rank 1's gather from timing out
+    published = {r["version"]: r for r in trainer_metrics(run_dir) if "weight_update_failed_total" in r}
+    assert sorted(published) == [1, 2, 3, 4], published
+    assert published[1]["weight_update_members"] == 2
+    assert "weight_update_members" not in published[2] and published[2]["weight_update_failed_total"] == 1
+    assert all(published[v]["weight_update_members"] == 1 for v in (3, 4)), published
