@@ -170,7 +170,9 @@ class WorldConfig:
     """MASTER_PORT of the trainers' own process group."""
     collective_timeout_s: float = 600.0
     """Timeout of every collective and rendezvous store of the run: the trainers' process group
-    (DeepSpeed's), the weight-update group and its TCPStore. A peer that died or hangs makes the
+    (DeepSpeed's), the weight-update group and its TCPStore (the weight-update group's waits end
+    at half of it, so that trainer ranks waiting for rank 0's broadcast in a ZeRO-3 gather do
+    not time out with a hung actor: weight_sync.transfer_timeout_s). A peer that died or hangs makes the
     survivors raise within it (NCCL runs with blocking wait: pipeline_rl/collectives.py), and the
     process stops naming the peer. It must exceed the longest legitimate wait inside a collective:
     trainer ranks wait at a checkpoint's barrier while rank 0 writes the Hugging Face weights
