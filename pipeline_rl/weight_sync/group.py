@@ -232,8 +232,9 @@ class Endpoint:
         first one-element broadcast, made here so that the connection is not the first
         transfer's, where it would block the calling thread), so a member that registered and
         then died or froze would hold that for the whole timeout: the group is made on a thread
-        of its own and waited for like a transfer (`_frozen_check` between slices; a thread given
-        up ends at the group's timeout, or never, for a frozen NCCL peer: it is a daemon)."""
+        of its own and waited for like a transfer (`_frozen_check` between slices, and for NCCL,
+        whose connection has no timeout of its own, the group's timeout; a thread given up ends
+        at the group's timeout, or never, for a frozen NCCL peer: it is a daemon)."""
         assert self._group_name is not None
         name = self._group_name
         store = dist.TCPStore(self.host, self.port, None, is_master=False, timeout=self.timeout)
@@ -257,8 +258,10 @@ class Endpoint:
             thread.join(WAIT_SLICE_S)
             if not thread.is_alive():
                 break
-            if time.monotonic() >= deadline:
-                raise MemberFrozen(f"gave forming the group up after its timeout, {self.timeout.total_seconds():g} s")
+            if self.backend == "nccl" and time.monotonic() >= deadline:  # gloo's own timeout ends its thread
+                raise WeightGroupFailed(
+                    f"forming the group took longer than its timeout, {self.timeout.total_seconds():g} s"
+                )
             self._frozen_check(seen)
         if "error" in made:
             raise made["error"]
