@@ -14,6 +14,8 @@ if [ "${1:-}" = "--relock" ]; then
     echo "rewrote scripts/gpu-lock.txt"
     exit 0
 fi
+# The lock's CUDA wheels need a recent enough NVIDIA driver: refuse an older one before installing.
+python3 pipeline_rl/launch/gpu_driver.py scripts/gpu-lock.txt
 [ -x .venv/bin/python ] || uv venv --quiet --python 3.11 .venv
 into=(--compile-bytecode --python .venv/bin/python)
 uv pip sync "${into[@]}" scripts/gpu-lock.txt

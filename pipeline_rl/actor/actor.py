@@ -107,7 +107,7 @@ class Actor:
             model_path, adapter_dir = cfg.model.path, policy if found else str(self._zero_adapter())
         log.info("starting the engine from %s at version %d", adapter_dir or model_path, version)
         # Before the engine: its TP workers inherit the NCCL settings with the environment.
-        prepare_collectives(cfg.world.collective_timeout_s, blocking_wait=False)
+        prepare_collectives(cfg.world.collective_timeout_s, cfg.world.socket_ifname)
         self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
         self.streams = open_streams(cfg)
         self.actor_count = ActorCountWatch(self.streams, cfg.world.actors)

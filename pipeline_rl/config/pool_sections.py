@@ -268,7 +268,13 @@ class TrainerConfig:
     for trainers that wait for actors on devices of their own; on a shared 2-core CPU two
     passes learned slower (docs/learning.md)."""
     zero_stage: int = 2
-    """DeepSpeed ZeRO stage (0-3)."""
+    """DeepSpeed ZeRO stage (0-3). ZeRO-2 runs faster than ZeRO-3 (docs/gpu.md); `--dry-run`
+    prints the lowest of the two whose memory plan fits, and ZeRO-3's sizes, derived from a
+    decoder layer (pipeline_rl/trainer/zero_sizes.py)."""
+    zero3_hierarchical: bool = True
+    """Under ZeRO-3 with trainer ranks on several GPU nodes, also partition the weights among the
+    ranks of each node (DeepSpeed ZeRO++'s hpZ) so that backward's gathers stay within a node;
+    costs the weights in model.dtype over the ranks of a node, per GPU (in the memory plan)."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
     keep_checkpoints: int = 2

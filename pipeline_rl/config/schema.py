@@ -173,10 +173,16 @@ class WorldConfig:
     (DeepSpeed's), the weight-update group and its TCPStore (the weight-update group's waits end
     at half of it, so that trainer ranks waiting for rank 0's broadcast in a ZeRO-3 gather do
     not time out with a hung actor: weight_sync.transfer_timeout_s). A peer that died or hangs makes the
-    survivors raise within it (NCCL runs with blocking wait: pipeline_rl/collectives.py), and the
-    process stops naming the peer. It must exceed the longest legitimate wait inside a collective:
+    survivors fail within it (NCCL's watchdog aborts the collective, and the next one raises:
+    pipeline_rl/collectives.py), and the process stops naming the peer. It must exceed the longest legitimate wait inside a collective:
     trainer ranks wait at a checkpoint's barrier while rank 0 writes the Hugging Face weights
     (`--dry-run` prints that estimate)."""
+    socket_ifname: str | None = None
+    """Network interface (a name, e.g. eth0) that gloo and NCCL use across nodes, on every node
+    (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); null: on each node the interface that holds the
+    address its route to node 0 leaves from, unless the node's environment sets those variables.
+    A process fails at start when its node has no interface of that name; `--dry-run` checks the
+    launcher's node."""
     max_restarts: int = 3
     """Restarts of one process within an hour before the run stops, naming it: a lost actor or
     preprocessor is started again in its slot (it resumes from its position file), a lost

@@ -23,6 +23,7 @@ from pipeline_rl.core.process import exit_process
 from pipeline_rl.launch.budget import budget_lines, checkpoint_timeout
 from pipeline_rl.launch.bundles import bundles, describe_bundles
 from pipeline_rl.launch.memory_plan import memory_plan
+from pipeline_rl.launch.node_checks import driver_lines, socket_lines
 from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, describe, plan
 from pipeline_rl.launch.redis_server import start_redis, wait_port
 from pipeline_rl.launch.restarts import TRAINER_POOL, RestartPolicy
@@ -42,7 +43,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate the config, print the placement and the GPU memory plan, start nothing",
+        help="validate the config, print the placement, the GPU memory plan and the ZeRO sizes, check this "
+        "node's NVIDIA driver and network interface, start nothing",
     )
     parser.add_argument(
         "--actors",
@@ -165,13 +167,21 @@ def main(argv: list[str]) -> int:
                 print(f"ports: {ports} (outside Ray's worker ports {lo}-{hi})")
             print("\n".join(budget_lines(cfg)))
             print(RestartPolicy(cfg.world.max_restarts, None).describe(on_ray(cfg)))
+            failed = []
             if cfg.world.gpus_per_node:
                 lines = memory_plan(cfg)
                 print("\n".join(lines))
                 if any(line.endswith("DOES NOT FIT") for line in lines):
-                    print("config error: the memory plan does not fit (world.gpu_memory_gib)", file=sys.stderr)
-                    return 2
-            return 0
+                    failed.append("the memory plan does not fit (world.gpu_memory_gib)")
+            for check, what in ((driver_lines, "this node's NVIDIA driver"), (socket_lines, "the network interface")):
+                lines, ok = check(cfg)
+                if lines:
+                    print("\n".join(lines))
+                if not ok:
+                    failed.append(f"{what} does not fit (above)")
+            for failure in failed:
+                print(f"config error: {failure}", file=sys.stderr)
+            return 2 if failed else 0
         timeout, margin = checkpoint_timeout(cfg)
         if timeout != cfg.world.collective_timeout_s:
             print(margin, flush=True)

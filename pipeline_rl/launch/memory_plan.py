@@ -7,13 +7,17 @@ the large terms and leaves a margin for the rest:
 - actor GPU (vLLM, tensor parallel t): vLLM takes gpu_memory_utilization of the GPU for its
   shard of the weights (1/t), activations and the KV cache; the weight receiver's staging
   buffer lies outside it (a whole model, or one message when staged on host, where each TP
-  worker keeps only its shard of an update).
+  worker keeps only its shard of an update). The KV cache must hold actor.llm.max_num_seqs
+  sequences of max_model_len: vLLM schedules that many at once, and a cache too small for
+  them preempts sequences as they grow and computes them again.
 - trainer GPU (DeepSpeed, r ranks), the terms `trainer_bytes` counts, each checked against
   what the trainer allocates (scripts/gpu_check.py on an H100, tests/unit/test_memory_plan.py on
   CPU): 16 bytes per parameter (bf16 weights and gradients, fp32 master weights and two Adam
   moments), divided by r under ZeRO-3 (only the 12 optimizer bytes under ZeRO-2; with
-  trainer.optimizer.offload they are in host memory); under ZeRO-3 the gathered layers and
-  DeepSpeed's prefetch bucket; what autograd saves per token and layer
+  trainer.optimizer.offload they are in host memory); under ZeRO-3 the parameters DeepSpeed
+  may hold gathered (stage3_max_live_parameters), its reduce bucket, and with hierarchical
+  partitioning the secondary partition of the weights (trainer/zero_sizes.py); what autograd
+  saves per token and layer
   (`activation_bytes_per_token`), for every layer or, with gradient checkpointing, each layer's
   input plus what the one recomputed layer holds beyond the logits chunk (the two are not live
   together); with sdpa, its [T, T] mask of a packed row, in the model's dtype,
@@ -29,150 +33,23 @@ the large terms and leaves a margin for the rest:
 
 from __future__ import annotations
 
-import json
+import copy
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_rl.config import (
     MASK_FREE_ATTENTION,
     LogprobKernel,
-    LoraConfig,
     RunConfig,
     attention_kernel,
     logprob_kernel,
 )
-from pipeline_rl.core.routes import encoded_bytes_per_token
+from pipeline_rl.core.model_shape import ModelShape
 from pipeline_rl.engine.adapter_slot import engine_max_rank
+from pipeline_rl.trainer.zero_sizes import hierarchical_partition, zero3_sizes
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
-
-
-@dataclass
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    head_dim: int | None = None
-    """Per attention head (Qwen3 sets it apart from hidden / heads); None: hidden / heads."""
-    qk_norm: bool = False
-    """Qwen3's RMSNorm of each head's queries and keys (head_dim weights each)."""
-    experts: int = 0
-    """Mixture of experts: routed experts per MoE layer (0: a dense model)."""
-    top_k: int = 0
-    """Experts the router picks per token."""
-    moe_intermediate: int = 0
-    """Each expert's MLP width."""
-    shared_expert_intermediate: int = 0
-    """Qwen2-MoE's shared expert, run for every token beside the routed ones (0: none)."""
-    moe_layers: int = 0
-    """Layers whose MLP is the experts; the others (decoder_sparse_step, mlp_only_layers) are dense."""
-
-    @classmethod
-    def read(cls, model_dir: str | Path) -> ModelShape:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-        experts = c.get("num_experts") or c.get("num_local_experts") or 0
-        layers = c["num_hidden_layers"]
-        moe_layers = 0
-        if experts:
-            step = c.get("decoder_sparse_step") or 1
-            dense = set(c.get("mlp_only_layers") or [])
-            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return cls(
-            c["hidden_size"],
-            layers,
-            c["num_attention_heads"],
-            c.get("num_key_value_heads", c["num_attention_heads"]),
-            c["intermediate_size"],
-            c["vocab_size"],
-            bool(c.get("tie_word_embeddings", False)),
-            # Qwen2 and Qwen2-MoE have q/k/v biases
-            bool(c.get("attention_bias", c.get("qkv_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))),
-            head_dim=c.get("head_dim"),
-            qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
-            experts=experts,
-            top_k=c.get("num_experts_per_tok", 0) if experts else 0,
-            moe_intermediate=c.get("moe_intermediate_size") or (c["intermediate_size"] if experts else 0),
-            shared_expert_intermediate=c.get("shared_expert_intermediate_size") or 0,
-            moe_layers=moe_layers,
-        )
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    @property
-    def q_dim(self) -> int:
-        return self.head_size * self.heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.head_size * self.kv_heads
-
-    @property
-    def moe_mlp_params(self) -> int:
-        """One MoE layer's MLP: the experts, the router, and the shared expert with its gate."""
-        h = self.hidden
-        shared = 3 * h * self.shared_expert_intermediate + h if self.shared_expert_intermediate else 0
-        return self.experts * 3 * h * self.moe_intermediate + self.experts * h + shared
-
-    @property
-    def params(self) -> int:
-        h = self.hidden
-        attention = 2 * h * self.q_dim + 2 * h * self.kv_dim + 2 * h
-        if self.qkv_bias:
-            attention += self.q_dim + 2 * self.kv_dim
-        if self.qk_norm:
-            attention += 2 * self.head_size
-        dense_mlp = 3 * h * self.intermediate
-        mlps = (self.layers - self.moe_layers) * dense_mlp + self.moe_layers * self.moe_mlp_params
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * attention + mlps + h
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token runs through: only the top_k experts of each MoE layer."""
-        if not self.experts:
-            return self.params
-        idle = (self.experts - self.top_k) * 3 * self.hidden * self.moe_intermediate
-        return self.params - self.moe_layers * idle
-
-    def lora_params(self, lora: LoraConfig, rank: int | None = None) -> int:
-        """Elements of the LoRA adapter (A: rank x in, B: out x rank per target layer)."""
-        h, kv, inter = self.hidden, self.kv_dim, self.intermediate
-        per_layer = {
-            "q_proj": (h, self.q_dim),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (self.q_dim, h),
-            "gate_proj": (h, inter),
-            "up_proj": (h, inter),
-            "down_proj": (inter, h),
-        }
-        r = lora.rank if rank is None else rank
-        total = self.layers * sum(r * (i + o) for name, (i, o) in per_layer.items() if name in lora.target_modules)
-        if "lm_head" in lora.target_modules:
-            total += r * (h + self.vocab)
-        return total
-
-    @property
-    def largest_tensor(self) -> int:
-        """Elements of the largest single tensor the trainer sends: the embedding, an MLP matrix,
-        or (MoE) one layer's experts, which transformers keeps fused in one tensor."""
-        return max(
-            self.vocab * self.hidden,
-            self.hidden * self.intermediate,
-            self.experts * 2 * self.moe_intermediate * self.hidden,
-        )
-
-    def routes_bytes_per_token(self) -> int:
-        """Routing replay's routes of one token on the stream: a byte per MoE layer and pick."""
-        return encoded_bytes_per_token(self.moe_layers * self.top_k)
 
 
 def memory_plan(cfg: RunConfig) -> list[str]:
@@ -180,7 +57,8 @@ def memory_plan(cfg: RunConfig) -> list[str]:
     config = Path(cfg.model.path) / "config.json"
     if not config.exists():
         return [f"memory: no plan, {config} not found (the plan reads the model's shape from it)"]
-    return plan_lines(cfg, ModelShape.read(cfg.model.path))
+    shape = ModelShape.read(cfg.model.path)
+    return plan_lines(cfg, shape) + zero_lines(cfg, shape)
 
 
 def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
@@ -228,12 +106,14 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
             f"the actor's adapter slot {slot / GIB:.2f} GiB per GPU"
         )
     outside = gpu - budget
-    ok = kv > 0 and tokens >= llm.max_model_len and staging <= outside
+    sequences = tokens // llm.max_model_len
+    ok = kv > 0 and sequences >= llm.max_num_seqs and staging <= outside
     lines.append(
         f"memory: actor GPU (tensor_parallel_size={tp}): weights {shard / GIB:.1f} GiB + KV cache "
-        f"{max(kv, 0) / GIB:.1f} GiB ({tokens} tokens, {tokens // llm.max_model_len} sequences of "
-        f"max_model_len) within {llm.gpu_memory_utilization:g} x {cfg.world.gpu_memory_gib:g} GiB; weight staging "
-        f"{staging / GIB:.1f} GiB in the {outside / GIB:.1f} GiB outside it: {'fits' if ok else 'DOES NOT FIT'}"
+        f"{max(kv, 0) / GIB:.1f} GiB ({tokens} tokens, {sequences} sequences of max_model_len for "
+        f"max_num_seqs={llm.max_num_seqs}) within {llm.gpu_memory_utilization:g} x {cfg.world.gpu_memory_gib:g} GiB; "
+        f"weight staging {staging / GIB:.1f} GiB in the {outside / GIB:.1f} GiB outside it: "
+        f"{'fits' if ok else 'DOES NOT FIT'}"
     )
     if llm.stage_weights_on_host and lora is None:
         per_node = min(cfg.world.actors * tp, cfg.world.gpus_per_node or 1)
@@ -265,8 +145,6 @@ CUDA_OUTSIDE_ALLOCATOR = int(1.7 * GIB)
 """CUDA context, cuBLAS workspaces and NCCL buffers of one trainer process: memory the device
 holds beyond PyTorch's allocator (gpu_check.py on an H100, torch 2.11, CUDA 13: 1.3 GiB at
 ZeRO-3, 1.68 GiB at ZeRO-2)."""
-ZERO3_PREFETCH_ELEMENTS = 50_000_000
-"""DeepSpeed's default stage3_prefetch_bucket_size (parameters fetched ahead of use)."""
 LOGITS_CHUNK_BYTES_PER_ENTRY = {LogprobKernel.eager: 10, LogprobKernel.compiled: 4}
 """Bytes per row and vocabulary entry while a chunk of logits is live (core/logprobs.py
 _ChunkedHead, in a bf16 model), by logprob kernel. Eager: in forward the output layer's bf16
@@ -314,10 +192,12 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
     state = trained * (4 / ranks + optimizer if t.zero_stage == 3 else 4 + optimizer)
     if lora is not None:  # the frozen base: weights only, no gradient or optimizer state
         state += shape.params * size / (ranks if t.zero_stage == 3 else 1)
-    gathered = 0
-    if t.zero_stage == 3:  # the layer in use, the next one prefetched, and the output layer
-        layer = (shape.params - shape.vocab * shape.hidden * (1 if shape.tied else 2)) / shape.layers
-        gathered = (2 * layer + ZERO3_PREFETCH_ELEMENTS + shape.vocab * shape.hidden) * size
+    gathered = reduce_bucket = secondary = 0
+    if t.zero_stage == 3:
+        sizes = zero3_sizes(cfg, shape)
+        gathered = sizes.max_live * size
+        reduce_bucket = sizes.reduce_bucket * size
+        secondary = shape.params * size / sizes.hpz if sizes.hpz > 1 else 0
     tokens = cfg.preprocess.seq_length
     per_token = activation_bytes_per_token(shape, size, cuda)
     chunk = min(cfg.model.logprob_chunk_tokens or tokens, tokens)
@@ -335,9 +215,80 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
     return {
         "model and optimizer state": int(state),
         "gathered parameters": int(gathered),
+        "reduce bucket": int(reduce_bucket),
+        "secondary partition": int(secondary),
         "activations": int(activations),
         "attention masks": int(masks),
         # The output layer's weight gradient, which the chunks' products sum into (full fine-tuning).
         "logits chunk": int(logits) + (size * shape.vocab * shape.hidden if lora is None else 0),
         "CUDA context": CUDA_OUTSIDE_ALLOCATOR if cuda else 0,
     }
+
+
+PLANNED_STAGES = (2, 3)
+"""The ZeRO stages whose trainer terms were checked against a GPU (scripts/gpu_check.py)."""
+
+
+def trainer_fits(cfg: RunConfig, shape: ModelShape, stage: int) -> tuple[bool, float]:
+    """(whether one trainer GPU's plan fits at ZeRO `stage`, its GiB)."""
+    at = copy.deepcopy(cfg)
+    at.trainer.zero_stage = stage
+    total = sum(trainer_bytes(at, shape).values())
+    return total <= cfg.world.gpu_memory_gib * GIB, total / GIB
+
+
+def lowest_stage(cfg: RunConfig, shape: ModelShape) -> int | None:
+    """The lowest planned ZeRO stage at which one trainer GPU's plan fits (None: neither)."""
+    return next((stage for stage in PLANNED_STAGES if trainer_fits(cfg, shape, stage)[0]), None)
+
+
+def zero_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
+    """`--dry-run`'s ZeRO stage and sizes, each with why (trainer/zero_sizes.py)."""
+    stage, gib = cfg.trainer.zero_stage, cfg.world.gpu_memory_gib
+    lowest = lowest_stage(cfg, shape)
+    need2 = trainer_fits(cfg, shape, 2)[1]
+    if stage == lowest:
+        why = "the lowest stage whose plan fits" + (
+            f" ({need2:.1f} GiB of {gib:g})" if stage == 2 else f" (ZeRO-2 would need {need2:.1f} GiB of {gib:g})"
+        )
+    elif lowest is None:
+        why = "no planned stage fits"
+    else:
+        why = f"ZeRO-{lowest} fits and runs faster (docs/gpu.md): trainer.zero_stage={lowest}"
+    lines = [f"trainer: ZeRO-{stage} (trainer.zero_stage), {why}"]
+    if stage == 2:
+        lines.append(
+            "trainer: ZeRO-2 buckets: DeepSpeed's reduce_bucket_size and allgather_bucket_size (5e8 elements), "
+            "as measured on a GPU (docs/gpu.md)"
+        )
+    if stage != 3:
+        return lines
+    z = zero3_sizes(cfg, shape)
+    size = _BYTES[cfg.model.dtype]
+
+    def key(name: str, value: int, why: str) -> str:
+        return f"trainer: ZeRO-3 {name} {value / 1e6:.1f} M: {why}"
+
+    embedding = shape.embedding_params / 1e6
+    secondary = f"; a secondary partition of {shape.params * size / z.hpz / GIB:.1f} GiB per GPU" if z.hpz > 1 else ""
+    return lines + [
+        f"trainer: ZeRO-3 sizes from the largest decoder layer, {z.layer / 1e6:.1f} M parameters, ZeRO-3's unit of gathering:",
+        key("stage3_prefetch_bucket_size", z.prefetch, "the next layer is gathered while one computes"),
+        key(
+            "stage3_max_live_parameters",
+            z.max_live,
+            f"two layers and the {embedding:.1f} M-parameter embedding or output layer ({z.max_live * size / GIB:.1f} GiB)",
+        ),
+        key("stage3_max_reuse_distance", z.max_reuse, "a layer stays gathered only for its own backward"),
+        key(
+            "reduce_bucket_size",
+            z.reduce_bucket,
+            f"a layer's gradients at once ({z.reduce_bucket * size / GIB:.1f} GiB)",
+        ),
+        key(
+            "stage3_param_persistence_threshold",
+            z.persistence,
+            "the smallest matrix: biases and norms stay whole on every rank, every matrix is partitioned",
+        ),
+        f"trainer: ZeRO-3 zero_hpz_partition_size {z.hpz}: {hierarchical_partition(cfg)[1]}{secondary}",
+    ]

@@ -1,5 +1,6 @@
 """The policy the trainer optimises: the model as loaded (partitioned from the start under
-ZeRO-3), its optimizer (on the device or offloaded) and the DeepSpeed config that wraps both."""
+ZeRO-3), its optimizer (on the device or offloaded) and the DeepSpeed config that wraps both
+(ZeRO-3's sizes from the model's shape: trainer/zero_sizes.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from pipeline_rl import lora
 from pipeline_rl.config import LrDecay, RunConfig, attention_kernel
 from pipeline_rl.core import packed_attention  # noqa: F401  (registers the varlen attention with transformers)
+from pipeline_rl.core.model_shape import ModelShape
+from pipeline_rl.trainer.zero_sizes import zero3_sizes
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         # autograd function (host work in every projection's forward and backward). Torch's own
         # linear saves the same tensors, and a layer's weights are gathered again for its backward.
         zero["memory_efficient_linear"] = False
+        zero.update(zero3_sizes(cfg, ModelShape.read(cfg.model.path)).keys())
     if cfg.trainer.optimizer.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {

@@ -422,10 +422,11 @@ class Trainer:
 
 def _init_distributed(cfg: RunConfig) -> None:
     """Join the trainers' process group (once per process: DeepSpeed caches its groups), with
-    world.collective_timeout_s and NCCL raising on a dead peer (pipeline_rl/collectives.py)."""
+    world.collective_timeout_s, NCCL raising on a dead peer and the sockets on the interface
+    toward node 0 (pipeline_rl/collectives.py)."""
     if dist.is_initialized():
         return
-    timeout = prepare_collectives(cfg.world.collective_timeout_s, blocking_wait=True)
+    timeout = prepare_collectives(cfg.world.collective_timeout_s, cfg.world.socket_ifname)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     leave_out_shm_all_reduce()

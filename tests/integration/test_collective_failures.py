@@ -1,7 +1,7 @@
 """A weight-update group whose peer is killed, on gloo with real processes: the survivors raise
 PeerGone (a WeightGroupFailed) within world.collective_timeout_s (plus weight_sync.DIAGNOSE_S to hear from
 the others) naming the dead member by process and rank; the group goes on without it and
-takes its replacement back; a trainer whose receiver dies names it and trains on. And the wiring of the one timeout and NCCL's settings (no GPU here)."""
+takes its replacement back; a trainer whose receiver dies names it and trains on. And the wiring of the one timeout and NCCL's settings into the trainers' group (no GPU here; the settings themselves: tests/unit/test_collectives.py)."""
 
 from __future__ import annotations
 
@@ -66,17 +66,6 @@ def test_member_names_follow_the_group_ranks():
     assert member_names(1, 2) == ["trainer0", "actor0 TP worker 0", "actor0 TP worker 1"]
 
 
-def test_nccl_raises_instead_of_killing_the_process():
-    """Trainers: blocking wait (the collective call raises at the timeout); everyone: the
-    watchdog aborts the communicator without tearing the process down, and its monitor waits
-    longer than the timeout."""
-    trainer, actor = nccl_env(600, blocking_wait=True), nccl_env(600, blocking_wait=False)
-    assert trainer["TORCH_NCCL_BLOCKING_WAIT"] == "1" and "TORCH_NCCL_BLOCKING_WAIT" not in actor
-    for env in (trainer, actor):
-        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
-        assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) > 600
-
-
 def test_the_trainer_group_gets_the_one_timeout(monkeypatch, tmp_path):
     """deepspeed.init_distributed receives world.collective_timeout_s, after the NCCL settings
     are in the environment (they are read when a group is built)."""
@@ -89,14 +78,14 @@ def test_the_trainer_group_gets_the_one_timeout(monkeypatch, tmp_path):
     seen = {}
 
     def init_distributed(**kwargs):
-        seen.update(kwargs, blocking=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"))
+        seen.update(kwargs, handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    for key in nccl_env(1, True):
+    for key in nccl_env(1):
         monkeypatch.delenv(key, raising=False)
     trainer._init_distributed(load_config("base", ["world.collective_timeout_s=1234"]))
-    assert seen["timeout"] == timedelta(seconds=1234) and seen["blocking"] == "1"
+    assert seen["timeout"] == timedelta(seconds=1234) and seen["handling"] == "2"
 
 
 def test_the_sender_names_a_receiver_that_was_killed():

@@ -333,3 +333,121 @@ def test_moe_activation_bytes_are_a_floor_of_what_autograd_saves(dtype_name):
         config.save_pretrained(d)
         per_token = activation_bytes_per_token(ModelShape.read(d), size, cuda=False)
     assert per_token <= measured < per_token + 2 * 4 * 64, (per_token, measured)
+
+
+# A Qwen2.5-32B decoder layer: q and o 5120 x 5120, k and v 5120 x 1024 with the q/k/v biases,
+# two RMSNorms; the MLP's three 5120 x 27648 matrices.
+LAYER_32B = 2 * 5120 * 5120 + 2 * 5120 * 1024 + (5120 + 2 * 1024) + 2 * 5120 + 3 * 5120 * 27648
+EMBEDDING_32B = 152064 * 5120
+
+
+@pytest.mark.parametrize("conf, shape", [("math_7b", QWEN7B), ("math_32b", QWEN32B), ("math_32b_lora", QWEN32B)])
+def test_each_gpu_config_runs_the_lowest_zero_stage_that_fits(tmp_path, conf, shape):
+    """ZeRO-2 ran at 0.71 of a bare loop on an H200 where ZeRO-3 ran at 0.25 (docs/gpu.md): a
+    shipped config takes ZeRO-3 only where ZeRO-2's plan does not fit, and --dry-run says why."""
+    from pipeline_rl.launch.memory_plan import lowest_stage, trainer_fits, zero_lines
+
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = load_config(conf, [f"model.path={tmp_path}"])
+    model = ModelShape.read(tmp_path)
+    assert cfg.trainer.zero_stage == lowest_stage(cfg, model)
+    assert trainer_fits(cfg, model, cfg.trainer.zero_stage)[0]
+    assert zero_lines(cfg, model)[0].startswith(
+        f"trainer: ZeRO-{cfg.trainer.zero_stage} (trainer.zero_stage), the lowest"
+    )
+    if cfg.trainer.zero_stage == 2:  # the check can fail: the same config on ZeRO-3 is told so
+        slower = load_config(conf, [f"model.path={tmp_path}", "trainer.zero_stage=3"])
+        assert "ZeRO-2 fits and runs faster" in zero_lines(slower, model)[0]
+
+
+def test_zero3_sizes_come_from_a_decoder_layer(tmp_path):
+    from pipeline_rl.trainer.zero_sizes import zero3_sizes
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN32B))
+    cfg = load_config("math_32b", [f"model.path={tmp_path}"])
+    z = zero3_sizes(cfg, ModelShape.read(tmp_path))
+    assert z.layer == LAYER_32B == 487_605_248
+    assert z.prefetch == z.reduce_bucket == z.max_reuse == LAYER_32B
+    assert z.max_live == 2 * LAYER_32B + EMBEDDING_32B
+    assert z.persistence == 5120 * 1024  # the k/v projections: every bias and norm (<= 5120) persists
+    assert z.hpz == 8  # 16 ranks on 2 nodes of 8
+
+
+@pytest.mark.parametrize(
+    "overrides, hpz, why",
+    [
+        ((), 8, "the ranks span 2 nodes of 8"),
+        (("trainer.zero3_hierarchical=false",), 1, "off (trainer.zero3_hierarchical)"),
+        (("world.trainers=12", "world.actors=6"), 1, "unequally (8+4)"),
+        (("world.trainers=8",), 1, "share one node"),
+    ],
+)
+def test_hierarchical_partitioning_only_across_nodes_of_equal_ranks(tmp_path, overrides, hpz, why):
+    from pipeline_rl.trainer.zero_sizes import hierarchical_partition
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN32B))
+    cfg = load_config("math_32b", [f"model.path={tmp_path}", *overrides])
+    size, reason = hierarchical_partition(cfg)
+    assert size == hpz and why in reason
+
+
+def test_the_plan_counts_zero3_buffers_as_the_sizes_allow(tmp_path):
+    """math_32b (bf16, 16 ranks on 2 nodes): the gathered parameters DeepSpeed may hold, its
+    reduce bucket and the secondary partition among a node's 8 ranks, in bytes."""
+    from pipeline_rl.launch.memory_plan import trainer_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN32B))
+    cfg = load_config("math_32b", [f"model.path={tmp_path}"])
+    shape = ModelShape.read(tmp_path)
+    terms = trainer_bytes(cfg, shape)
+    assert terms["gathered parameters"] == 2 * (2 * LAYER_32B + EMBEDDING_32B)
+    assert terms["reduce bucket"] == 2 * LAYER_32B
+    assert terms["secondary partition"] == int(2 * shape.params / 8)
+    flat = trainer_bytes(load_config("math_32b", [f"model.path={tmp_path}", "trainer.zero3_hierarchical=false"]), shape)
+    assert flat["secondary partition"] == 0 and sum(terms.values()) - sum(flat.values()) == int(2 * shape.params / 8)
+
+
+def test_the_trainer_hands_deepspeed_the_planned_sizes(tmp_path):
+    """DeepSpeed 0.19.8's own config model accepts every key (it refuses unknown ones) and reads
+    the derived values; ZeRO-2 keeps DeepSpeed's defaults."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from pipeline_rl.trainer.model import deepspeed_config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN32B))
+    zero = deepspeed_config(load_config("math_32b", [f"model.path={tmp_path}"]))["zero_optimization"]
+    parsed = DeepSpeedZeroConfig(**zero)
+    assert parsed.prefetch_bucket_size == parsed.reduce_bucket_size == LAYER_32B
+    assert parsed.max_live_parameters == 2 * LAYER_32B + EMBEDDING_32B and parsed.zero_hpz_partition_size == 8
+    assert parsed.param_persistence_threshold == 5120 * 1024 and parsed.max_reuse_distance == LAYER_32B
+    zero2 = deepspeed_config(load_config("math_32b", [f"model.path={tmp_path}", "trainer.zero_stage=2"]))
+    assert set(zero2["zero_optimization"]) == {"stage", "contiguous_gradients"}
+
+
+def test_max_num_seqs_is_bounded_by_the_kv_cache(tmp_path):
+    """math_32b's KV cache holds 35 sequences of max_model_len: 256 scheduled would preempt."""
+    actor = next(line for line in plan(tmp_path) if "actor GPU" in line)
+    assert "35 sequences of max_model_len for max_num_seqs=32" in actor and actor.endswith("fits")
+    actor = next(line for line in plan(tmp_path, "actor.llm.max_num_seqs=36") if "actor GPU" in line)
+    assert actor.endswith("DOES NOT FIT")
+
+
+@pytest.mark.parametrize("conf, shape", [("math_7b", QWEN7B), ("math_32b", QWEN32B)])
+def test_dry_run_prints_the_zero_stage_its_sizes_the_driver_and_the_sockets(tmp_path, capsys, conf, shape):
+    from pipeline_rl.launch.launcher import main
+
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    assert main([f"conf={conf}", f"model.path={tmp_path}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    stage = 2 if conf == "math_7b" else 3
+    assert f"trainer: ZeRO-{stage} (trainer.zero_stage), the lowest stage whose plan fits" in out
+    assert "driver: CUDA 13.0 needs an NVIDIA driver >= 580.65.06" in out
+    assert "network: gloo and NCCL sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)" in out
+    if stage == 3:
+        assert "trainer: ZeRO-3 stage3_prefetch_bucket_size 487.6 M" in out
+        assert "trainer: ZeRO-3 reduce_bucket_size 487.6 M" in out
+        assert "trainer: ZeRO-3 zero_hpz_partition_size 8" in out
+    else:
+        assert "reduce_bucket_size and allgather_bucket_size (5e8 elements)" in out
+    assert main([f"conf={conf}", f"model.path={tmp_path}", "world.socket_ifname=nosuch0", "--dry-run"]) == 2
+    assert "world.socket_ifname=nosuch0 is not a network interface" in capsys.readouterr().out
