@@ -221,17 +221,19 @@ def test_weight_sync_and_engine_collectives_run_in_one_order_on_every_worker(cli
             with lock:
                 events.append((kind, what))
 
+        def recorded(name: str, call):
+            def engine_op(*args, **kwargs):
+                log("engine+", name)
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    log("engine-", name)
+
+            return engine_op
+
         communicator = get_tp_group().device_communicator
         for name in ("all_reduce", "gather", "all_gather"):
-
-            def engine_op(*args, _call=getattr(communicator, name), _name=name, **kwargs):
-                log("engine+", _name)
-                try:
-                    return _call(*args, **kwargs)
-                finally:
-                    log("engine-", _name)
-
-            setattr(communicator, name, engine_op)
+            setattr(communicator, name, recorded(name, getattr(communicator, name)))
         cls = receiver_module.WeightReceiver
         start, wait_for = cls._start, cls._wait_for
 

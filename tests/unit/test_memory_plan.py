@@ -277,7 +277,12 @@ def test_the_plan_counts_every_expert_and_the_routes_on_the_stream(tmp_path):
     """Qwen3-30B-A3B: 30.5 B parameters held (3.35 B active per token); with routing replay a
     generated token carries 48 layers x 8 experts = 384 bytes, 512 in base64."""
     cfg_lines = plan(
-        tmp_path, "shared.routing_replay=true", "shared.tensor_parallel_size=1", conf="math_32b", shape=QWEN3_30B_A3B
+        tmp_path,
+        "shared.routing_replay=true",
+        "actor.llm.enforce_eager=true",  # the route recorder needs the eager engine on GPUs
+        "shared.tensor_parallel_size=1",
+        conf="math_32b",
+        shape=QWEN3_30B_A3B,
     )
     assert cfg_lines[0].startswith("memory: model 30.53 B parameters"), cfg_lines
     experts = next(line for line in cfg_lines if "mixture of experts" in line)
