@@ -21,8 +21,9 @@ kill the whole process. So:
   finished the collective, in every group of the process. ZeRO waits on every bucket of its
   reduce-scatters and every layer's gather, so the host could not queue work ahead of the
   device (docs/gpu.md measured its cost at one rank only, where collectives are trivial). The
-  weight transfers wait with explicit timeouts instead (the receiver's `work.wait(timeout)`,
-  the sender's polls of `is_completed()`), and vLLM's own groups run in CUDA graphs.
+  weight transfers bound their own waits instead (the sender and the receivers poll
+  `is_completed()` within weight_sync.transfer_timeout_s: weight_sync/group.py), and vLLM's own
+  groups run in CUDA graphs.
 - TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC above the timeout: the monitoring thread, which kills the
   process when the watchdog itself is stuck (an abort that hangs), acts only after the
   watchdog had its chance; a process it kills is named by the launcher as killed by a signal.
