@@ -5,7 +5,9 @@ One evaluation of 200 problems has a standard error near 0.03, so every statisti
 the moving average of WINDOW consecutive evaluations, not single points: the time a curve
 reaches a reward is the time of the last evaluation of the first window whose mean reaches
 it, a run's final reward is the mean of its last window, and its worst drop is how far the
-mean of a later window falls below the best window's.
+mean of a later window falls below the best window's. The early fall is the exception: a
+collapse in a run's first updates lasts a few evaluations, which a window would average away,
+so it reads single evaluations.
 """
 
 from __future__ import annotations
@@ -44,3 +46,17 @@ def worst_drop(curve: Curve, window: int = WINDOW) -> float:
     best = max(range(len(ma)), key=lambda i: ma[i][1])
     later = [v for _, v in ma[best + 1 :]]
     return max(0.0, ma[best][1] - min(later)) if later else 0.0
+
+
+EARLY_S = 60.0
+"""The span after a run's first evaluation that `early_fall` looks at."""
+
+
+def early_fall(curve: Curve, within_s: float = EARLY_S) -> float:
+    """How far the lowest single evaluation within `within_s` after the first fell below the first
+    (the start): 0 when none did."""
+    if not curve:
+        return 0.0
+    t0, start = curve[0]
+    early = [v for t, v in curve[1:] if t - t0 <= within_s]
+    return max(0.0, start - min(early)) if early else 0.0

@@ -13,13 +13,14 @@ evaluations (pipeline_rl/learning_curve.py): time to 0.7 and 0.9, time to TRL's 
 the final reward and the worst drop after the best; completions/s, versions/s, idle fractions,
 peak RSS per process; where a version's time goes; and the metrics that explain a fall
 (entropy, KL to the behaviour policy, clip fraction, ESS, gradient norm) over the run's last
-third. Then the issue's goals against TRL and the pipelined/sync speed-up, with its bounds from
+third. Then the goals against TRL and the pipelined/sync speed-up, with its bounds from
 the sync run. Variants named async<suffix> and sync<suffix> are compared the same way.
 
 --models runs all of that on each named model (a directory, or a name scripts/make_tiny_model.py
 builds, built if missing) and ends with one table over the models (OUT/table.md) and their
 curves side by side (OUT/curves.png); --family is --models with every model of
-pipeline_rl/demo/family.py. Each model's runs go to OUT/<model>/. --reuse keeps a finished run
+pipeline_rl/demo/family.py, and --fresh SEED adds each member made afresh from that seed (a new
+initialisation and batch order, built before its runs: models no default was chosen on). Each model's runs go to OUT/<model>/. --reuse keeps a finished run
 (TRL or pipeline_rl) of the same model, data, budget, seed and settings instead of running it
 again, so that a table can be built over several sessions and a sweep pays for TRL once (TRL
 does not depend on pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With
@@ -290,6 +291,7 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         "start_eval": curve[0][1] if curve else None,
         "final_eval": learning_curve.final(curve),
         "worst_drop": learning_curve.worst_drop(curve),
+        "early_fall": learning_curve.early_fall(curve),
         "eval_span_s": curve[-1][0] if curve else 0.0,
         "versions_per_s": versions_per_s(steps),
         "completions_per_s": completions_per_s(records),
@@ -405,7 +407,8 @@ def report(results: list[dict], out: Path, conf: str) -> None:
         reach = ", ".join(f"{t}: {fmt(r['reach'][t], '.0f', ' s', 'not reached')}" for t in THRESHOLDS)
         print(
             f"{r['mode']:>6}: start {fmt(r['start_eval'], '.3f')}; time to {reach}; final {fmt(r['final_eval'], '.3f')} "
-            f"at {r['eval_span_s']:.0f} s, drop {r['worst_drop']:.3f}; {fmt(r['completions_per_s'], '.0f')} completions/s, "
+            f"at {r['eval_span_s']:.0f} s, drop {r['worst_drop']:.3f}, first-minute fall {r['early_fall']:.3f}; "
+            f"{fmt(r['completions_per_s'], '.0f')} completions/s, "
             f"{fmt(r['versions_per_s'], '.2f')} versions/s; actor idle {fmt(r['actor_idle'], '.2f')}, "
             f"trainer idle {fmt(r['trainer_idle'], '.2f')}"
         )
@@ -452,11 +455,17 @@ def report(results: list[dict], out: Path, conf: str) -> None:
 
 
 def against_trl(pipe: dict, trl: dict) -> dict:
-    """The issue's three goals for one run against TRL's on the same model."""
+    """The goals for one run against TRL's on the same model: time to its final reward, the gain over it, the worst drop and the first-minute fall."""
     target = trl["final_eval"]
     t = learning_curve.time_to(pipe["curve"], target) if target is not None else None
     gain = None if pipe["final_eval"] is None or target is None else pipe["final_eval"] - target
-    return {"time_to_trl": t, "gain": gain, "drop": pipe["worst_drop"], "half": trl["eval_span_s"] / 2}
+    return {
+        "time_to_trl": t,
+        "gain": gain,
+        "drop": pipe["worst_drop"],
+        "early_fall": pipe["early_fall"],
+        "half": trl["eval_span_s"] / 2,
+    }
 
 
 def goals(pipe: dict, trl: dict) -> None:
@@ -464,16 +473,19 @@ def goals(pipe: dict, trl: dict) -> None:
     print(
         f"goals ({pipe['mode']} vs TRL's final {fmt(trl['final_eval'], '.3f')}): reached at "
         f"{fmt(g['time_to_trl'], '.0f', ' s', 'never')} (goal <= {g['half']:.0f} s); final - TRL's = "
-        f"{fmt(g['gain'], '+.3f')} (goal >= +0.05); worst drop {g['drop']:.3f} (goal <= 0.05)"
+        f"{fmt(g['gain'], '+.3f')} (goal >= +0.05); worst drop {g['drop']:.3f} (goal <= 0.05); first-minute "
+        f"fall {g['early_fall']:.3f} (goal <= 0.05)"
     )
 
 
 def table(per_model: list[tuple[str, list[dict]]]) -> str:
-    """The issue's table: per model, TRL's final reward, and for each pipeline_rl run the time
-    to TRL's final reward, its own final reward and its worst drop."""
+    """Per model, TRL's final reward, and for each pipeline_rl run the time to TRL's final reward,
+    its own final reward, its worst drop and its first-minute fall below the start."""
     modes = [r["mode"] for r in per_model[0][1] if r["mode"] != "trl"]
-    head = "| model | start | TRL final |" + "".join(f" {m}: time to TRL | {m}: final | {m}: drop |" for m in modes)
-    lines = [head, "|" + " --- |" * (3 + 3 * len(modes))]
+    head = "| model | start | TRL final |" + "".join(
+        f" {m}: time to TRL | {m}: final | {m}: drop | {m}: first-minute fall |" for m in modes
+    )
+    lines = [head, "|" + " --- |" * (3 + 4 * len(modes))]
     for model, results in per_model:
         by = {r["mode"]: r for r in results}
         trl = by.get("trl")
@@ -482,7 +494,7 @@ def table(per_model: list[tuple[str, list[dict]]]) -> str:
         for m in modes:
             r = by[m]
             reach = fmt(against_trl(r, trl)["time_to_trl"], ".0f", " s", "never") if trl else "n/a"
-            row += f" {reach} | {fmt(r['final_eval'], '.3f')} | {r['worst_drop']:.3f} |"
+            row += f" {reach} | {fmt(r['final_eval'], '.3f')} | {r['worst_drop']:.3f} | {r['early_fall']:.3f} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 
@@ -547,10 +559,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def model_path(name: str, default: Path) -> Path:
     """A directory as given, or a model scripts/make_tiny_model.py builds (built if missing)."""
-    from pipeline_rl.demo import BUILT, ensure_built
+    from pipeline_rl.demo import buildable, ensure_built
 
     path = Path(name)
-    if path.exists() or name not in BUILT:
+    if path.exists() or not buildable(name):
         return path
     path = default.parent / name
     ensure_built(path)
@@ -607,6 +619,14 @@ def main() -> None:
     parser.add_argument("--models", default="", help="comma-separated model directories or names to run on, in turn")
     parser.add_argument("--family", action="store_true", help="run on every model of pipeline_rl/demo/family.py")
     parser.add_argument(
+        "--fresh",
+        type=int,
+        action="append",
+        default=[],
+        metavar="SEED",
+        help="with --family: also every member made afresh from this seed (NAME_sSEED, built now; repeatable)",
+    )
+    parser.add_argument(
         "--conf",
         default="tiny",
         help="config of the pipeline_rl runs (and TRL's task: its domain must be one of TRL_DOMAINS)",
@@ -622,9 +642,9 @@ def main() -> None:
         print("[trl] skipped: TRL is not installed (bash scripts/setup_cpu.sh --bench)")
         with_trl = False
     if args.family:
-        from pipeline_rl.demo.family import FAMILY
+        from pipeline_rl.demo.family import FAMILY, fresh
 
-        names = [m.name for m in FAMILY]
+        names = [m.name for m in FAMILY] + [fresh(m, seed).name for seed in args.fresh for m in FAMILY]
     else:
         names = [m for m in args.models.split(",") if m]
     default = Path(cfg.model.path)

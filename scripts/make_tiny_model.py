@@ -7,9 +7,10 @@ right greedily, not softened), multistep_policy or multistep_teacher (the multi-
 policy and distillation teacher, built together: pipeline_rl/demo/multistep.py), multistep_prm
 (its process reward model: pipeline_rl/demo/prm.py) or multistep_rm (its outcome reward model:
 pipeline_rl/demo/outcome_rm.py); multistep_prm_quick and multistep_rm_quick are the tests' quick
-recipes of the last two; family_byte_small, family_char_base, family_char_deep and
-family_byte_wide are the model family that scripts/bench_learning.py --family judges learning
-on (pipeline_rl/demo/family.py); tools_policy is the tool-use demo's policy (conf=tiny_tools,
+recipes of the last two; family_byte_small, family_char_base, family_char_deep,
+family_byte_wide, family_char_brief and family_byte_brief are the model family that
+scripts/bench_learning.py --family judges learning on (pipeline_rl/demo/family.py), and
+NAME_sSEED any of them made afresh from another seed; tools_policy is the tool-use demo's policy (conf=tiny_tools,
 pipeline_rl/demo/tools_policy.py); tiny_moe is the mixture-of-experts policy
 (pipeline_rl/demo/tiny_moe.py); long_chain_policy is the long, uneven task's policy
 (conf=tiny_long, pipeline_rl/demo/long_chain.py). A model's prerequisites are built first when missing.

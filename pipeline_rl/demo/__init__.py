@@ -17,19 +17,22 @@ BUILT = (
     "family_char_base",
     "family_char_deep",
     "family_byte_wide",
+    "family_char_brief",
+    "family_byte_brief",
     "tools_policy",
     "tiny_moe",
     "long_chain_policy",
 )
-"""Directory names under the cache that `build_named` can make."""
+"""Directory names under the cache that `build_named` can make (and any family member's fresh
+copy, NAME_sSEED: pipeline_rl/demo/family.py)."""
 
 
 def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     """Build the demo model called `name` (one of BUILT) under `cache_dir`, with what it comes with."""
     from pipeline_rl.demo import family, long_chain, multistep, outcome_rm, prm, tiny_model, tiny_moe, tools_policy
 
-    if name in family.BY_NAME:
-        family.build(cache_dir, seed, family.BY_NAME[name])
+    if (member := family.member(name)) is not None:
+        family.build(cache_dir, seed, member)
     elif name == tiny_model.TINY.name:
         tiny_model.build(cache_dir, seed, tiny_model.TINY)
     elif name == tiny_model.LEARNER.name:
@@ -47,7 +50,16 @@ def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     elif name in BUILT:
         multistep.build(cache_dir, seed)
     else:
-        raise ValueError(f"no demo model is called {name!r}; known: {', '.join(BUILT)}")
+        raise ValueError(
+            f"no demo model is called {name!r}; known: {', '.join(BUILT)} and NAME_sSEED of a family member"
+        )
+
+
+def buildable(name: str) -> bool:
+    """Whether `build_named` can make the model called `name`."""
+    from pipeline_rl.demo import family
+
+    return name in BUILT or family.member(name) is not None
 
 
 def ensure_built(path: Path, seed: int = 0) -> None:
@@ -56,7 +68,9 @@ def ensure_built(path: Path, seed: int = 0) -> None:
     for a missing directory of another name."""
     if (path / "config.json").exists():
         return
-    if path.name not in BUILT:
-        raise ValueError(f"{path} does not exist, and only {', '.join(BUILT)} can be built")
+    if not buildable(path.name):
+        raise ValueError(
+            f"{path} does not exist, and only {', '.join(BUILT)} (and NAME_sSEED of a family member) can be built"
+        )
     print(f"building the tiny model into {path} ...", flush=True)
     build_named(path.parent, path.name, seed=seed)

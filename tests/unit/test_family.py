@@ -25,11 +25,12 @@ def test_char_tokenizer_is_one_token_per_character_and_round_trips(tmp_path):
     assert tok.decode([*tok.encode("42", add_special_tokens=False), tok.eos_token_id], skip_special_tokens=True) == "42"
 
 
-def test_members_differ_in_tokenizer_shape_seed_and_start_and_can_be_built_by_name():
+def test_members_differ_in_tokenizer_shape_recipe_seed_and_start_and_can_be_built_by_name():
     assert {m.tokenizer for m in FAMILY} == {"byte", "char"}
-    assert len({(m.hidden, m.layers) for m in FAMILY}) == len(FAMILY)
+    assert len({(m.hidden, m.layers, m.steps is None) for m in FAMILY}) == len(FAMILY)
     assert len({m.seed_offset for m in FAMILY}) == len(FAMILY)
-    starts = sorted(m.start_accuracy for m in FAMILY)
+    assert {m.tokenizer for m in FAMILY if m.steps is not None} == {"byte", "char"}  # the brief recipe
+    starts = sorted(m.start_accuracy for m in FAMILY if m.steps is None)
     assert starts[0] <= 0.1 and starts[-1] >= 0.5
     assert {m.name for m in FAMILY} <= set(BUILT)
     for m in FAMILY:
@@ -46,3 +47,22 @@ def test_members_differ_in_tokenizer_shape_seed_and_start_and_can_be_built_by_na
             kv_heads=m.kv_heads,
         )
         assert model.config.num_hidden_layers == m.layers and model.config.vocab_size == len(tok)
+
+
+def test_a_fresh_member_is_the_recipe_from_another_seed_and_is_found_by_name():
+    from pipeline_rl.demo import buildable
+    from pipeline_rl.demo.family import BY_NAME, fresh, member
+
+    base = BY_NAME["family_char_brief"]
+    made = fresh(base, 7)
+    assert made.name == "family_char_brief_s7" and member(made.name) == made
+    assert made.seed_offset != base.seed_offset and made.seed_offset not in {m.seed_offset for m in FAMILY}
+    assert (made.hidden, made.layers, made.tokenizer, made.steps, made.lr) == (
+        base.hidden,
+        base.layers,
+        base.tokenizer,
+        base.steps,
+        base.lr,
+    )
+    assert buildable(made.name) and not buildable("family_char_brief_s0") and not buildable("nothing_s3")
+    assert member("family_char_base") is BY_NAME["family_char_base"]

@@ -40,3 +40,12 @@ def test_a_curve_that_never_falls_back_has_no_drop():
     assert lc.worst_drop(curve(0.1, 0.2)) == 0.0
     # A fall before the best window is not a drop after it.
     assert lc.worst_drop(curve(0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.9, 0.9, 0.9)) == 0.0
+
+
+def test_early_fall_reads_single_evaluations_in_the_first_minute_after_the_start():
+    # Evaluations every 20 s from 20 s: the start 0.23, a collapse to 0.055 at 40 s, back by 60 s.
+    c = curve(0.23, 0.055, 0.26, 0.30, 0.01)
+    assert lc.early_fall(c) == pytest.approx(0.23 - 0.055)  # the 0.01 at 100 s is 80 s after the start
+    assert lc.early_fall(c, within_s=90.0) == pytest.approx(0.23 - 0.01)
+    assert lc.early_fall(curve(0.2, 0.3, 0.4)) == 0.0
+    assert lc.early_fall(curve(0.2)) == 0.0 and lc.early_fall([]) == 0.0
