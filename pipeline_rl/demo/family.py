@@ -64,7 +64,7 @@ FAMILY = (
     Member("family_char_base", "char", hidden=128, layers=4, heads=4, start_accuracy=0.25, seed_offset=12),
     Member("family_char_deep", "char", hidden=96, layers=6, heads=3, start_accuracy=0.4, seed_offset=13, kv_heads=1),
     Member("family_byte_wide", "byte", hidden=192, layers=3, heads=6, start_accuracy=0.5, seed_offset=14, lr=1e-3),
-    Member("family_char_brief", "char", hidden=128, layers=4, heads=4, start_accuracy=0.0, seed_offset=15, steps=300),
+    Member("family_char_brief", "char", hidden=128, layers=4, heads=4, start_accuracy=0.0, seed_offset=15, steps=520),
     Member(
         "family_byte_brief",
         "byte",
