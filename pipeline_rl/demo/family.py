@@ -74,7 +74,7 @@ FAMILY = (
         start_accuracy=0.0,
         seed_offset=16,
         kv_heads=1,
-        steps=600,
+        steps=850,
     ),
 )
 BY_NAME = {m.name: m for m in FAMILY}
