@@ -12,6 +12,10 @@ from pipeline_rl.config import load_config
 from pipeline_rl.trainer.model import lr_factor
 
 
+NO_WARMUP = "trainer.optimizer.warmup_steps=0"
+"""For the tests of the decay alone (the default warms up)."""
+
+
 def factor(*overrides: str, clock=lambda: 0.0):
     return lr_factor(load_config("tiny", ["max_time_s=0", *overrides]), clock)
 
@@ -43,7 +47,12 @@ def test_cosine_by_steps_reaches_the_floor_at_max_steps():
 
 
 def test_updates_per_step_count_in_the_run_length():
-    f = factor("trainer.optimizer.decay=cosine", "shared.max_steps=2", "trainer.updates_per_step=2")
+    f = factor(
+        NO_WARMUP,
+        "trainer.optimizer.decay=cosine",
+        "shared.max_steps=2",
+        "trainer.updates_per_step=2",
+    )
     assert f(1) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)  # update 2 of 4
     assert f(3) == pytest.approx(0.1, rel=1e-12)
 
@@ -51,7 +60,7 @@ def test_updates_per_step_count_in_the_run_length():
 def test_cosine_by_time_when_time_ends_the_run_first():
     now = [100.0]
     f = lr_factor(
-        load_config("tiny", ["max_time_s=60", "shared.max_steps=1000000", "trainer.optimizer.decay=cosine"]),
+        load_config("tiny", [NO_WARMUP, "max_time_s=60", "shared.max_steps=1000000", "trainer.optimizer.decay=cosine"]),
         lambda: now[0],
     )
     assert f(0) == pytest.approx(cosine(0.1, 1e-6), rel=1e-9)  # by steps: barely started
@@ -63,7 +72,7 @@ def test_cosine_by_time_when_time_ends_the_run_first():
 
 def test_steps_win_when_they_end_the_run_first():
     f = lr_factor(
-        load_config("tiny", ["max_time_s=3600", "shared.max_steps=4", "trainer.optimizer.decay=cosine"]),
+        load_config("tiny", [NO_WARMUP, "max_time_s=3600", "shared.max_steps=4", "trainer.optimizer.decay=cosine"]),
         lambda: 0.0,
     )
     assert f(1) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)
@@ -72,6 +81,13 @@ def test_steps_win_when_they_end_the_run_first():
 def test_a_trainer_started_mid_run_goes_on_with_the_schedule_by_time():
     """A trainer pool restarted 30 s into a 60 s run (the launch time comes from the launcher)
     takes the decay from half-way, not from its own start."""
-    cfg = load_config("tiny", ["max_time_s=60", "shared.max_steps=1000000", "trainer.optimizer.decay=cosine"])
+    cfg = load_config(
+        "tiny", [NO_WARMUP, "max_time_s=60", "shared.max_steps=1000000", "trainer.optimizer.decay=cosine"]
+    )
     f = lr_factor(cfg, lambda: 130.0, started=100.0)
     assert f(0) == pytest.approx(cosine(0.1, 0.5), rel=1e-12)
+
+
+def test_the_default_warms_up_over_ten_updates():
+    f = factor("trainer.optimizer.decay=constant")
+    assert [f(s) for s in (0, 4, 9, 10)] == pytest.approx([0.1, 0.5, 1.0, 1.0], rel=1e-12)
