@@ -11,7 +11,6 @@ import pytest
 from pipeline_rl.config import load_config
 from pipeline_rl.trainer.model import lr_factor
 
-
 NO_WARMUP = "trainer.optimizer.warmup_steps=0"
 """For the tests of the decay alone (the default warms up)."""
 
