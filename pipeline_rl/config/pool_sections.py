@@ -289,6 +289,17 @@ class TrainerConfig:
     from the model size (pipeline_rl/launch/budget.py, printed by `--dry-run`)."""
     weight_bucket_mb: int = 256
     """Size of one weight-broadcast bucket."""
+    weight_delta: bool = True
+    """Send each weight update as the elements whose published value changed since the version
+    the actors hold (per tensor the smallest of indices, a bitmask or the whole tensor; a bf16
+    weight's value changes at few steps, an fp32 one's at every step, so fp32 models go dense),
+    computed from each rank's own shard (no gather of the model), with per-tensor checksums the
+    actors check their weights against. Full updates still go first, to a changed group, on an
+    actor's request and every `full_update_every`. Costs each rank its share of the weights in
+    model.dtype. Ignored with model.lora (adapter updates are small and go whole)."""
+    full_update_every: int = 50
+    """With weight_delta: every this many weight updates one is sent whole, bounding what a
+    mistake could let drift (the checksums catch any that does); 0: only when needed."""
     gradient_checkpointing: bool = False
     """Each decoder layer keeps only its input for backward and runs again there: activations of
     one hidden state per token and layer (plus one layer's at a time) for about a third more

@@ -53,6 +53,7 @@ def validate(cfg: RunConfig) -> None:
         "world.gpus_per_node",
         "world.max_restarts",
         "trainer.checkpoint_every",
+        "trainer.full_update_every",
         "model.logprob_chunk_tokens",
         "trainer.optimizer.warmup_steps",
     ]:

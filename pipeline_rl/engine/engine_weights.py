@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,11 @@ from torch.overrides import TorchFunctionMode
 from pipeline_rl.engine.cpu_experts import ExpertRepack
 from pipeline_rl.engine.fused_experts import per_expert
 from pipeline_rl.engine.host_copy import HostSpans
+from pipeline_rl.engine.weight_delta import Scatter, bind_delta, checksum_parts, scatter
+from pipeline_rl.streams.records import WeightUpdate
+from pipeline_rl.weight_layout import dtype_of
+from pipeline_rl.weight_sync.delta import decode as decode_delta
+from pipeline_rl.weight_sync.delta import weight_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -388,16 +394,39 @@ class EngineWeights:
             [(dst, block) for name, pairs in self.plan.copies.items() for (dst, *_), block in zip(pairs, kept[name])]
         )
 
+    def prepare_delta(self, update: WeightUpdate, pieces: Named) -> Prepared:
+        """Decode a delta update's pieces and bind them to the copy plan (no lock needed);
+        raises ValueError (also without a plan: vLLM's reload needs whole tensors)."""
+        if self.plan is None:
+            raise ValueError(f"this engine loads through vLLM's reload, which takes no delta ({self.plan_refused})")
+        pairs, scatters = bind_delta(self.plan.copies, decode_delta(update, pieces, self.numels()))
+        return Prepared(pairs=pairs, host=HostSpans.of(pairs), scatters=scatters)
+
+    def checksum_parts(self, update: WeightUpdate) -> dict[str, tuple[int, int]]:
+        """Per tensor of `update`, the checksum of what this engine holds of it and how many
+        elements that is (engine/weight_delta.py); {} without a copy plan."""
+        if self.plan is None:
+            return {}
+        dtypes = {name: dtype_of(d) for name, d in weight_dtypes(update).items()}
+        return checksum_parts(self.plan.copies, dtypes)
+
+    def numels(self) -> dict[str, int]:
+        """The element count of every checkpoint tensor."""
+        return {name: math.prod(shape) for name, shape in self._expected.items()}
+
     def load(self, update: Prepared, synchronize: bool = True) -> None:
         """Load a prepared update in place (each tensor-parallel worker its own shard); the
         caller makes sure no forward pass runs meanwhile (`synchronize`: LoadPlan.copy)."""
-        if update.host is not None:
-            update.host.copy()
-            self._repack.repack()
-            return
-        if update.pairs is not None:
-            assert self.plan is not None  # prepare bound it
-            self.plan.copy(update.pairs, synchronize)
+        if update.host is not None or update.pairs is not None:
+            if update.host is not None:
+                update.host.copy()
+            else:
+                assert self.plan is not None and update.pairs is not None  # prepare bound it
+                self.plan.copy(update.pairs, synchronize and not update.scatters)
+            if update.scatters:
+                scatter(update.scatters)
+                if synchronize and self.plan is not None and self.plan.device.type == "cuda":
+                    torch.cuda.synchronize(self.plan.device)
             self._repack.repack()
             return
         self._runner.reload_weights(weights_iterator=iter(update.named or ()))
@@ -415,6 +444,8 @@ class Prepared:
     named: Named | None = None
     host: HostSpans | None = None
     """The pairs as memmoves that keep the GIL, when all of them are plain host copies."""
+    scatters: list[Scatter] = field(default_factory=list)
+    """A delta's changed elements, written after the pairs are copied (engine/weight_delta.py)."""
 
     @staticmethod
     def of(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Prepared:

@@ -45,6 +45,7 @@ from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, che
 from pipeline_rl.streams.api import Reader
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import StaleUpdate, WeightGroupFailed, group_ranks
+from pipeline_rl.weight_sync.delta import is_delta
 
 if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this module is
     from vllm import LLMEngine
@@ -210,6 +211,10 @@ class LLMClient:
         self.tokens_generated = 0
         self.update_failures = 0
         self.updates_skipped = 0
+        self.checksum_mismatches = 0
+        """Updates after which the engine's weights failed their checksums."""
+        self.full_requests = 0
+        """Full updates this engine asked for (a failed checksum, a delta it could not apply)."""
         self.step_times: deque[float] = deque(maxlen=10000)
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
@@ -484,7 +489,21 @@ class LLMClient:
             stats = self.hook.swap(staged, update.version)
         except Exception as e:  # counted by the hook
             log.error("weight update %d not loaded, keeping version %d: %s", update.version, self.hook.version, e)
+            if isinstance(e, ValueError) and is_delta(update):  # a full update can be taken
+                self._request_full(receiver)
             return False
+        if update.checksums:
+            wrong = self.hook.mismatches(update)
+            if wrong:
+                self.checksum_mismatches += 1
+                log.error(
+                    "weight version %d: %d tensor(s) differ from the trainer's (checksums), e.g. %s; "
+                    "asking for a full update",
+                    update.version,
+                    len(wrong),
+                    wrong[:3],
+                )
+                self._request_full(receiver)
         log.info(
             "loaded weight version %d (lock wait %.1f ms, load %.1f ms)",
             update.version,
@@ -492,6 +511,13 @@ class LLMClient:
             stats.load_s * 1e3,
         )
         return True
+
+    def _request_full(self, receiver: Receiver) -> None:
+        try:
+            receiver.request_full()
+            self.full_requests += 1
+        except Exception as e:  # the sender is gone: a new one starts with a full update anyway
+            log.warning("could not ask the trainer for a full weight update: %s", e)
 
     def stats(self) -> dict[str, float]:
         """Counters and recent timings for metrics."""
@@ -508,6 +534,8 @@ class LLMClient:
             "swaps": swap_count,
             "swap_failures": self.hook.failures + self.update_failures,
             "updates_skipped": self.updates_skipped,
+            "weight_checksum_mismatches": self.checksum_mismatches,
+            "weight_full_requests": self.full_requests,
             "lock_wait_p50_s": wait50,
             "lock_wait_p99_s": wait99,
             "lock_wait_max_s": wait_max,

@@ -38,6 +38,7 @@ they return an error text instead.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterable
@@ -50,8 +51,11 @@ import torch.distributed as dist
 from safetensors.torch import save as save_safetensors
 
 from pipeline_rl.engine.vllm_hook import Staged, SwapGate
+from pipeline_rl.engine.weight_delta import mismatches
 from pipeline_rl.streams.records import WeightUpdate, encode
 from pipeline_rl.weight_sync import INCARNATION, SENDER, PeerGone, StaleUpdate, WeightGroupFailed
+from pipeline_rl.weight_sync.delta import weight_names
+from pipeline_rl.weight_sync.group import RESYNC
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,8 @@ PEER_GONE = "peer gone: "
 """The same, failed because members are gone (weight_sync.PeerGone)."""
 CHECK = "check: "
 """Prefix of a worker's reply whose staged update failed its check."""
+SUMS = "sums: "
+"""Prefix of a worker's checksums of its part of the weights (pipeline_rl_checksums)."""
 BUCKETS_PER_CALL = 1
 """Buckets of an update each worker receives in one call between two engine steps: the engine
 steps once between two calls."""
@@ -75,14 +81,14 @@ def _failures(replies: list[str | None]) -> str | None:
     return "; ".join(failed) if failed else None
 
 
-def _staged(ticket: str, replies: list[str | None], what: str) -> Staged:
+def _staged(ticket: str, replies: list[str | None], what: str, base: int = -1) -> Staged:
     """The `Staged` of the workers' replies to staging: a failed check goes to the swap, which
     refuses it (ValueError); any other failure raises RuntimeError now."""
     failed = _failures([r for r in replies if r is None or not r.startswith(CHECK)])
     if failed:
         raise RuntimeError(f"{what}: {failed}")
     problem = _failures([r.removeprefix(CHECK) if r is not None else None for r in replies])
-    return Staged(ticket, problem=problem)
+    return Staged(ticket, problem=problem, base=base)
 
 
 class TensorParallelSwapHook(SwapGate):
@@ -159,6 +165,19 @@ class TensorParallelSwapHook(SwapGate):
             self._broken = f"loading update {ticket} failed: {failed}"
             raise RuntimeError(self._broken)
 
+    def mismatches(self, update: WeightUpdate) -> list[str]:
+        """Every worker's checksums of its part, combined (engine/weight_delta.py)."""
+        if not update.checksums:
+            return []
+        replies = self.between_steps(lambda: self._rpc("pipeline_rl_checksums", encode(update)))
+        failed = [r for r in replies if r is None or not r.startswith(SUMS)]
+        if failed:
+            raise RuntimeError(f"checksums of weight update {update.version}: {failed[0]}")
+        held = [json.loads(r.removeprefix(SUMS)) for r in replies if r is not None]
+        parts = [{name: (v[0], v[1]) for name, v in worker.items()} for worker in held]
+        numels = {name: v[2] for worker in held for name, v in worker.items()}
+        return mismatches(parts, weight_names(update), numels, update.checksums)
+
     def receiver(
         self, addr: str, first_rank: int, world_size: int, backend: str, timeout_s: float, stage_on_host: bool = False
     ) -> TensorParallelReceiver:
@@ -213,7 +232,12 @@ class TensorParallelReceiver:
             )
         replies = hook.between_steps(lambda: hook._rpc("pipeline_rl_receive_end", ticket))
         self._raise_failed(update, replies)
-        return _staged(ticket, replies, f"weight update {update.version}")
+        return _staged(ticket, replies, f"weight update {update.version}", update.base)
+
+    def request_full(self) -> None:
+        if self._store is None:
+            self._store = dist.TCPStore(self._host, self._port, self.world_size, is_master=False, timeout=self.timeout)
+        self._store.add(RESYNC, 1)
 
     def _between_steps(self, update: WeightUpdate, method: str, *args: Any) -> None:
         """Call `method` in every worker between two engine steps and raise any worker's failure.

@@ -10,6 +10,7 @@ queue is told to let it sleep when there is nothing to do (engine/idle_spin.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -22,10 +23,11 @@ from safetensors.torch import load as load_safetensors
 from pipeline_rl.engine.adapter_slot import AdapterSlot, PreparedAdapter, single_slot_cpu_lora
 from pipeline_rl.engine.engine_weights import EngineWeights, Prepared, keep_cpu_linear_weights
 from pipeline_rl.engine.idle_spin import shorten_idle_spin
-from pipeline_rl.engine.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE
+from pipeline_rl.engine.tp_swap import CHECK, GROUP_FAILED, PEER_GONE, STALE, SUMS
 from pipeline_rl.streams.records import WeightUpdate, decode
 from pipeline_rl.weight_layout import dtype_of
 from pipeline_rl.weight_sync import PeerGone, StaleUpdate, WeightGroupFailed, WeightReceiver
+from pipeline_rl.weight_sync.delta import is_delta
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,34 @@ class TensorParallelWorker:
             return f"{CHECK}worker {self.rank}: {e}"
         return None
 
+    def _pipeline_rl_prepare_delta(
+        self, ticket: str, announced: WeightUpdate, pieces: list[tuple[str, torch.Tensor]]
+    ) -> str | None:
+        """As `_pipeline_rl_prepare`, for a delta: this worker's views select its part of it."""
+        weights = self._pipeline_rl.weights
+        try:
+            if not isinstance(weights, EngineWeights):
+                raise ValueError("a LoRA adapter slot takes no delta update")
+            self._pipeline_rl.staged = (ticket, weights.prepare_delta(announced, pieces))
+        except ValueError as e:
+            return f"{CHECK}worker {self.rank}: {e}"
+        return None
+
+    def pipeline_rl_checksums(self, update: bytes) -> str:
+        """Per tensor of the announced update, the checksum of this worker's part of it, the
+        elements that part covers and the tensor's size, as JSON after SUMS (else why not)."""
+        try:
+            weights = self._pipeline_rl.weights
+            if not isinstance(weights, EngineWeights):
+                return SUMS + "{}"
+            if weights.plan is not None and weights.plan.device.type == "cuda":
+                torch.cuda.synchronize(weights.plan.device)
+            numels = weights.numels()
+            parts = weights.checksum_parts(decode(update, WeightUpdate))
+            return SUMS + json.dumps({name: [value, covered, numels[name]] for name, (value, covered) in parts.items()})
+        except Exception as e:
+            return f"worker {self.rank}: {e}"
+
     def pipeline_rl_receive(
         self,
         ticket: str,
@@ -154,6 +184,8 @@ class TensorParallelWorker:
 
         def stage(receiver: WeightReceiver) -> str | None:
             named = receiver.end()
+            if is_delta(announced):
+                return self._pipeline_rl_prepare_delta(ticket, announced, named)
             if receiver.keep is not None:
                 return self._pipeline_rl_prepare_kept(ticket, announced, receiver._kept)
             return self._pipeline_rl_prepare(ticket, named)

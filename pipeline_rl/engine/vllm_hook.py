@@ -62,8 +62,10 @@ import torch
 from pipeline_rl.engine.adapter_slot import AdapterSlot, PreparedAdapter
 from pipeline_rl.engine.engine_weights import EngineWeights, Prepared
 from pipeline_rl.engine.swap_streams import SwapStreams
+from pipeline_rl.engine.weight_delta import mismatches
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_sync import WeightReceiver
+from pipeline_rl.weight_sync.delta import is_delta, weight_names
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class Staged:
     update: Prepared | PreparedAdapter | None = None
     problem: str | None = None
     """Why the check at staging failed (the swap refuses it), or None."""
+    base: int = -1
+    """A delta's base version: the swap refuses it unless the engine holds that version."""
 
 
 class Receiver(Protocol):
@@ -105,6 +109,10 @@ class Receiver(Protocol):
     def receive(self, update: WeightUpdate) -> Staged:
         """Take part in the broadcast `update` announces (no lock held); raises
         weight_sync.StaleUpdate when the sender has moved past it."""
+        ...
+
+    def request_full(self) -> None:
+        """Ask the sender for a full update next (weight_sync WeightReceiver.request_full)."""
         ...
 
     def close(self) -> None: ...
@@ -227,6 +235,8 @@ class SwapGate:
             try:
                 if staged.problem is not None:
                     raise ValueError(staged.problem)
+                if staged.base >= 0 and staged.base != self.version:
+                    raise ValueError(f"it is a delta against version {staged.base}; the engine holds {self.version}")
                 self._check(staged)
             except ValueError as e:
                 self.failures += 1
@@ -285,6 +295,12 @@ class SwapGate:
         """Load a checked update in place (called under the lock)."""
         raise NotImplementedError
 
+    def mismatches(self, update: WeightUpdate) -> list[str]:
+        """The tensors of the update just swapped in (it carries checksums) whose checksum the
+        engine's weights do not make (engine/weight_delta.py); no lock needed (only the swap
+        writes the weights)."""
+        raise NotImplementedError
+
 
 class WeightSwapHook(SwapGate):
     """Gates the engine core's step and swaps weights between two steps; the update is held in
@@ -318,14 +334,34 @@ class WeightSwapHook(SwapGate):
             return cls(engine_core, runner, version, AdapterSlot(runner, adapter_dir))
         return cls(engine_core, runner, version, EngineWeights.of(runner, model_path))
 
-    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ticket: str = "local") -> Staged:
+    def stage(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        ticket: str = "local",
+        update: WeightUpdate | None = None,
+    ) -> Staged:
+        """Prepare tensors at hand; with a delta `update`, they are its pieces."""
+        base = update.base if update is not None and is_delta(update) else -1
         try:
-            prepared: Prepared | PreparedAdapter = self.weights.prepare(
-                [(name, t.contiguous()) for name, t in named_tensors]
-            )
+            named = [(name, t.contiguous()) for name, t in named_tensors]
+            if base < 0:
+                prepared: Prepared | PreparedAdapter = self.weights.prepare(named)
+            elif isinstance(self.weights, EngineWeights):
+                assert update is not None
+                prepared = self.weights.prepare_delta(update, named)
+            else:
+                raise ValueError("a LoRA adapter slot takes no delta update")
         except ValueError as e:
-            return Staged(ticket, problem=str(e))
-        return Staged(ticket, update=prepared)
+            return Staged(ticket, problem=str(e), base=base)
+        return Staged(ticket, update=prepared, base=base)
+
+    def mismatches(self, update: WeightUpdate) -> list[str]:
+        if not isinstance(self.weights, EngineWeights) or not update.checksums:
+            return []
+        if self.weights.plan is not None and self.weights.plan.device.type == "cuda":
+            torch.cuda.synchronize(self.weights.plan.device)  # the load was queued on the engine's stream
+        weights = self.weights
+        return mismatches([weights.checksum_parts(update)], weight_names(update), weights.numels(), update.checksums)
 
     def receiver(
         self, addr: str, first_rank: int, world_size: int, backend: str, timeout_s: float, stage_on_host: bool = False
@@ -365,7 +401,10 @@ class LocalReceiver:
         # waits for that stream's event, recorded when this block ends.
         with self.hook.streams.receiving():
             tensors = self.endpoint.receive(update)
-            return self.hook.stage(tensors, ticket=str(update.version))
+            return self.hook.stage(tensors, ticket=str(update.version), update=update)
+
+    def request_full(self) -> None:
+        self.endpoint.request_full()
 
     def close(self) -> None:
         self.endpoint.close()

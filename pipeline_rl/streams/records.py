@@ -123,6 +123,13 @@ class WeightUpdate:
     """Name of the sender's process group that broadcasts this update."""
     plan: str
     """Per bucket "1" when it goes as one message (pipeline_rl/weight_sync/__init__.py)."""
+    base: int = -1
+    """The version a delta update applies to; -1: a full update (weight_sync/delta.py)."""
+    forms: str = ""
+    """A delta update's form of each weight tensor, one letter each (weight_sync/delta.py)."""
+    checksums: list[int] = field(default_factory=list)
+    """Per weight tensor, the checksum of its published value (weight_sync/delta.py); empty
+    when the sender computes none."""
     kind: str = Kind.WEIGHT_UPDATE
 
 

@@ -6,20 +6,32 @@ next update forms a group of the receivers registered then, so a dead actor is l
 replacement taken in. MAX_FAILED_UPDATES failures in a row stop the trainer (a group that cannot
 form). A receiver that joins while the trainer waits for data gets the current weights at once
 (`has_joiners`): the replacement of the only actor would otherwise wait for a version that its
-own groups must make. Under ZeRO-3 every rank takes part in the gathers, so that waits for the
-next step's update.
+own groups must make. Where every rank takes part in a publication (the gathers of ZeRO-3, the
+changes of a delta over several ranks) that waits for the next step's update.
+
+With trainer.weight_delta an update is full when it must be (the first, a group that changed, an
+actor's request, every full_update_every) and otherwise a delta from every rank's own shard
+(trainer/published_shards.py; the wire form in weight_sync/delta.py). Full updates carry the
+per-tensor checksums too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.streams.api import Streams
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.trainer.full_weights import Named, gathered_chunks, parameter_specs
+from pipeline_rl.trainer.published_shards import PublishedShards
 from pipeline_rl.weight_sync import (
     WeightGroupFailed,
     WeightSender,
@@ -28,6 +40,7 @@ from pipeline_rl.weight_sync import (
     member_names,
     transfer_timeout_s,
 )
+from pipeline_rl.weight_sync.delta import DENSE, DeltaHeader, choose_form, piece_specs
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
 log = logging.getLogger(__name__)
@@ -38,7 +51,7 @@ failure is a member lost; several in a row, a group that cannot form."""
 
 
 class WeightPublisher:
-    def __init__(self, cfg: RunConfig, rank: int, streams: Streams):
+    def __init__(self, cfg: RunConfig, rank: int, streams: Streams, world_size: int = 1):
         self.rank = rank
         self.bucket_mb = cfg.trainer.weight_bucket_mb
         addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
@@ -49,6 +62,14 @@ class WeightPublisher:
         self.failed_total = 0
         self.sender: WeightSender | None = None
         self.tp = cfg.shared.tensor_parallel_size
+        self.world_size = world_size
+        self.delta = self.broadcast and cfg.trainer.weight_delta and cfg.model.lora is None
+        self.shards: PublishedShards | None = None
+        """With trainer.weight_delta, this rank's share of the weights as last published."""
+        self.full_every = cfg.trainer.full_update_every
+        self.since_full = 0
+        """Delta updates since the last full one."""
+        self.full_total = 0
         if rank == 0 and addr:
             # The group takes the actors of a job scaled up since the launch too.
             self.actor_count = ActorCountWatch(streams, cfg.world.actors)
@@ -72,17 +93,90 @@ class WeightPublisher:
 
     def has_joiners(self) -> bool:
         """Whether a receiver joined that the current group lacks, and this rank can send alone."""
-        if self.sender is None or self.zero3:
-            return False
+        if self.sender is None or self.zero3 or (self.delta and self.world_size > 1):
+            return False  # every rank takes part in a publication
         self._follow_actor_count()
         return self.sender.has_joiners()
 
     def publish(self, version: int, published: Named) -> dict:
         """Send `published` (name, parameter) as `version`: rank 0 broadcasts, the others take
-        part in the gathers under ZeRO-3. Returns rank 0's metrics of the update."""
+        part in the gathers under ZeRO-3 (a full update) or send rank 0 their changes (a delta).
+        Returns rank 0's metrics of the update."""
         if not self.broadcast:
             return {}
-        chunks = gathered_chunks(published, self.rank, self.bucket_mb)
+        started = time.perf_counter()
+        if self.delta and self.shards is None:
+            self.shards = PublishedShards(published, self.rank, self.world_size)
+        if self.shards is None:
+            metrics = self._send(version, self._full(published), parameter_specs(published), None)
+        elif (base := self._agree_base()) < 0:
+            header = DeltaHeader(-1, "", self.shards.refresh())
+            metrics = self._send(version, self._full(published), parameter_specs(published), header)
+            self.since_full = 0
+            self.full_total += 1
+        else:
+            metrics = self._send_delta(version, base)
+            self.since_full += 1
+        if self.sender is not None and self.shards is not None:
+            metrics["weight_full_updates_total"] = self.full_total
+        if self.sender is not None:
+            metrics["weight_publish_s"] = time.perf_counter() - started
+        return metrics
+
+    def _full(self, published: Named) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return gathered_chunks(published, self.rank, self.bucket_mb)
+
+    def _agree_base(self) -> int:
+        """The version the next update is a delta against, or -1 for a full one: rank 0 decides
+        (weight_sync WeightSender.delta_base, every full_update_every, the first) and every rank
+        takes its word (one broadcast), since both forms are collective."""
+        assert self.shards is not None
+        base = -1
+        if self.sender is not None and self.shards.shadow is not None:
+            periodic = self.full_every > 0 and self.since_full >= self.full_every
+            found = None if periodic else self.sender.delta_base()
+            base = -1 if found is None else found
+        if self.world_size > 1:
+            word = torch.tensor([base], dtype=torch.int64, device=self.shards.current(0).device)
+            dist.broadcast(word, src=0)
+            base = int(word)
+        return base
+
+    def _send_delta(self, version: int, base: int) -> dict:
+        """The changes since `base` from every rank's shard: counts (an all-gather), then each
+        tensor's form, then each bucket's pieces gathered on rank 0 as the broadcast takes them."""
+        shards = self.shards
+        assert shards is not None
+        counts = shards.changes()
+        forms = "".join(
+            choose_form(n, c, dtype.itemsize) for n, c, (_, _, dtype) in zip(shards.numels, counts, shards.specs)
+        )
+        specs = [
+            piece
+            for (name, shape, dtype), form, c in zip(shards.specs, forms, counts)
+            for piece in piece_specs(name, shape, dtype, form, math.prod(shape) if form == DENSE else c)
+        ]
+        metrics = self._send(
+            version, shards.pieces(forms, self.bucket_mb), specs, DeltaHeader(base, forms, shards.checksums)
+        )
+        if self.sender is not None:
+            total = sum(shards.numels)
+            dense = sum(n * dtype.itemsize for n, (_, _, dtype) in zip(shards.numels, shards.specs))
+            metrics.update(
+                weight_update_changed_fraction=sum(counts) / total if total else 0.0,
+                weight_update_bytes_ratio=sum(math.prod(s) * d.itemsize for _, s, d in specs) / dense,
+            )
+        return metrics
+
+    def _send(
+        self,
+        version: int,
+        chunks: Iterator[list[tuple[str, torch.Tensor]]],
+        specs: list[tuple[str, list[int], torch.dtype]],
+        header: DeltaHeader | None,
+    ) -> dict:
+        """Rank 0 broadcasts the tensors of `chunks`; every other rank iterates them (the
+        collectives behind each chunk)."""
         if self.sender is None:
             for _ in chunks:
                 pass
@@ -94,7 +188,8 @@ class WeightPublisher:
                 (pair for chunk in chunks for pair in chunk),
                 announce=self._announce,
                 bucket_mb=self.bucket_mb,
-                specs=parameter_specs(published),
+                specs=specs,
+                header=header,
             )
         except WeightGroupFailed as e:
             self.failed += 1
@@ -108,6 +203,7 @@ class WeightPublisher:
                 pass
         self.failed = 0
         return {
+            "weight_update_bytes": sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs),
             "weight_broadcast_s": seconds,
             "weight_update_members": len(self.sender.members) - 1,
             "weight_update_failed_total": self.failed_total,

@@ -135,7 +135,7 @@ class Trainer:
         self.collector = StepCollector(source, rank)
         self.trained_position = self.reader.position()
         self.saved_version = self.version if found is not None else None
-        self.publisher = WeightPublisher(cfg, rank, self.streams)
+        self.publisher = WeightPublisher(cfg, rank, self.streams, world_size)
 
     def _all_reduce(self, named: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
         """`named` reduced over the ranks by `op` in one collective, by name (every rank passes

@@ -107,6 +107,10 @@ class NotMember(StaleUpdate):
     chose the members, or the sender found it gone): it takes part from the next version."""
 
 
+RESYNC = "resync"
+"""Store counter a receiver adds to when it needs a full update (weight_sync/delta.py)."""
+
+
 def ready_key(rank: int) -> str:
     """Store key a receiver of weight-update rank `rank` sets, to a token of its own, once it
     can join a group."""

@@ -16,11 +16,13 @@ import torch.distributed as dist
 
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, aligned, check_announcement
+from pipeline_rl.weight_sync.delta import is_delta
 from pipeline_rl.weight_sync.group import (
     ABANDONED,
     FROZEN_S,
     INCARNATION,
     LEAVE_POLL_S,
+    RESYNC,
     Endpoint,
     Keep,
     NotMember,
@@ -62,6 +64,8 @@ class WeightReceiver(Endpoint):
             raise ValueError("a receiver keeps views of the update only when it stages it on host")
         super().__init__(addr, rank, world_size, backend, timeout_s)
         self.keep = keep
+        self._keeping = keep is not None
+        """Whether the current layout keeps views (a full update) or everything (a delta)."""
         self._kept: dict[str, list[torch.Tensor]] = {}
         """Per name, the kept blocks (views of the receive buffer) in `keep`'s order."""
         self._kept_by_index: list[list[tuple[torch.Tensor, tuple]]] = []
@@ -112,7 +116,12 @@ class WeightReceiver(Endpoint):
         with self._failing(update.version, started):
             self._join(update)
             plan = update.plan
-            if self.keep is not None and update.names != self._names:
+            keeping = self.keep is not None and not is_delta(update)  # a delta's pieces are kept whole
+            if keeping != self._keeping:
+                self._release()
+                self._keeping = keeping
+                kept = None
+            if keeping and update.names != self._names:
                 self._release()  # the kept blocks are laid out by name
                 self._names = list(update.names)
                 kept = None
@@ -223,7 +232,7 @@ class WeightReceiver(Endpoint):
             self._reuse = None
 
     def _allocate(self, layout: Layout) -> None:
-        if self.keep is not None:
+        if self._keeping:
             self._allocate_kept(layout)
             return
         buffer, self._reuse = self._reuse, None
@@ -281,7 +290,7 @@ class WeightReceiver(Endpoint):
         if self._bounce is None or self._bounce.numel() < layout.largest:
             self._bounce = None
             self._bounce = torch.empty(layout.largest, dtype=torch.uint8, device=self.device)
-        if self.keep is not None:
+        if self._keeping:
             for msg in layout.messages:
                 if not first <= msg.bucket < stop:
                     continue
@@ -309,6 +318,11 @@ class WeightReceiver(Endpoint):
             raise self._give_up(
                 f"the sender gave group {name} up (its transfer failed, or a member froze or was replaced)"
             )
+
+    def request_full(self) -> None:
+        """Ask the sender for a full update next (this receiver's weights failed their checksum,
+        or it could not apply a delta)."""
+        self._connect().add(RESYNC, 1)
 
     def publish(self, key: str, value: str) -> None:
         """Set `key` in the sender's store: how a receiver in a process of its own (a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -14,10 +15,12 @@ import torch.distributed as dist
 
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import Layout, dtype_name, flat_span, plan_buckets
+from pipeline_rl.weight_sync.delta import DeltaHeader
 from pipeline_rl.weight_sync.group import (
     ABANDONED,
     FROZEN_S,
     INCARNATION,
+    RESYNC,
     WAIT_SLICE_S,
     Endpoint,
     members_key,
@@ -61,6 +64,8 @@ class WeightSender(Endpoint):
         """The plan of the next update: per bucket "1" when the last update found all its
         tensors flat (flat_span of the whole bucket), "" before any such update."""
         self._published: str | None = None
+        self._resyncs_seen = 0
+        """The store's RESYNC count when the sender last read it."""
         self._sent = -1
         """The last version broadcast: one version is broadcast once per group (a receiver
         takes a second announcement of it in the same group for over: receiver._join)."""
@@ -72,13 +77,15 @@ class WeightSender(Endpoint):
         announce: Callable[[WeightUpdate], None],
         bucket_mb: int,
         specs: list[tuple[str, list[int], torch.dtype]] | None = None,
+        header: DeltaHeader | None = None,
     ) -> float:
         """Announce `version` and broadcast it to every receiver; returns the seconds taken.
         With `specs` (name, shape, dtype of every tensor, in order) the announcement needs no
         tensor, and `named_tensors` is consumed one message at a time: every tensor of a bucket
         is used (its broadcast done) before the first tensor of the next bucket is asked for,
         so a generator of gathered chunks in the same buckets (full_weights.gathered_chunks)
-        never holds more than one chunk. Raises when a receiver is missing or dies (after at
+        never holds more than one chunk. `header`: the announcement's delta fields (a delta's
+        pieces as the tensors, or a full update's checksums; weight_sync/delta.py). Raises when a receiver is missing or dies (after at
         most the timeout), or when the tensors differ from `specs` (name, shape or dtype); the
         next send then builds a fresh group."""
         start = time.perf_counter()
@@ -96,7 +103,7 @@ class WeightSender(Endpoint):
                 self._drop_group()
                 group = self._group_name = f"{version}-{uuid.uuid4().hex[:8]}"
                 self._store.set("group", group)
-            update = self._announcement(version, specs, bucket_mb)
+            update = self._announcement(version, specs, bucket_mb, header)
             plan = update.plan
             layout = self._kept_layout(update, plan) or self._new_layout(update, plan)
             self._store.set("latest", str(version))
@@ -107,7 +114,9 @@ class WeightSender(Endpoint):
             if reform:
                 self._form_group()
             if self._group is not None:
-                self._send_messages(update, layout, iter(named_tensors), check)
+                plan = self._send_messages(update, layout, iter(named_tensors), check)
+                if not update.base >= 0:  # a delta's pieces say nothing of the next full update's
+                    self._plan = plan
             self._sent = version
         except ValueError:  # the tensors differ from the announcement: the sender's own fault
             self._abandon_group(group)
@@ -178,6 +187,22 @@ class WeightSender(Endpoint):
             self.world_size = world_size
             self._store.set("members", json.dumps(members))
 
+    def delta_base(self) -> int | None:
+        """The version every member of the current group holds, for the next update to be a
+        delta against; None when it must be full: no group yet, or one that a receiver joined,
+        left or was replaced in since, or a receiver asked for a full update
+        (WeightReceiver.request_full: its weights failed their checksum, or it could not apply
+        a delta). Each request is answered once."""
+        if self._store is None or self._group is None or self._sent < 0:
+            return None
+        asked = self._store.add(RESYNC, 0)
+        if asked != self._resyncs_seen:
+            self._resyncs_seen = asked
+            return None
+        if self._registered() != self._tokens:
+            return None
+        return self._sent
+
     def has_joiners(self) -> bool:
         """Whether a receiver registered that the current group lacks (after the first group)."""
         if not self._formed or self._store is None:
@@ -205,11 +230,30 @@ class WeightSender(Endpoint):
             self._store.delete_key(key)
 
     def _announcement(
-        self, version: int, specs: list[tuple[str, list[int], torch.dtype]], bucket_mb: int
+        self,
+        version: int,
+        specs: list[tuple[str, list[int], torch.dtype]],
+        bucket_mb: int,
+        header: DeltaHeader | None = None,
     ) -> WeightUpdate:
         """The WeightUpdate of `version`, in the current group, with the current plan; its lists
         are computed again only when the specs or the bucket size change (one list comparison
-        otherwise). They are shared between updates: nobody may modify them."""
+        otherwise). They are shared between updates: nobody may modify them. A delta's lists
+        (its pieces differ every time) are made for it alone, with no plan."""
+        assert self._group_name is not None
+        if header is not None and header.base >= 0:
+            return WeightUpdate(
+                version=version,
+                names=[name for name, _, _ in specs],
+                shapes=[list(shape) for _, shape, _ in specs],
+                dtypes=[dtype_name(dtype) for _, _, dtype in specs],
+                bucket_sizes=plan_buckets([math.prod(s) * d.itemsize for _, s, d in specs], bucket_mb),
+                group=self._group_name,
+                plan="",
+                base=header.base,
+                forms=header.forms,
+                checksums=header.checksums,
+            )
         if self._specs is None or self._specs[1] != bucket_mb or self._specs[0] != specs:
             self._plan = ""  # observed on other buckets
             self._announced = (
@@ -220,7 +264,6 @@ class WeightSender(Endpoint):
             )
             self._specs = ([(name, list(shape), dtype) for name, shape, dtype in specs], bucket_mb)
         names, shapes, dtypes, buckets = self._announced
-        assert self._group_name is not None
         return WeightUpdate(
             version=version,
             names=names,
@@ -229,6 +272,7 @@ class WeightSender(Endpoint):
             bucket_sizes=buckets,
             group=self._group_name,
             plan=self._plan,
+            checksums=header.checksums if header is not None else [],
         )
 
     def _allocate(self, layout: Layout) -> None:
@@ -255,12 +299,13 @@ class WeightSender(Endpoint):
 
     def _send_messages(
         self, update: WeightUpdate, layout: Layout, named: Iterator[tuple[str, torch.Tensor]], check: bool
-    ) -> None:
+    ) -> str:
         """Start each message of a bucket: a packed run from its tensors' own storage when they
         are flat there (flat_span), else packed into the reused pack area by one
         _foreach_copy_; a large tensor from its own storage. Wait for the bucket's messages
         before taking the next bucket's first tensor. Takes each tensor from `named` only when
-        its message is being built, and with `check` compares it with the announcement."""
+        its message is being built, and with `check` compares it with the announcement.
+        Returns the plan these tensors make for the next update of this layout."""
         names, sizes, dtypes = update.names, layout.sizes, layout.dtypes
         taken = 0
         bucket_tensors: dict[int, torch.Tensor] = {}
@@ -317,7 +362,7 @@ class WeightSender(Endpoint):
             bucket_done(bucket)
         if taken < len(names):
             take(len(names) - 1)
-        self._plan = "".join(flat) if "1" in flat else ""
+        return "".join(flat) if "1" in flat else ""
 
     def _wait(self, in_flight: list[tuple[Any, object]]) -> None:
         for work, _ in in_flight:

@@ -1,0 +1,256 @@
+"""Weight updates by delta: each tensor as the elements whose published value changed since the
+version the receivers hold, and a checksum per tensor that lets a receiver check it holds
+exactly the trainer's weights.
+
+The wire form reuses the broadcast as it is: a delta update is a WeightUpdate whose tensors are
+the pieces below (names, shapes, dtypes, buckets of the pieces), with `base` the version it
+applies to (-1: a full update, whose tensors are the weights themselves), `forms` one letter
+per weight tensor, and `checksums` one per weight tensor (full updates carry them too). Per
+weight tensor, whichever form is smallest for it:
+- UNCHANGED: one empty piece NAME#v;
+- INDICES: NAME#i (the changed elements' flat indices, int32, or int64 past 2**31 elements) and
+  NAME#v (their new values);
+- MASK: NAME#m (one bit per element, little-endian within each byte) and NAME#v;
+- DENSE: NAME, the whole tensor (what every element changing makes smallest: fp32 models,
+  whose Adam step moves every element's value).
+
+The checksum of a tensor is additive over its elements, sum(w(i) * bits(x_i)) mod MODULUS with
+w a fixed hash of the flat index i and bits the value's raw bits: integer arithmetic, the same
+on every machine, and computable in parts (each trainer rank over its own shard, each
+tensor-parallel worker over its own slice) whose sum is the whole's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pipeline_rl.streams.records import WeightUpdate
+
+MODULUS = 2**31 - 1
+_MULTIPLIER = 1_103_515_245
+_CHUNK = 1 << 22
+"""Elements per step of a checksum: bounds its int64 temporaries."""
+
+UNCHANGED, INDICES, MASK, DENSE = "=", "i", "m", "d"
+FORMS = (UNCHANGED, INDICES, MASK, DENSE)
+INDEX_SUFFIX, VALUES_SUFFIX, MASK_SUFFIX = "#i", "#v", "#m"
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_UNSIGNED = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
+
+
+def raw_bits(values: torch.Tensor) -> torch.Tensor:
+    """The values' raw bits as non-negative int64 (a bitwise view: -0.0 and 0.0 differ, NaNs
+    compare by payload)."""
+    size = values.element_size()
+    if size not in _BITS:
+        raise ValueError(f"no delta form for {values.dtype} ({size}-byte elements)")
+    return values.reshape(-1).view(_BITS[size]).to(torch.int64) & _UNSIGNED[size]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: whether `a` and `b` (one dtype) hold the same bits."""
+    return a.reshape(-1).view(_BITS[a.element_size()]) == b.reshape(-1).view(_BITS[b.element_size()])
+
+
+def index_weights(index: torch.Tensor) -> torch.Tensor:
+    """w(i) in 1 .. MODULUS - 1 for int64 flat indices: products with 32-bit values stay below 2**63."""
+    return (index % MODULUS * _MULTIPLIER) % (MODULUS - 1) + 1
+
+
+def checksum(values: torch.Tensor, index: torch.Tensor | None = None, start: int = 0) -> int:
+    """The checksum part of `values` (any shape, read flat) at flat indices `index` (int64, as
+    many), or at start, start + 1, ... when `index` is None."""
+    flat = values.reshape(-1)
+    total = 0
+    for at in range(0, flat.numel(), _CHUNK):
+        part = flat[at : at + _CHUNK]
+        if index is None:
+            where = torch.arange(start + at, start + at + part.numel(), dtype=torch.int64, device=part.device)
+        else:
+            where = index[at : at + _CHUNK].to(torch.int64)
+        total += int(((index_weights(where) * raw_bits(part)) % MODULUS).sum())
+    return total % MODULUS
+
+
+def combine(parts: list[int]) -> int:
+    """The checksum of a tensor from the checksums of disjoint parts of it."""
+    return sum(parts) % MODULUS
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def form_bytes(form: str, numel: int, changed: int, itemsize: int) -> int:
+    """Bytes on the wire of one tensor in `form`."""
+    if form == UNCHANGED:
+        return 0
+    if form == INDICES:
+        return changed * (index_dtype(numel).itemsize + itemsize)
+    if form == MASK:
+        return -(-numel // 8) + changed * itemsize
+    return numel * itemsize
+
+
+def choose_form(numel: int, changed: int, itemsize: int) -> str:
+    """The smallest form for a tensor of `numel` elements of which `changed` changed."""
+    if changed == 0:
+        return UNCHANGED
+    return min((INDICES, MASK, DENSE), key=lambda f: form_bytes(f, numel, changed, itemsize))
+
+
+def piece_specs(
+    name: str, shape: list[int], dtype: torch.dtype, form: str, changed: int
+) -> list[tuple[str, list[int], torch.dtype]]:
+    """The wire tensors of one weight tensor in `form`."""
+    numel = math.prod(shape)
+    values = (name + VALUES_SUFFIX, [changed], dtype)
+    if form == UNCHANGED:
+        return [(name + VALUES_SUFFIX, [0], dtype)]
+    if form == INDICES:
+        return [(name + INDEX_SUFFIX, [changed], index_dtype(numel)), values]
+    if form == MASK:
+        return [(name + MASK_SUFFIX, [-(-numel // 8)], torch.uint8), values]
+    return [(name, list(shape), dtype)]
+
+
+def pack_mask(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """One bit per element (set where `indices` are), bit j of byte b for element 8 b + j."""
+    bits = torch.zeros(-(-numel // 8) * 8, dtype=torch.uint8, device=indices.device)
+    bits[indices] = 1
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=indices.device)
+    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat indices whose bits `mask` sets (int64, ascending)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    bits = (mask.unsqueeze(1) >> shifts) & 1
+    return bits.reshape(-1)[:numel].nonzero().reshape(-1)
+
+
+def encode(form: str, numel: int, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+    """The wire tensors of one weight tensor (piece_specs' order) from its changed elements'
+    flat `indices` (int64, ascending) and `values`; DENSE takes every element's value in order."""
+    if form == UNCHANGED:
+        return [values[:0]]
+    if form == INDICES:
+        return [indices.to(index_dtype(numel)), values]
+    if form == MASK:
+        return [pack_mask(indices, numel), values]
+    return [values]
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """What an announcement carries beside its tensors (WeightUpdate.base, forms, checksums)."""
+
+    base: int
+    forms: str
+    checksums: list[int]
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """One weight tensor's change as a receiver decodes it."""
+
+    name: str
+    form: str
+    indices: torch.Tensor | None
+    """Flat int64 indices of the changed elements; None for DENSE (every element, in order)."""
+    values: torch.Tensor
+
+
+def is_delta(update: WeightUpdate) -> bool:
+    return update.base >= 0
+
+
+def weight_names(update: WeightUpdate) -> list[str]:
+    """The weight tensors an update carries, in order (a delta's, from its pieces' names)."""
+    if not is_delta(update):
+        return list(update.names)
+    names: list[str] = []
+    for piece in update.names:
+        name = piece[:-2] if piece[-2:] in (INDEX_SUFFIX, VALUES_SUFFIX, MASK_SUFFIX) else piece
+        if not names or names[-1] != name:
+            names.append(name)
+    return names
+
+
+def weight_dtypes(update: WeightUpdate) -> dict[str, str]:
+    """The dtype of each weight tensor an update carries (a delta's, from its values pieces)."""
+    if not is_delta(update):
+        return dict(zip(update.names, update.dtypes))
+    return {
+        piece.removesuffix(VALUES_SUFFIX): dtype
+        for piece, dtype in zip(update.names, update.dtypes)
+        if not piece.endswith((INDEX_SUFFIX, MASK_SUFFIX))
+    }
+
+
+def decode(update: WeightUpdate, pieces: list[tuple[str, torch.Tensor]], numels: dict[str, int]) -> list[TensorDelta]:
+    """The per-tensor changes of a delta update from its received pieces; `numels`: the element
+    count of every weight tensor the receiver holds. Raises ValueError naming the tensor when
+    the pieces do not make the announced forms."""
+    names = weight_names(update)
+    if len(names) != len(update.forms):
+        raise ValueError(f"weight update {update.version}: {len(update.forms)} forms for {len(names)} tensors")
+    deltas = []
+    at = 0
+    for name, form in zip(names, update.forms):
+        if name not in numels:
+            raise ValueError(f"weight update {update.version} has unknown parameter {name!r}")
+        numel = numels[name]
+        count = 1 if form in (UNCHANGED, DENSE) else 2
+        part = pieces[at : at + count]
+        at += count
+        got = [piece for piece, _ in part]
+        expected = [spec[0] for spec in piece_specs(name, [numel], torch.float32, form, 0)]
+        if got != expected:
+            raise ValueError(f"weight update {update.version}: {name} in form {form!r} came as pieces {got}")
+        values = part[-1][1].reshape(-1)
+        if form == UNCHANGED:
+            indices = values.new_empty(0, dtype=torch.int64)
+        elif form == DENSE:
+            indices = None
+            if values.numel() != numel:
+                raise ValueError(f"weight update {update.version}: {name} has {values.numel()} of {numel} elements")
+        elif form == INDICES:
+            indices = part[0][1].to(torch.int64)
+        elif form == MASK:
+            if part[0][1].numel() != -(-numel // 8):
+                raise ValueError(f"weight update {update.version}: {name}'s mask does not cover {numel} elements")
+            indices = unpack_mask(part[0][1], numel)
+        else:
+            raise ValueError(f"weight update {update.version}: {name} has unknown form {form!r}")
+        if indices is not None:
+            if indices.numel() != values.numel():
+                raise ValueError(
+                    f"weight update {update.version}: {name} has {indices.numel()} indices, {values.numel()} values"
+                )
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+                raise ValueError(f"weight update {update.version}: {name} has an index outside its {numel} elements")
+        deltas.append(TensorDelta(name, form, indices, values))
+    if at != len(pieces):
+        raise ValueError(f"weight update {update.version}: {len(pieces) - at} pieces left over")
+    return deltas
+
+
+def apply(weights: dict[str, torch.Tensor], deltas: list[TensorDelta]) -> None:
+    """Apply decoded changes to whole tensors held by name (contiguous, in place): a receiver
+    that keeps the weights as the trainer publishes them (tests, benchmarks)."""
+    for change in deltas:
+        flat = weights[change.name].view(-1)
+        if change.indices is None:
+            flat.copy_(change.values)
+        elif change.indices.numel():
+            flat[change.indices.to(flat.device)] = change.values.to(flat.device, flat.dtype)
+
+
+def checksums(named: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """The checksum of each whole tensor."""
+    return [checksum(t) for _, t in named]
