@@ -3,6 +3,7 @@ through a copy plan into fused, tensor-parallel-sharded parameters, bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -95,7 +96,7 @@ def test_the_checksum_adds_over_parts_and_sees_every_bit_and_place():
     t = torch.randn(5000, generator=g).to(torch.bfloat16)
     whole = delta.checksum(t)
     cut = [0, 17, 2500, 4999, 5000]
-    parts = [delta.checksum(t[a:b], start=a) for a, b in zip(cut, cut[1:])]
+    parts = [delta.checksum(t[a:b], start=a) for a, b in itertools.pairwise(cut)]
     assert delta.combine(parts) == whole
     perm = torch.randperm(5000, generator=g)
     assert delta.checksum(t[perm], perm) == whole  # any order, by index
@@ -181,7 +182,7 @@ def test_a_delta_lands_in_each_workers_shard_and_the_checksums_add_up():
     # A byte flipped on the wire (one changed value of q) is caught, on whichever worker holds it.
     values = dict(pieces)["q#v"]
     values.view(torch.uint8)[1] ^= 0x40
-    for worker, plan in zip(workers, plans):
+    for plan in plans:
         _, scatters = bind_delta(plan.copies, delta.decode(update, pieces, numels))
         scatter(scatters)
     parts = [checksum_parts(plan.copies, dtypes) for plan in plans]
