@@ -165,9 +165,11 @@ class PublishedShards:
         """Per parameter, the sum of every rank's checksum part (mod the checksum's modulus)."""
         if self.world_size == 1:
             return [delta.combine([p]) for p in parts]
-        local = torch.tensor([p % delta.MODULUS for p in parts], dtype=torch.int64, device=self._device())
+        # In 31-bit halves: a sum of W parts below 2**62 each would not fit in int64.
+        parts = [p % delta.MODULUS for p in parts]
+        local = torch.tensor([[p >> 31, p & (2**31 - 1)] for p in parts], dtype=torch.int64, device=self._device())
         dist.all_reduce(local)
-        return [delta.combine([int(v)]) for v in local]
+        return [delta.combine([(int(high) << 31) + int(low)]) for high, low in local.tolist()]
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

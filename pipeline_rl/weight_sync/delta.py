@@ -14,9 +14,9 @@ weight tensor, whichever form is smallest for it:
 - DENSE: NAME, the whole tensor (what every element changing makes smallest: fp32 models,
   whose Adam step moves every element's value).
 
-The checksum of a tensor is additive over its elements, sum(w(i) * bits(x_i)) mod MODULUS with
-w a fixed hash of the flat index i and bits the value's raw bits: integer arithmetic, the same
-on every machine, and computable in parts (each trainer rank over its own shard, each
+The checksum of a tensor is additive over its elements, the sum of (w(i) * bits(x_i)) mod 2**40
+over its elements, mod MODULUS, with w a fixed odd hash of the flat index i and bits the value's
+raw bits: integer arithmetic, the same on every machine, and computable in parts (each trainer rank over its own shard, each
 tensor-parallel worker over its own slice) whose sum is the whole's.
 """
 
@@ -29,8 +29,12 @@ import torch
 
 from pipeline_rl.streams.records import WeightUpdate
 
-MODULUS = 2**31 - 1
+MODULUS = 2**62
+"""Checksums are sums of element terms modulo this (parts add up to the whole)."""
 _MULTIPLIER = 1_103_515_245
+_TERM_BITS = (1 << 40) - 1
+"""Each element's term is w(i) * bits(x_i) modulo 2**40: w(i) is odd, so a flip of any of a
+value's 32 bits changes the term, and a chunk's sum of terms stays well inside int64."""
 _CHUNK = 1 << 22
 """Elements per step of a checksum: bounds its int64 temporaries."""
 
@@ -48,7 +52,7 @@ def raw_bits(values: torch.Tensor) -> torch.Tensor:
     size = values.element_size()
     if size not in _BITS:
         raise ValueError(f"no delta form for {values.dtype} ({size}-byte elements)")
-    return values.reshape(-1).view(_BITS[size]).to(torch.int64) & _UNSIGNED[size]
+    return values.reshape(-1).view(_BITS[size]).to(torch.int64).bitwise_and_(_UNSIGNED[size])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -57,8 +61,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def index_weights(index: torch.Tensor) -> torch.Tensor:
-    """w(i) in 1 .. MODULUS - 1 for int64 flat indices: products with 32-bit values stay below 2**63."""
-    return (index % MODULUS * _MULTIPLIER) % (MODULUS - 1) + 1
+    """w(i), odd and below 2**31, for int64 flat indices (below 2**33: the product stays in int64)."""
+    return (index * _MULTIPLIER).bitwise_and_(0x7FFFFFFF).bitwise_or_(1)
 
 
 def checksum(values: torch.Tensor, index: torch.Tensor | None = None, start: int = 0) -> int:
@@ -72,7 +76,7 @@ def checksum(values: torch.Tensor, index: torch.Tensor | None = None, start: int
             where = torch.arange(start + at, start + at + part.numel(), dtype=torch.int64, device=part.device)
         else:
             where = index[at : at + _CHUNK].to(torch.int64)
-        total += int(((index_weights(where) * raw_bits(part)) % MODULUS).sum())
+        total += int(index_weights(where).mul_(raw_bits(part)).bitwise_and_(_TERM_BITS).sum())
     return total % MODULUS
 
 
