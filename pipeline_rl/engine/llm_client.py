@@ -471,7 +471,9 @@ class LLMClient:
                 "weight update %d failed while receiving, keeping version %d: %s", update.version, self.hook.version, e
             )
             if isinstance(e, WeightGroupFailed):
-                self.group_failure = e
+                self.group_failure = e  # the sender forms a new group, whose first update is full
+            elif is_delta(update):
+                self._request_full(receiver)
             return False
         restarted = self._incarnation is not None and receiver.incarnation != self._incarnation
         self._incarnation = receiver.incarnation

@@ -10,6 +10,8 @@ weight tensor, whichever form is smallest for it:
 - UNCHANGED: one empty piece NAME#v;
 - INDICES: NAME#i (the changed elements' flat indices, int32, or int64 past 2**31 elements) and
   NAME#v (their new values);
+- SEGMENTS: NAME#c (per segment of SEGMENT elements, how many changed: int16), NAME#o (each
+  changed element's offset in its segment: one byte) and NAME#v: 3 bytes a bf16 change;
 - MASK: NAME#m (one bit per element, little-endian within each byte) and NAME#v;
 - DENSE: NAME, the whole tensor (what every element changing makes smallest: fp32 models,
   whose Adam step moves every element's value).
@@ -38,9 +40,12 @@ value's 32 bits changes the term, and a chunk's sum of terms stays well inside i
 _CHUNK = 1 << 22
 """Elements per step of a checksum: bounds its int64 temporaries."""
 
-UNCHANGED, INDICES, MASK, DENSE = "=", "i", "m", "d"
-FORMS = (UNCHANGED, INDICES, MASK, DENSE)
-INDEX_SUFFIX, VALUES_SUFFIX, MASK_SUFFIX = "#i", "#v", "#m"
+UNCHANGED, INDICES, SEGMENTS, MASK, DENSE = "=", "i", "s", "m", "d"
+FORMS = (UNCHANGED, INDICES, SEGMENTS, MASK, DENSE)
+INDEX_SUFFIX, VALUES_SUFFIX, MASK_SUFFIX, COUNTS_SUFFIX, OFFSETS_SUFFIX = "#i", "#v", "#m", "#c", "#o"
+_SUFFIXES = (INDEX_SUFFIX, VALUES_SUFFIX, MASK_SUFFIX, COUNTS_SUFFIX, OFFSETS_SUFFIX)
+SEGMENT = 256
+"""Elements per segment of the SEGMENTS form: an offset in one fits a byte."""
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _UNSIGNED = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
@@ -95,6 +100,8 @@ def form_bytes(form: str, numel: int, changed: int, itemsize: int) -> int:
         return 0
     if form == INDICES:
         return changed * (index_dtype(numel).itemsize + itemsize)
+    if form == SEGMENTS:
+        return -(-numel // SEGMENT) * 2 + changed * (1 + itemsize)
     if form == MASK:
         return -(-numel // 8) + changed * itemsize
     return numel * itemsize
@@ -104,7 +111,7 @@ def choose_form(numel: int, changed: int, itemsize: int) -> str:
     """The smallest form for a tensor of `numel` elements of which `changed` changed."""
     if changed == 0:
         return UNCHANGED
-    return min((INDICES, MASK, DENSE), key=lambda f: form_bytes(f, numel, changed, itemsize))
+    return min((INDICES, SEGMENTS, MASK, DENSE), key=lambda f: form_bytes(f, numel, changed, itemsize))
 
 
 def piece_specs(
@@ -117,6 +124,12 @@ def piece_specs(
         return [(name + VALUES_SUFFIX, [0], dtype)]
     if form == INDICES:
         return [(name + INDEX_SUFFIX, [changed], index_dtype(numel)), values]
+    if form == SEGMENTS:
+        return [
+            (name + COUNTS_SUFFIX, [-(-numel // SEGMENT)], torch.int16),
+            (name + OFFSETS_SUFFIX, [changed], torch.uint8),
+            values,
+        ]
     if form == MASK:
         return [(name + MASK_SUFFIX, [-(-numel // 8)], torch.uint8), values]
     return [(name, list(shape), dtype)]
@@ -144,6 +157,9 @@ def encode(form: str, numel: int, indices: torch.Tensor, values: torch.Tensor) -
         return [values[:0]]
     if form == INDICES:
         return [indices.to(index_dtype(numel)), values]
+    if form == SEGMENTS:
+        counts = torch.bincount(indices // SEGMENT, minlength=-(-numel // SEGMENT)).to(torch.int16)
+        return [counts, (indices % SEGMENT).to(torch.uint8), values]
     if form == MASK:
         return [pack_mask(indices, numel), values]
     return [values]
@@ -179,7 +195,7 @@ def weight_names(update: WeightUpdate) -> list[str]:
         return list(update.names)
     names: list[str] = []
     for piece in update.names:
-        name = piece[:-2] if piece[-2:] in (INDEX_SUFFIX, VALUES_SUFFIX, MASK_SUFFIX) else piece
+        name = piece[:-2] if piece[-2:] in _SUFFIXES else piece
         if not names or names[-1] != name:
             names.append(name)
     return names
@@ -192,7 +208,7 @@ def weight_dtypes(update: WeightUpdate) -> dict[str, str]:
     return {
         piece.removesuffix(VALUES_SUFFIX): dtype
         for piece, dtype in zip(update.names, update.dtypes)
-        if not piece.endswith((INDEX_SUFFIX, MASK_SUFFIX))
+        if not piece.endswith((INDEX_SUFFIX, MASK_SUFFIX, COUNTS_SUFFIX, OFFSETS_SUFFIX))
     }
 
 
@@ -209,7 +225,7 @@ def decode(update: WeightUpdate, pieces: list[tuple[str, torch.Tensor]], numels:
         if name not in numels:
             raise ValueError(f"weight update {update.version} has unknown parameter {name!r}")
         numel = numels[name]
-        count = 1 if form in (UNCHANGED, DENSE) else 2
+        count = {UNCHANGED: 1, DENSE: 1, SEGMENTS: 3}.get(form, 2)
         part = pieces[at : at + count]
         at += count
         got = [piece for piece, _ in part]
@@ -225,6 +241,16 @@ def decode(update: WeightUpdate, pieces: list[tuple[str, torch.Tensor]], numels:
                 raise ValueError(f"weight update {update.version}: {name} has {values.numel()} of {numel} elements")
         elif form == INDICES:
             indices = part[0][1].to(torch.int64)
+        elif form == SEGMENTS:
+            counts, offsets = part[0][1].to(torch.int64), part[1][1].to(torch.int64)
+            if (
+                counts.numel() != -(-numel // SEGMENT)
+                or bool((counts < 0).any())
+                or int(counts.sum()) != offsets.numel()
+            ):
+                raise ValueError(f"weight update {update.version}: {name}'s segment counts do not match its offsets")
+            segments = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+            indices = segments * SEGMENT + offsets
         elif form == MASK:
             if part[0][1].numel() != -(-numel // 8):
                 raise ValueError(f"weight update {update.version}: {name}'s mask does not cover {numel} elements")
@@ -258,3 +284,23 @@ def apply(weights: dict[str, torch.Tensor], deltas: list[TensorDelta]) -> None:
 def checksums(named: list[tuple[str, torch.Tensor]]) -> list[int]:
     """The checksum of each whole tensor."""
     return [checksum(t) for _, t in named]
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def expected_changed_fraction(lr: float, dtype: torch.dtype, scale: float) -> float:
+    """The fraction of elements whose published value an Adam update of size about `lr` is
+    expected to change, for weights distributed as N(0, scale): an element of magnitude |w| sits
+    on a grid of spacing 2**(floor(log2 |w|) - mantissa bits), and a step of lr crosses a
+    rounding boundary with probability min(1, lr / spacing). Over 4,096 quantiles of the normal."""
+    quantiles = (torch.arange(4096, dtype=torch.float64) + 0.5) / 4096
+    magnitude = (torch.special.ndtri(quantiles) * scale).abs().clamp(min=1e-30)
+    spacing = torch.exp2(torch.floor(torch.log2(magnitude)) - _MANTISSA_BITS.get(dtype, 52))
+    return float((lr / spacing).clamp(max=1.0).mean())
+
+
+def expected_bytes(numel: int, fraction: float, itemsize: int) -> int:
+    """Wire bytes of a tensor of `numel` elements of which `fraction` changed, in its smallest form."""
+    changed = round(numel * fraction)
+    return 0 if changed == 0 else form_bytes(choose_form(numel, changed, itemsize), numel, changed, itemsize)

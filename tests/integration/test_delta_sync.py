@@ -116,7 +116,7 @@ def test_newcomers_and_restarted_receivers_get_a_full_update_then_deltas():
         publisher.publish(version, first.receive)
     assert first.kinds == ["full", "delta", "delta"] and not first.errors
     assert same(first.held, weights)
-    assert publisher.forms[3][:2] == "ii"  # 1 % of bf16 elements: indices are the smallest form
+    assert publisher.forms[3][:2] == "ss"  # 1 % of bf16 elements: segments are the smallest form
 
     # A second receiver registers: the group changes, so the next update is full for both.
     second = HeldWeights(addr, 2, 3)
@@ -198,7 +198,7 @@ def test_an_engine_takes_deltas_bit_for_bit_and_asks_for_a_full_update_when_a_ch
     for version in (2, 3, 4):
         nudge(weights, version, 0.005)
         publisher.publish(version, receive)
-        assert set(publisher.forms[version]) <= {"i", "="}, publisher.forms[version]
+        assert set(publisher.forms[version]) <= {"i", "s", "="}, publisher.forms[version]
         assert applied[-1] and client.version == version
         assert engine_holds(client, weights) == []
     stats = client.stats()

@@ -51,22 +51,26 @@ def delta_update(named_old: dict, named_new: dict, base: int = 1) -> tuple[Weigh
 
 
 def test_each_tensor_takes_its_smallest_form():
-    n = 8000  # bf16: indices cost 6 bytes a change, the mask 1000 bytes plus 2 a change, dense 16000
+    # bf16, 8000 elements: indices cost 6 bytes a change; segments 64 bytes of counts (32
+    # segments of 256) plus 3 a change; the mask 1000 bytes plus 2 a change; dense 16000.
+    n = 8000
     assert delta.choose_form(n, 0, 2) == delta.UNCHANGED
-    assert delta.choose_form(n, 249, 2) == delta.INDICES  # 1494 < 1000 + 498
-    assert delta.choose_form(n, 251, 2) == delta.MASK  # 1506 > 1000 + 502
+    assert delta.choose_form(n, 21, 2) == delta.INDICES  # 126 < 64 + 63
+    assert delta.choose_form(n, 22, 2) == delta.SEGMENTS  # 132 > 64 + 66
+    assert delta.choose_form(n, 935, 2) == delta.SEGMENTS  # 64 + 2805 < 1000 + 1870
+    assert delta.choose_form(n, 937, 2) == delta.MASK  # 64 + 2811 > 1000 + 1874
     assert delta.choose_form(n, 7499, 2) == delta.MASK  # 1000 + 14998 < 16000
     assert delta.choose_form(n, 7501, 2) == delta.DENSE  # 1000 + 15002 > 16000
     # fp32 with every element changed (an Adam step): dense.
     assert delta.choose_form(n, n, 4) == delta.DENSE
     for k in range(0, n + 1, 97):
-        sizes = {f: delta.form_bytes(f, n, k, 2) for f in (delta.INDICES, delta.MASK, delta.DENSE)}
+        sizes = {f: delta.form_bytes(f, n, k, 2) for f in delta.FORMS[1:]}
         assert k == 0 or delta.form_bytes(delta.choose_form(n, k, 2), n, k, 2) == min(sizes.values())
     assert delta.index_dtype(2**31) == torch.int64 and delta.index_dtype(2**31 - 1) == torch.int32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.2, 0.97])
+@pytest.mark.parametrize("fraction", [0.0, 0.0005, 0.02, 0.2, 0.97])
 def test_a_delta_rebuilds_the_new_weights_bit_for_bit(dtype, fraction):
     g = torch.Generator().manual_seed(3)
     old = {"a": torch.randn(64, 48, generator=g).to(dtype), "b": torch.randn(333, generator=g).to(dtype)}
