@@ -37,6 +37,9 @@ class ModelShape:
     """Qwen2-MoE's shared expert, run for every token beside the routed ones (0: none)."""
     moe_layers: int = 0
     """Layers whose MLP is the experts; the others (decoder_sparse_step, mlp_only_layers) are dense."""
+    initializer_range: float = 0.02
+    """The weights' initial standard deviation: their typical magnitude, for the expected size of a
+    delta weight update."""
 
     @classmethod
     def read(cls, model_dir: str | Path) -> ModelShape:
@@ -65,6 +68,7 @@ class ModelShape:
             moe_intermediate=c.get("moe_intermediate_size") or (c["intermediate_size"] if experts else 0),
             shared_expert_intermediate=c.get("shared_expert_intermediate_size") or 0,
             moe_layers=moe_layers,
+            initializer_range=c.get("initializer_range", 0.02),
         )
 
     @property

@@ -47,6 +47,8 @@ from pipeline_rl.config import (
 from pipeline_rl.core.model_shape import ModelShape
 from pipeline_rl.engine.adapter_slot import engine_max_rank
 from pipeline_rl.trainer.zero_sizes import hierarchical_partition, zero3_sizes
+from pipeline_rl.weight_layout import dtype_of
+from pipeline_rl.weight_sync.delta import expected_bytes, expected_changed_fraction
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -126,6 +128,9 @@ def plan_lines(cfg: RunConfig, shape: ModelShape) -> list[str]:
             f"pinned block per TP worker, {per_node * pinned / GIB:.0f} GiB on a node of {per_node} workers"
         )
 
+    if cfg.trainer.weight_delta and lora is None:
+        lines.append(delta_line(cfg, shape, weights))
+
     ranks = cfg.world.trainers
     t = cfg.trainer
     trained = shape.params if lora is None else shape.lora_params(lora)
@@ -151,6 +156,25 @@ _ChunkedHead, in a bf16 model), by logprob kernel. Eager: in forward the output 
 logits, their float32 copy and the float32 probabilities; in backward the float32 logits turned
 in place into their gradient, the probabilities, and the gradient in bf16. Compiled: the bf16
 logits, and in backward their bf16 gradient beside them."""
+
+
+def delta_line(cfg: RunConfig, shape: ModelShape, weights: int) -> str:
+    """The expected size of a delta weight update (weight_sync/delta.py: expected_changed_fraction,
+    an upper bound: Adam's steps are at most about lr) and what it costs each trainer rank."""
+    dtype = dtype_of(cfg.model.dtype)
+    lr = cfg.trainer.optimizer.lr
+    fraction = expected_changed_fraction(lr, dtype, shape.initializer_range)
+    update = expected_bytes(shape.params, fraction, dtype.itemsize)
+    shadow = weights / cfg.world.trainers
+    every = cfg.trainer.full_update_every
+    return (
+        f"memory: weight updates by delta: at lr {lr:g} up to {fraction:.1%} of the {cfg.model.dtype} elements change "
+        f"per update (weights ~N(0, {shape.initializer_range:g})), about {update / GIB:.2f} GiB on the wire "
+        f"({update / weights:.1%} of the full {weights / GIB:.1f} GiB), staged whole by each receiver "
+        f"(each TP worker: {update / GIB:.2f} GiB); full updates first, to a changed group and "
+        + (f"every {every} updates" if every else "on request")
+        + f"; each trainer rank keeps its share of the published weights, {shadow / GIB:.1f} GiB"
+    )
 
 
 def activation_bytes_per_token(shape: ModelShape, size: int, cuda: bool = True) -> int:
