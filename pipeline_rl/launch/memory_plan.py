@@ -236,8 +236,10 @@ def trainer_bytes(cfg: RunConfig, shape: ModelShape, cuda: bool = True) -> dict[
         masks = shape.layers * size * tokens**2
     if attention_kernel(cfg, cuda) in MASK_FREE_ATTENTION:
         masks = 0
+    published = shape.params * size / ranks if t.weight_delta and lora is None else 0
     return {
         "model and optimizer state": int(state),
+        "published share": int(published),
         "gathered parameters": int(gathered),
         "reduce bucket": int(reduce_bucket),
         "secondary partition": int(secondary),

@@ -56,7 +56,8 @@ def plan(tmp_path, *overrides, conf="math_32b", shape=QWEN32B):
 
 def test_math_7b_fits_and_needs_its_lower_vllm_share(tmp_path):
     lines = plan(tmp_path, conf="math_7b", shape=QWEN7B)
-    assert lines[0].startswith("memory: model 7.6") and all(line.endswith("fits") for line in lines[1:]), lines
+    weighing = [line for line in lines[1:] if "weight updates by delta" not in line]  # the others weigh a GPU
+    assert lines[0].startswith("memory: model 7.6") and all(line.endswith("fits") for line in weighing), lines
     # At vLLM's usual 0.9 the 14 GiB staging buffer has only 8 GiB outside vLLM's share.
     lines = plan(tmp_path, "actor.llm.gpu_memory_utilization=0.9", conf="math_7b", shape=QWEN7B)
     assert next(line for line in lines if "actor GPU" in line).endswith("DOES NOT FIT")
@@ -87,7 +88,8 @@ def test_dry_run_prints_the_plan_and_refuses_one_that_does_not_fit(tmp_path):
 
     ok = dry_run()
     assert ok.returncode == 0, ok.stderr
-    assert sum(line.startswith("memory: ") for line in ok.stdout.splitlines()) == 4
+    assert sum(line.startswith("memory: ") for line in ok.stdout.splitlines()) == 5
+    assert "memory: weight updates by delta: at lr 5e-07" in ok.stdout  # the expected delta and its staging
     bad = dry_run("world.gpu_memory_gib=40")
     assert bad.returncode == 2 and "memory plan does not fit" in bad.stderr
 
@@ -456,3 +458,30 @@ def test_dry_run_prints_the_zero_stage_its_sizes_the_driver_and_the_sockets(tmp_
         assert "reduce_bucket_size and allgather_bucket_size (5e8 elements)" in out
     assert main([f"conf={conf}", f"model.path={tmp_path}", "world.socket_ifname=nosuch0", "--dry-run"]) == 2
     assert "world.socket_ifname=nosuch0 is not a network interface" in capsys.readouterr().out
+
+
+def test_the_dry_run_gives_the_expected_size_of_a_delta_update(tmp_path):
+    """math_32b's lr moves few bf16 elements: the line gives the expected fraction and its wire
+    size (of the smallest form), well under the full update; ten times the lr moves more; an fp32
+    model goes dense; without trainer.weight_delta there is no line."""
+    import re
+
+    def delta_line(*overrides):
+        lines = [line for line in plan(tmp_path, *overrides) if "weight updates by delta" in line]
+        return lines[0] if lines else None
+
+    def figures(line):
+        found = re.search(
+            r"up to ([\d.]+)% .* about ([\d.]+) GiB on the wire \(([\d.]+)% of the full ([\d.]+) GiB\)", line
+        )
+        assert found, line
+        return [float(x) for x in found.groups()]
+
+    fraction, wire, share, full = figures(delta_line())
+    assert 0 < fraction < 10 and 0 < share < 25 and full > 60
+    assert wire == pytest.approx(full * share / 100, rel=0.02)
+    faster = figures(delta_line("trainer.optimizer.lr=5e-6"))
+    assert faster[0] > fraction and faster[1] > wire
+    assert figures(delta_line("model.dtype=float32"))[2] == 100.0
+    assert delta_line("trainer.weight_delta=false") is None
+    assert delta_line().endswith("published weights, 3.8 GiB")  # 61 GiB over 16 trainer ranks
