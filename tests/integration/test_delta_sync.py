@@ -10,64 +10,15 @@ import threading
 
 import pytest
 import torch
+from fixtures.delta_publisher import Publisher, nudge
 from fixtures.helpers import free_port
 from safetensors.torch import load_file
 
 from pipeline_rl.config import load_config
 from pipeline_rl.engine.llm_client import LLMClient
-from pipeline_rl.trainer.published_shards import PublishedShards
 from pipeline_rl.weight_sync import WeightReceiver, WeightSender, delta
-from pipeline_rl.weight_sync.delta import DENSE, DeltaHeader, choose_form, piece_specs
 
 TIMEOUT_S = 10.0
-
-
-class Publisher:
-    """Trainer rank 0 of one rank, as trainer/publisher.py drives it: full when the sender says
-    so, else a delta of what changed in `weights` since the last publication."""
-
-    def __init__(self, sender: WeightSender, weights: dict[str, torch.Tensor]):
-        self.sender, self.weights = sender, weights
-        self.shards = PublishedShards(list(weights.items()), rank=0, world_size=1)
-        self.forms: dict[int, str] = {}
-
-    def publish(self, version: int, receive) -> None:
-        """Send `version`; `receive(update)` runs in a thread per announcement (the receivers)."""
-        threads: list[threading.Thread] = []
-
-        def announce(update):
-            threads.append(threading.Thread(target=receive, args=(update,)))
-            threads[-1].start()
-
-        base = self.sender.delta_base() if self.shards.shadow is not None else None
-        if base is None:
-            header = DeltaHeader(-1, "", self.shards.refresh())
-            self.sender.send(version, list(self.weights.items()), announce, bucket_mb=1, header=header)
-            self.forms[version] = "full"
-        else:
-            counts = self.shards.changes()
-            specs = self.shards.specs
-            forms = "".join(choose_form(n, c, d.itemsize) for n, c, (_, _, d) in zip(self.shards.numels, counts, specs))
-            pieces = [
-                p
-                for (name, shape, dtype), form, c, n in zip(specs, forms, counts, self.shards.numels)
-                for p in piece_specs(name, shape, dtype, form, n if form == DENSE else c)
-            ]
-            chunks = self.shards.pieces(forms, bucket_mb=1)
-            header = DeltaHeader(base, forms, self.shards.checksums)
-            self.sender.send(version, (t for c in chunks for t in c), announce, 1, specs=pieces, header=header)
-            self.forms[version] = forms
-        for t in threads:
-            t.join(TIMEOUT_S)
-
-
-def nudge(weights: dict[str, torch.Tensor], seed: int, fraction: float) -> None:
-    """Move `fraction` of every tensor's elements by one bf16 step or more, in place."""
-    g = torch.Generator().manual_seed(seed)
-    for t in weights.values():
-        flat = t.view(-1)
-        pick = torch.rand(flat.numel(), generator=g) < fraction
-        flat[pick] = (flat[pick].float() * 1.02 + 0.01).to(t.dtype)
 
 
 class HeldWeights:
