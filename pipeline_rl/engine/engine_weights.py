@@ -40,7 +40,14 @@ from torch.overrides import TorchFunctionMode
 from pipeline_rl.engine.cpu_experts import ExpertRepack
 from pipeline_rl.engine.fused_experts import per_expert
 from pipeline_rl.engine.host_copy import HostSpans
-from pipeline_rl.engine.weight_delta import Scatter, bind_delta, checksum_parts, scatter
+from pipeline_rl.engine.weight_delta import (
+    Scatter,
+    bind_delta,
+    checksum_parts,
+    fused_blocks,
+    scatter,
+    split_fused,
+)
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import dtype_of
 from pipeline_rl.weight_sync.delta import decode as decode_delta
@@ -399,7 +406,9 @@ class EngineWeights:
         raises ValueError (also without a plan: vLLM's reload needs whole tensors)."""
         if self.plan is None:
             raise ValueError(f"this engine loads through vLLM's reload, which takes no delta ({self.plan_refused})")
-        pairs, scatters = bind_delta(self.plan.copies, decode_delta(update, pieces, self.numels()))
+        # A trainer may hold the experts fused: their changes go to the per-expert tensors.
+        deltas = split_fused(decode_delta(update, pieces, self.numels()), fused_blocks(self._expected))
+        pairs, scatters = bind_delta(self.plan.copies, deltas)
         return Prepared(pairs=pairs, host=HostSpans.of(pairs), scatters=scatters)
 
     def checksum_parts(self, update: WeightUpdate) -> dict[str, tuple[int, int]]:
@@ -408,11 +417,14 @@ class EngineWeights:
         if self.plan is None:
             return {}
         dtypes = {name: dtype_of(d) for name, d in weight_dtypes(update).items()}
-        return checksum_parts(self.plan.copies, dtypes)
+        return checksum_parts(self.plan.copies, dtypes, fused_blocks(self._expected))
 
     def numels(self) -> dict[str, int]:
-        """The element count of every checkpoint tensor."""
-        return {name: math.prod(shape) for name, shape in self._expected.items()}
+        """The element count of every checkpoint tensor, and of every fused expert tensor a
+        trainer may send instead (engine/fused_experts.py)."""
+        blocks = fused_blocks(self._expected)
+        fused = {name: sum(n for _, _, n in parts) for name, parts in blocks.items()}
+        return {name: math.prod(shape) for name, shape in self._expected.items()} | fused
 
     def load(self, update: Prepared, synchronize: bool = True) -> None:
         """Load a prepared update in place (each tensor-parallel worker its own shard); the

@@ -20,6 +20,7 @@ worker's slices of a sharded tensor are parts whose sum the actor checks (`combi
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,27 +105,33 @@ def source_index(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, d
     return index.reshape(-1)
 
 
-def checksum_parts(copies: Views, dtypes: dict[str, torch.dtype]) -> dict[str, tuple[int, int]]:
+def checksum_parts(
+    copies: Views, dtypes: dict[str, torch.dtype], blocks: dict[str, list[tuple[str, int, int]]] | None = None
+) -> dict[str, tuple[int, int]]:
     """Per checkpoint tensor of `dtypes` (its published dtype), the checksum of the elements this
-    engine holds of it and how many elements that is (counted once per view)."""
-    parts: dict[str, tuple[int, int]] = {}
+    engine holds of it and how many elements that is (counted once per view); with `blocks`
+    (fused_blocks), a fused tensor's from its per-expert tensors at their place in it."""
+    within = {name: (fused, start) for fused, parts in (blocks or {}).items() for name, start, _ in parts}
+    sums: dict[str, list[int]] = {}
     with torch.no_grad():
         for name, views in copies.items():
-            if name not in dtypes:
+            target, shift = within.get(name, (name, 0))
+            if target not in dtypes:
                 continue
-            if any(dst.element_size() < dtypes[name].itemsize for dst, *_ in views):
-                continue  # held at a lower precision than published: no checksum can match
-            total = covered = 0
+            if any(dst.element_size() < dtypes[target].itemsize for dst, *_ in views):
+                sums[target] = [-1, -1]  # held at a lower precision than published: no checksum can match
+                continue
+            total, covered = sums.setdefault(target, [0, 0])
             for dst, shape, stride, offset in views:
                 values = dst.reshape(-1) if dst.is_contiguous() else dst.contiguous().reshape(-1)
-                if values.dtype != dtypes[name]:
-                    values = values.to(dtypes[name])
-                index = source_index(shape, stride, offset, values.device)
+                if values.dtype != dtypes[target]:
+                    values = values.to(dtypes[target])
+                index = source_index(shape, stride, offset + shift, values.device)
                 for at in range(0, values.numel(), _ROWS):
                     total += delta.checksum(values[at : at + _ROWS], index[at : at + _ROWS])
                 covered += math.prod(shape)
-            parts[name] = (total % delta.MODULUS, covered)
-    return parts
+            sums[target] = [total, covered]
+    return {name: (total % delta.MODULUS, covered) for name, (total, covered) in sums.items() if covered >= 0}
 
 
 def mismatches(
@@ -146,3 +153,45 @@ def mismatches(
         if not ok:
             wrong.append(name)
     return wrong
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_blocks(shapes: dict[str, list[int]]) -> dict[str, list[tuple[str, int, int]]]:
+    """Per fused expert tensor a trainer may send (engine/fused_experts.py), the checkpoint tensors
+    it is made of: (name, first flat element, elements), in its layout (per expert, the gate's
+    rows then the up projection's; or the down projection)."""
+    experts: dict[tuple[str, str], dict[int, dict[str, str]]] = {}
+    for name in shapes:
+        found = _EXPERT.match(name)
+        if found:
+            fused = "gate_up_proj" if found["kind"] != "down_proj" else "down_proj"
+            experts.setdefault((found["prefix"], fused), {}).setdefault(int(found["e"]), {})[found["kind"]] = name
+    blocks: dict[str, list[tuple[str, int, int]]] = {}
+    for (prefix, fused), by_expert in experts.items():
+        at, parts = 0, []
+        for e in sorted(by_expert):
+            kinds = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+            for kind in kinds:
+                name = by_expert[e][kind]
+                parts.append((name, at, math.prod(shapes[name])))
+                at += parts[-1][2]
+        blocks[f"{prefix}.{fused}"] = parts
+    return blocks
+
+
+def split_fused(deltas: list[TensorDelta], blocks: dict[str, list[tuple[str, int, int]]]) -> list[TensorDelta]:
+    """The changes of fused expert tensors as changes of the checkpoint's per-expert tensors."""
+    out = []
+    for change in deltas:
+        if change.name not in blocks:
+            out.append(change)
+            continue
+        for name, start, numel in blocks[change.name]:
+            if change.indices is None:
+                out.append(TensorDelta(name, change.form, None, change.values[start : start + numel]))
+                continue
+            inside = (change.indices >= start) & (change.indices < start + numel)
+            out.append(TensorDelta(name, change.form, change.indices[inside] - start, change.values[inside]))
+    return out

@@ -41,6 +41,12 @@ returns views into it. Those views are overwritten by the next receive(): the en
 reload copies them into its own weights before the receiver thread receives again
 (LLMClient's receiver thread receives, swaps, and only then reads the next announcement).
 
+A delta update (weight_sync/delta.py) is an announcement like any other whose tensors are the
+pieces of each weight tensor's change; `base` names the version it applies to. The sender
+sends one only to a group whose members all hold that version (`WeightSender.delta_base`: the
+group unchanged since its last broadcast, no receiver's RESYNC request pending); any other
+update is full. Full and delta updates both announce a checksum per weight tensor.
+
 The group is built lazily by the first transfer and rebuilt after a failure, or when a receiver
 registers: the sender gives each group it builds a new name (store key "group", set before the
 announcement) and its members (store key "members/NAME"), and a receiver whose group has

@@ -223,3 +223,34 @@ def test_a_rank_owns_its_zero3_range():
         for s in ranges:
             covered += list(range(s.starts[i], s.starts[i] + s.lengths[i]))
         assert covered == list(range(n))
+
+
+def test_a_delta_of_fused_experts_lands_in_the_engines_per_expert_tensors():
+    """A trainer holds a mixture-of-experts layer's experts fused (gate_up_proj: experts x
+    2*intermediate x hidden); the engine's plan is by the checkpoint's per-expert tensors. The
+    fused tensor's changes land in them, and its checksum is made from them."""
+    from pipeline_rl.engine.fused_experts import per_expert
+    from pipeline_rl.engine.weight_delta import fused_blocks, split_fused
+
+    g = torch.Generator().manual_seed(4)
+    experts, inter, hidden = 3, 4, 8
+    fused_old = {
+        "m.mlp.experts.gate_up_proj": torch.randn(experts, 2 * inter, hidden, generator=g).to(torch.bfloat16),
+        "m.mlp.experts.down_proj": torch.randn(experts, hidden, inter, generator=g).to(torch.bfloat16),
+    }
+    fused_new = {k: v.clone() for k, v in fused_old.items()}
+    for t in fused_new.values():
+        t.view(-1)[torch.randperm(t.numel(), generator=g)[:9]] += 1
+    engine = {name: t.clone() for name, t in per_expert(fused_old.items())}  # the engine's own tensors
+    copies = {name: [(t, tuple(t.shape), tuple(t.stride()), 0)] for name, t in engine.items()}
+    shapes = {name: list(t.shape) for name, t in engine.items()}
+    blocks = fused_blocks(shapes)
+    assert set(blocks) == set(fused_old)
+    update, pieces = delta_update(fused_old, fused_new)
+    numels = {name: sum(n for _, _, n in parts) for name, parts in blocks.items()}
+    _, scatters = bind_delta(copies, split_fused(delta.decode(update, pieces, numels), blocks))
+    scatter(scatters)
+    for name, want in per_expert(fused_new.items()):
+        assert torch.equal(engine[name], want), name
+    parts = checksum_parts(copies, {name: torch.bfloat16 for name in fused_new}, blocks)
+    assert mismatches([parts], list(fused_new), numels, update.checksums) == []
