@@ -15,6 +15,10 @@ The swap contract, for both hooks (this one, TP = 1; engine/tp_swap.py, TP > 1):
    leaves the engine refusing every later forward pass (RuntimeError).
 4. version: still under the lock the hook takes the new version, so the next forward pass is
    the first of it (`on_new_version`), and records the swap's lock wait and hold.
+A delta update (weight_sync/delta.py) goes the same way, staged as its changed elements bound
+to the copy plan (engine/weight_delta.py); the swap refuses one whose base is not the version
+the engine holds. After a swap of an update with checksums, `mismatches` says which tensors the
+engine's weights do not match (LLMClient then asks the sender for a full update).
 `SwapGate.swap` is that sequence; each hook supplies how it stages, checks and loads.
 
 Both hooks gate the engine core's `step` (schedule, forward pass, sampling, output update): the

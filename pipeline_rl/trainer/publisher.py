@@ -133,7 +133,7 @@ class WeightPublisher:
         assert self.shards is not None
         base = -1
         if self.sender is not None and self.shards.shadow is not None:
-            periodic = self.full_every > 0 and self.since_full >= self.full_every
+            periodic = self.full_every > 0 and self.since_full >= self.full_every - 1
             found = None if periodic else self.sender.delta_base()
             base = -1 if found is None else found
         if self.world_size > 1:

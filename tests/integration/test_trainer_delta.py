@@ -57,3 +57,31 @@ def test_deltas_from_each_ranks_shard_leave_the_actor_bit_identical(tiny_model, 
         assert 0 < m["weight_update_changed_fraction"] < 1
         assert m["weight_update_bytes"] < dense
         assert m["weight_update_bytes_ratio"] == pytest.approx(m["weight_update_bytes"] / dense)
+
+
+@pytest.mark.parametrize(
+    ("setting", "full"),
+    [("trainer.full_update_every=2", [1, 2, 2, 3, 3]), ("trainer.weight_delta=false", None)],
+)
+def test_the_delta_settings_take_effect(tiny_model, tmp_path, setting, full):
+    """full_update_every=2: every second update is full (1, 3, 5); weight_delta=false: every
+    update is the dense model, with no checksums kept."""
+    steps = 5
+    cfg = trainer_config(
+        tmp_path, tiny_model, f"shared.max_steps={steps}", "model.dtype=bfloat16", "trainer.optimizer.lr=1e-5", setting
+    )
+    write_steps(cfg, make_steps(tiny_model, steps=steps, groups=2, seed=2), ranks=1)
+    procs, receiver, received, errors = start_ranks_with_receiver(cfg, 1, steps)
+    run_dir = Path(cfg.run_dir)
+    wait_all(procs, run_dir, timeout=240)
+    receiver.join(30)
+    assert not errors, errors
+    final = final_weights(run_dir, steps)
+    assert all(torch.equal(received[steps][k].view(torch.int16), v.view(torch.int16)) for k, v in final.items())
+    metrics = [m for m in trainer_metrics(run_dir) if "weight_update_bytes" in m]
+    dense = sum(t.numel() * t.element_size() for t in final.values())
+    if full is None:
+        assert all("weight_full_updates_total" not in m and m["weight_update_bytes"] == dense for m in metrics)
+    else:
+        assert [m["weight_full_updates_total"] for m in metrics] == full
+        assert [m["weight_update_bytes"] == dense for m in metrics] == [True, False, True, False, True]
