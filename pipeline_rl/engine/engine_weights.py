@@ -43,6 +43,7 @@ from pipeline_rl.engine.host_copy import HostSpans
 from pipeline_rl.engine.weight_delta import (
     Scatter,
     bind_delta,
+    checksum_moves,
     checksum_parts,
     fused_blocks,
     scatter,
@@ -50,8 +51,8 @@ from pipeline_rl.engine.weight_delta import (
 )
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.weight_layout import dtype_of
+from pipeline_rl.weight_sync.delta import DENSE, MODULUS, weight_dtypes
 from pipeline_rl.weight_sync.delta import decode as decode_delta
-from pipeline_rl.weight_sync.delta import weight_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +357,9 @@ class EngineWeights:
                 self.plan = None
                 self.plan_refused = str(e)
                 log.warning("weight swaps load through vLLM's reload_weights (slower): %s", e)
+        self._held_sums: dict[str, tuple[int, int]] | None = None
+        """Per tensor, the checksum of what the engine holds of it and the elements that covers,
+        since the last summing (checksum_parts), kept in step by each delta's moves."""
         self._tied = _tied_modules(model)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _ExpectedReloadWarnings(_not_reloaded_classes(model, self._tied))
@@ -407,17 +411,46 @@ class EngineWeights:
         if self.plan is None:
             raise ValueError(f"this engine loads through vLLM's reload, which takes no delta ({self.plan_refused})")
         # A trainer may hold the experts fused: their changes go to the per-expert tensors.
-        deltas = split_fused(decode_delta(update, pieces, self.numels()), fused_blocks(self._expected))
-        pairs, scatters = bind_delta(self.plan.copies, deltas)
-        return Prepared(pairs=pairs, host=HostSpans.of(pairs), scatters=scatters)
+        blocks = fused_blocks(self._expected)
+        deltas = split_fused(decode_delta(update, pieces, self.numels()), blocks)
+        sources: list[tuple[str, torch.Tensor]] = []
+        pairs, scatters = bind_delta(self.plan.copies, deltas, sources)
+        moves = None  # every checksum is summed again after the load
+        if update.checksums and self._held_sums is not None:
+            dtypes = {name: dtype_of(d) for name, d in weight_dtypes(update).items()}
+            moves = checksum_moves(scatters, sources, dtypes, blocks)
+        dense = {d.name for d in deltas if d.form == DENSE}
+        return Prepared(pairs=pairs, host=HostSpans.of(pairs), scatters=scatters, moves=moves, dense=dense)
 
     def checksum_parts(self, update: WeightUpdate) -> dict[str, tuple[int, int]]:
         """Per tensor of `update`, the checksum of what this engine holds of it and how many
-        elements that is (engine/weight_delta.py); {} without a copy plan."""
+        elements that is (engine/weight_delta.py); {} without a copy plan. Computed over the
+        weights after a full update (and for the tensors a delta sent dense); after a delta, the
+        sums held before plus what its changes moved (an update's size, not the model's)."""
         if self.plan is None:
             return {}
         dtypes = {name: dtype_of(d) for name, d in weight_dtypes(update).items()}
-        return checksum_parts(self.plan.copies, dtypes, fused_blocks(self._expected))
+        held = self._held_sums or {}
+        missing = {name: dtype for name, dtype in dtypes.items() if name not in held}
+        if missing:
+            held |= checksum_parts(self.plan.copies, missing, fused_blocks(self._expected))
+        self._held_sums = held
+        return {name: held[name] for name in dtypes if name in held}
+
+    def _note_sums(self, update: Prepared) -> None:
+        """Keep the held checksums in step with a load: a delta moves them (and its dense tensors
+        are summed again when next asked for); any other update makes every one be summed again."""
+        if self._held_sums is None:
+            return
+        if update.moves is None:
+            self._held_sums = None
+            return
+        for name in update.dense:
+            self._held_sums.pop(name, None)
+        for name, moved in update.moves.items():
+            if name in self._held_sums:
+                value, covered = self._held_sums[name]
+                self._held_sums[name] = ((value + moved) % MODULUS, covered)
 
     def numels(self) -> dict[str, int]:
         """The element count of every checkpoint tensor, and of every fused expert tensor a
@@ -429,6 +462,7 @@ class EngineWeights:
     def load(self, update: Prepared, synchronize: bool = True) -> None:
         """Load a prepared update in place (each tensor-parallel worker its own shard); the
         caller makes sure no forward pass runs meanwhile (`synchronize`: LoadPlan.copy)."""
+        self._note_sums(update)
         if update.host is not None or update.pairs is not None:
             if update.host is not None:
                 update.host.copy()
@@ -458,6 +492,11 @@ class Prepared:
     """The pairs as memmoves that keep the GIL, when all of them are plain host copies."""
     scatters: list[Scatter] = field(default_factory=list)
     """A delta's changed elements, written after the pairs are copied (engine/weight_delta.py)."""
+    moves: dict[str, int] | None = None
+    """A delta's: per tensor, what it adds to the checksum of what the engine holds (None: not a
+    delta, every checksum is summed again after it)."""
+    dense: set[str] = field(default_factory=set)
+    """A delta's tensors sent whole: their checksums are summed again after it."""
 
     @staticmethod
     def of(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Prepared:

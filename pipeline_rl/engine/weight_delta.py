@@ -63,10 +63,11 @@ Views = dict[Any, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int
 
 
 def bind_delta(
-    copies: Views, deltas: Iterable[TensorDelta]
+    copies: Views, deltas: Iterable[TensorDelta], sources: list[tuple[str, torch.Tensor]] | None = None
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Scatter]]:
     """The copy pairs of the tensors sent dense and the scatters of the others (the per-update
-    work done before the lock is taken)."""
+    work done before the lock is taken); `sources`, when given, gets each scatter's tensor name
+    and its elements' flat indices in that tensor."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     scatters: list[Scatter] = []
     for change in deltas:
@@ -84,9 +85,34 @@ def bind_delta(
             if not coords or coords[0].numel() == 0:
                 continue
             values = change.values[inside].to(device=dst.device, dtype=dst.dtype, non_blocking=True)
+            if sources is not None:
+                sources.append((change.name, change.indices[inside]))
             coords = tuple(c.to(dst.device, non_blocking=True) for c in coords)
             scatters.append((dst, coords, values))
     return pairs, scatters
+
+
+def checksum_moves(
+    scatters: list[Scatter],
+    sources: list[tuple[str, torch.Tensor]],
+    dtypes: dict[str, torch.dtype],
+    blocks: dict[str, list[tuple[str, int, int]]],
+) -> dict[str, int]:
+    """Per tensor of `dtypes`, what the scatters will add to the checksum of what the engine holds
+    of it: each changed element's term with its new value less its term with the value the
+    engine holds now (read before the lock is taken: only the swap writes the weights)."""
+    within = {name: (fused, start) for fused, parts in blocks.items() for name, start, _ in parts}
+    moves: dict[str, int] = {}
+    with torch.no_grad():
+        for (dst, coords, values), (name, index) in zip(scatters, sources):
+            target, shift = within.get(name, (name, 0))
+            if target not in dtypes:
+                continue
+            where = (index + shift).to(dst.device)
+            dtype = dtypes[target]
+            moved = delta.checksum(values.to(dtype), where) - delta.checksum(dst[coords].to(dtype), where)
+            moves[target] = moves.get(target, 0) + moved
+    return moves
 
 
 def scatter(scatters: list[Scatter]) -> None:

@@ -335,6 +335,59 @@ def test_host_staged_workers_keep_only_their_shard(client, tiny_model, trained):
     on_worker(client, drop_receiver)
 
 
+def test_workers_take_deltas_into_their_shards_and_check_them_together(client, tiny_model, trained):
+    """A delta reaches both workers whole (host-staged workers keep only their shard of a full
+    update, all of a delta's pieces), each writes its own part through its copy plan, and the
+    workers' checksum parts add up to the announced checksums; announced checksums that differ
+    from what the workers hold are caught and a full update is asked for."""
+
+    def drop_receiver(worker):
+        state = worker._pipeline_rl
+        if state.receiver is not None:
+            state.receiver.close()
+        state.receiver = None
+
+    on_worker(client, drop_receiver)
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, world_size=1 + TP, backend="gloo", timeout_s=60)
+    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=60, stage_on_host=True)
+    weights = perturbed(trained, seed=11)
+    publisher = Publisher(sender, weights)
+    version = client.version
+
+    def receive(update):
+        assert client.apply_update(receiver, update)
+
+    publisher.publish(version + 1, receive)
+    nudge(weights, 12, 0.002)
+    publisher.publish(version + 2, receive)
+    assert publisher.forms[version + 2] != "full" and set(publisher.forms[version + 2]) <= {"=", "i", "s"}
+    kept = on_worker(client, lambda w: w._pipeline_rl.receiver._buffer.numel())
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    assert all(k < 0.05 * total for k in kept), (kept, total)  # the delta's pieces, whole, on each worker
+    stats = client.stats()
+    assert client.version == version + 2 and stats["weight_checksum_mismatches"] == 0
+
+    prompt = client.tokenizer.encode("the quick brown")
+    [c] = asyncio.run(client.generate(prompt, 1, 24, 0.7, ignore_eos=True))
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        logits = hf_model(tiny_model, weights)(ids).logits[0, len(prompt) - 1 : -1] / 0.7
+    expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+    assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+    nudge(weights, 13, 0.002)
+    publisher.publish(version + 3, receive, tamper=lambda sums: [c + (i == 3) for i, c in enumerate(sums)])
+    stats = client.stats()
+    assert stats["weight_checksum_mismatches"] == 1 and stats["weight_full_requests"] == 1
+    nudge(weights, 14, 0.002)
+    publisher.publish(version + 4, receive)
+    assert publisher.forms[version + 4] == "full" and client.stats()["weight_checksum_mismatches"] == 1
+    receiver.close()
+    sender.close()
+    on_worker(client, drop_receiver)
+
+
 def _announce_and_hang(addr: str, announced) -> None:
     """A sender process that announces an update and never broadcasts it (the test kills it)."""
     from pipeline_rl.weight_sync import member_names
@@ -402,56 +455,3 @@ def test_load_failing_in_one_worker_stops_the_engine(client, trained):
     assert client.hook.failures == failures + 1
     with pytest.raises(RuntimeError, match="partially loaded"):
         client.hook.swap(staged, client.version + 1)
-
-
-def test_workers_take_deltas_into_their_shards_and_check_them_together(client, tiny_model, trained):
-    """A delta reaches both workers whole (host-staged workers keep only their shard of a full
-    update, all of a delta's pieces), each writes its own part through its copy plan, and the
-    workers' checksum parts add up to the announced checksums; announced checksums that differ
-    from what the workers hold are caught and a full update is asked for."""
-
-    def drop_receiver(worker):
-        state = worker._pipeline_rl
-        if state.receiver is not None:
-            state.receiver.close()
-        state.receiver = None
-
-    on_worker(client, drop_receiver)
-    addr = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(addr, world_size=1 + TP, backend="gloo", timeout_s=60)
-    receiver = client.weight_receiver(addr, actor_index=0, actors=1, backend="gloo", timeout_s=60, stage_on_host=True)
-    weights = perturbed(trained, seed=11)
-    publisher = Publisher(sender, weights)
-    version = client.version
-
-    def receive(update):
-        assert client.apply_update(receiver, update)
-
-    publisher.publish(version + 1, receive)
-    nudge(weights, 12, 0.002)
-    publisher.publish(version + 2, receive)
-    assert publisher.forms[version + 2] != "full" and set(publisher.forms[version + 2]) <= {"=", "i", "s"}
-    kept = on_worker(client, lambda w: w._pipeline_rl.receiver._buffer.numel())
-    total = sum(t.numel() * t.element_size() for t in weights.values())
-    assert all(k < 0.05 * total for k in kept), (kept, total)  # the delta's pieces, whole, on each worker
-    stats = client.stats()
-    assert client.version == version + 2 and stats["weight_checksum_mismatches"] == 0
-
-    prompt = client.tokenizer.encode("the quick brown")
-    [c] = asyncio.run(client.generate(prompt, 1, 24, 0.7, ignore_eos=True))
-    ids = torch.tensor([prompt + c.token_ids])
-    with torch.no_grad():
-        logits = hf_model(tiny_model, weights)(ids).logits[0, len(prompt) - 1 : -1] / 0.7
-    expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
-    assert (expected - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
-
-    nudge(weights, 13, 0.002)
-    publisher.publish(version + 3, receive, tamper=lambda sums: [c + (i == 3) for i, c in enumerate(sums)])
-    stats = client.stats()
-    assert stats["weight_checksum_mismatches"] == 1 and stats["weight_full_requests"] == 1
-    nudge(weights, 14, 0.002)
-    publisher.publish(version + 4, receive)
-    assert publisher.forms[version + 4] == "full" and client.stats()["weight_checksum_mismatches"] == 1
-    receiver.close()
-    sender.close()
-    on_worker(client, drop_receiver)
