@@ -383,6 +383,9 @@ class Actor:
             "swap_load_p50_s": stats["load_p50_s"],
             "swap_failures_total": stats["swap_failures"],
             "weight_updates_skipped_total": stats["updates_skipped"],
+            # Delta updates: weights that failed their checksums, full updates asked for.
+            "weight_checksum_mismatches_total": stats["weight_checksum_mismatches"],
+            "weight_full_requests_total": stats["weight_full_requests"],
             "reward_errors_total": self.reward_errors_total,
             "last_reward_error": self.last_reward_error,
             "rollout_errors_total": self.rollout_errors_total,
