@@ -65,7 +65,8 @@ def build_model(path: Path) -> Path:
 
     torch.manual_seed(0)
     config = qwen2_config(32000, hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen2ForCausalLM(config)
+    model.bfloat16().save_pretrained(path)
     tiny = Path(os.environ.get("PIPELINE_RL_CACHE", ROOT / ".cache")) / "tiny_model"
     if (tiny / "tokenizer.json").exists():
         AutoTokenizer.from_pretrained(tiny).save_pretrained(path)
@@ -119,7 +120,7 @@ def receiver_main(config_path: str, addr: str, updates: int, out: str) -> None:
             swaps_before = client.hook.recent_swaps()[1]
             ok = client.apply_update(receiver, update)
             swaps, count = client.hook.recent_swaps()
-            buffer = receiver.endpoint._buffer
+            buffer = receiver.endpoint._buffer  # pyright: ignore[reportAttributeAccessIssue] (a LocalReceiver at TP = 1)
             rows.append(
                 {
                     "version": update.version,
@@ -260,7 +261,9 @@ def summarize(ranks: int, stage: int, lr: float, wall: float, published: list, e
         "publish_s_delta": median([r["weight_publish_s"] for r in deltas]),
         "publish_s_full": median([r["weight_publish_s"] for r in fulls[1:]] or [r["weight_publish_s"] for r in fulls]),
         "lock_hold_s_delta": median([s["lock_hold_s"] for s in swaps if s["delta"] and s["lock_hold_s"] is not None]),
-        "lock_hold_s_full": median([s["lock_hold_s"] for s in swaps if not s["delta"] and s["lock_hold_s"] is not None]),
+        "lock_hold_s_full": median(
+            [s["lock_hold_s"] for s in swaps if not s["delta"] and s["lock_hold_s"] is not None]
+        ),
         "staging_bytes_delta_max": max((s["staging_bytes"] for s in swaps if s["delta"]), default=None),
         "staging_bytes_full": max((s["staging_bytes"] for s in swaps if not s["delta"]), default=None),
         "swaps_failed": sum(not s["ok"] for s in swaps),
@@ -305,7 +308,7 @@ def report(rows: list[dict]) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--receiver"]:
-        receiver_main(*sys.argv[2:4], int(sys.argv[4]), sys.argv[5])
+        receiver_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=100)

@@ -51,9 +51,10 @@ def locate(
             continue
         if stride[d] <= 0:
             raise ValueError(f"a view with stride {stride} cannot take a delta")
-        coords[d] = rest // stride[d]
-        rest = rest - coords[d] * stride[d]
-        inside &= coords[d] < shape[d]
+        coord = rest // stride[d]
+        rest = rest - coord * stride[d]
+        inside &= coord < shape[d]
+        coords[d] = coord
     inside &= rest == 0
     return inside, tuple(c[inside] for c in coords if c is not None)
 

@@ -49,8 +49,9 @@ class PublishedShards:
         """This rank's elements of parameter i as they are now (a flat view, not a copy)."""
         p = self.params[i]
         length = self.lengths[i]
-        if hasattr(p, "ds_tensor"):  # ZeRO-3: the partition is this rank's range, padded at the end
-            return p.ds_tensor.detach().reshape(-1)[:length]
+        partition = getattr(p, "ds_tensor", None)
+        if partition is not None:  # ZeRO-3: the partition is this rank's range, padded at the end
+            return partition.detach().reshape(-1)[:length]
         return p.detach().reshape(-1)[self.starts[i] : self.starts[i] + length]
 
     def refresh(self) -> list[int]:
