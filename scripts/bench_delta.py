@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import shutil
 import socket
@@ -35,13 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+from bench_trainer import random_steps  # noqa: E402
 
 from pipeline_rl.config import load_config, load_saved_config, save_config  # noqa: E402
-from pipeline_rl.preprocess.packing import pack_step, rollout_sequence  # noqa: E402
 from pipeline_rl.streams import open_streams  # noqa: E402
-from pipeline_rl.streams.records import Rollout, WeightUpdate  # noqa: E402
+from pipeline_rl.streams.records import WeightUpdate  # noqa: E402
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV  # noqa: E402
 
 SEQ_LENGTH = 256
@@ -77,25 +77,11 @@ def build_model(path: Path) -> Path:
 
 def write_steps(cfg, steps: int, ranks: int, vocab: int) -> None:
     """Per step and rank one micro-batch of about SEQ_LENGTH tokens of random rollouts."""
-    rng = random.Random(0)
     streams = open_streams(cfg)
     writer = streams.writer("trainer", partitions=ranks)
-    for s in range(steps):
-        seqs = []
-        for g in range(2 * ranks):
-            prompt = [rng.randrange(vocab) for _ in range(16)]
-            for _ in range(2):
-                n = rng.randint(24, 40)
-                rollout = Rollout(
-                    prompt_ids=prompt,
-                    completion_ids=[rng.randrange(vocab) for _ in range(n)],
-                    logprobs=[-rng.uniform(0.5, 6.0) for _ in range(n)],
-                    versions=[s] * n,
-                    reward=float(rng.random() < 0.5),
-                    finish_reason="stop",
-                )
-                seqs.append(rollout_sequence(rollout, [rng.gauss(0, 1)] * n, f"{s}-{g}", SEQ_LENGTH))
-        for rank, micro_batches in enumerate(pack_step(seqs, s, ranks, SEQ_LENGTH)):
+    shape = {"groups": 2 * ranks, "attempts": 2, "prompt": (16, 16), "completion": (24, 40)}
+    for per_rank in random_steps(steps, vocab, 0, seq_length=SEQ_LENGTH, ranks=ranks, **shape):
+        for rank, micro_batches in enumerate(per_rank):
             for mb in micro_batches:
                 writer.write(mb, partition=rank)
     streams.close()

@@ -94,28 +94,44 @@ def model_dir(arg: str | None, scratch: Path) -> Path:
     return scratch / "model"
 
 
-def make_steps(steps: int, vocab: int, seed: int = 0):
-    """Per step: GROUPS_PER_STEP groups of ATTEMPTS rollouts (prompt 12-24, completion 8-48
-    tokens), packed into micro-batches of SEQ_LENGTH tokens for 1 rank."""
+def random_steps(
+    steps: int,
+    vocab: int,
+    seed: int = 0,
+    groups: int = GROUPS_PER_STEP,
+    attempts: int = ATTEMPTS,
+    prompt: tuple[int, int] = (12, 24),
+    completion: tuple[int, int] = (8, 48),
+    seq_length: int = SEQ_LENGTH,
+    ranks: int = 1,
+):
+    """Per step, each rank's micro-batches: `groups` groups of `attempts` random rollouts (prompt
+    and completion lengths drawn from the ranges), packed into micro-batches of `seq_length`."""
     rng = random.Random(seed)
     out = []
     for s in range(steps):
         seqs = []
-        for g in range(GROUPS_PER_STEP):
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(12, 24))]
-            for _ in range(ATTEMPTS):
-                n = rng.randint(8, 48)
+        for g in range(groups):
+            prompt_ids = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
+            for _ in range(attempts):
+                n = rng.randint(*completion)
                 rollout = Rollout(
-                    prompt_ids=prompt,
+                    prompt_ids=prompt_ids,
                     completion_ids=[rng.randrange(vocab) for _ in range(n)],
                     logprobs=[-rng.uniform(0.5, 6.0) for _ in range(n)],
                     versions=[s] * n,
                     reward=float(rng.random() < 0.5),
                     finish_reason="stop",
                 )
-                seqs.append(rollout_sequence(rollout, [rng.gauss(0, 1)] * n, f"{s}-{g}", SEQ_LENGTH))
-        out.append(pack_step(seqs, s, 1, SEQ_LENGTH)[0])
+                seqs.append(rollout_sequence(rollout, [rng.gauss(0, 1)] * n, f"{s}-{g}", seq_length))
+        out.append(pack_step(seqs, s, ranks, seq_length))
     return out
+
+
+def make_steps(steps: int, vocab: int, seed: int = 0):
+    """Per step: GROUPS_PER_STEP groups of ATTEMPTS rollouts (prompt 12-24, completion 8-48
+    tokens), packed into micro-batches of SEQ_LENGTH tokens for 1 rank."""
+    return [per_rank[0] for per_rank in random_steps(steps, vocab, seed)]
 
 
 def bare_loop(model_path: Path, steps, cfg) -> tuple[float, float, int]:
