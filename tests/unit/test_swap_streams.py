@@ -123,7 +123,7 @@ def test_a_tp1_receiver_stages_on_the_receive_stream_before_its_event(fake_cuda)
 
     rec = fake_cuda
 
-    def stage(tensors, ticket):
+    def stage(tensors, ticket, update=None):
         rec.log.append(("stage", rec.current))
         return Staged(ticket)
 
