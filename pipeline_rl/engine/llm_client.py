@@ -253,6 +253,10 @@ class LLMClient:
 
         check_vllm_version(vllm.__version__)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(cfg, model_path)))
+        # vLLM asks the workers for this at the first request, through the queue the weight
+        # receiver's calls use from another thread (TP > 1): asked now, before either runs, so
+        # the two never read each other's replies.
+        engine.get_supported_tasks()
         request = None
         if cfg.model.lora is not None:
             if adapter_dir is None:
