@@ -51,7 +51,7 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
                 r["version"] >= at_scale and r["groups_written_total"] > 0 for r in actor_records(run_dir, "actor1")
             )
 
-        wait_until(generating, proc, ADDED_WITHIN_S + 60, "group from actor1")
+        wait_until(generating, proc, ADDED_WITHIN_S + 60, "group from actor1", run_dir)
         first = next(
             r for r in read_metrics(run_dir) if r["process"] == "actor1" and r["values"]["groups_written_total"] > 0
         )
@@ -63,11 +63,11 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
 
         # A liveness bound, not a speed goal: with CI's two test lanes on two cores a drain (the
         # groups in flight generated and written, the weight-update group left) once took 189 s.
-        wait_until(left, proc, 300, "actor1 draining")
+        wait_until(left, proc, 300, "actor1 draining", run_dir)
         assert "drained after writing" in (run_dir / "logs" / "actor1.log").read_text()
         drained_at = version(run_dir)
         # The run goes on with one actor (its share is the whole step again).
-        wait_until(lambda: version(run_dir) >= drained_at + 20, proc, 120, "20 versions after the drain")
+        wait_until(lambda: version(run_dir) >= drained_at + 20, proc, 120, "20 versions after the drain", run_dir)
     finally:
         stop(proc)
     out = proc.stdout.read() if proc.stdout else ""
