@@ -7,7 +7,7 @@ else, so renaming one cannot leave a reader listening on the old name.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 
 class Topic(StrEnum):
@@ -85,7 +85,22 @@ def redis_namespace(run_name: str) -> str:
     return f"pipeline_rl:{run_name}"
 
 
-PEER_GONE_EXIT = 3
-"""Exit code of a pool process that failed because a peer it exchanges weights with is gone
-(weight_sync.PeerGone): the launcher then waits up to PEER_REPORT_WAIT_S for that peer's own
-failure and reports it as the cause (a worker that died, not the trainer that noticed first)."""
+class ExitCode(IntEnum):
+    """Every exit code of the project's processes: the launcher's says how the run ended, a
+    pool process's how it did."""
+
+    OK = 0
+    """The run finished (its trainers, or max_time_s), or a pool process did its part."""
+    FAILED = 1
+    """A process or a node failed (the launcher names it), or this pool process raised."""
+    CONFIG_ERROR = 2
+    """The launcher refused the configuration (the message names the key)."""
+    PEER_GONE = 3
+    """A pool process that failed because a peer it exchanges weights with is gone
+    (weight_sync.PeerGone): the launcher then waits up to PEER_REPORT_WAIT_S for that peer's
+    own failure and reports it as the cause (a worker that died, not the trainer that noticed
+    first)."""
+    STALLED = 4
+    """The launcher's watchdog found no progress (watchdog_s) and stopped the run."""
+    INTERRUPTED = 130
+    """The launcher was stopped by a signal (Ctrl-C, SIGTERM)."""

@@ -25,7 +25,7 @@ from typing import NoReturn
 from pipeline_rl.config import RunConfig, load_saved_config
 from pipeline_rl.config.pool_view import for_pool
 from pipeline_rl.weight_sync.group import PeerGone
-from pipeline_rl.wire import LAUNCHED_AT_ENV, PEER_GONE_EXIT, RUN_NONCE_ENV, RUN_NONCE_FILE
+from pipeline_rl.wire import LAUNCHED_AT_ENV, RUN_NONCE_ENV, RUN_NONCE_FILE, ExitCode
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def run_pool_process(pool: str, body: Body, argv: list[str] | None = None) -> in
     except Exception as e:
         log.exception("%s failed", name)
         print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return PEER_GONE_EXIT if isinstance(e, PeerGone) else 1
+        return ExitCode.PEER_GONE if isinstance(e, PeerGone) else ExitCode.FAILED
     log.info("%s", summary)
-    return 0
+    return ExitCode.OK
 
 
 def exit_process(code: int) -> NoReturn:

@@ -29,10 +29,10 @@ from pipeline_rl.launch.redis_server import start_redis, wait_port
 from pipeline_rl.launch.restarts import TRAINER_POOL, RestartPolicy
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.scaling import request_actors
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor, describe_exit, last_lines
+from pipeline_rl.launch.supervisor import Supervisor, describe_exit, last_lines
 from pipeline_rl.scorers import check_scorers
 from pipeline_rl.trainer.loss import load_loss
-from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
+from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV, ExitCode
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -96,7 +96,7 @@ class Launcher(RunLoop):
         reason = describe_exit(failure.code) if child.name != "redis" else "redis-server stopped"
         summary = f"process {child.name} failed: {reason}"
         tail = last_lines(child.log_path)
-        peer = failure.code == PEER_GONE_EXIT
+        peer = failure.code == ExitCode.PEER_GONE
         return Failure(summary, str(child.log_path), tail, peer, child.name, failure.code), False
 
     def pool_processes(self) -> set[str]:
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
         return run(cfg, args.fresh, lambda nonce: Launcher(cfg, nonce))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG_ERROR
 
 
 def cli() -> None:

@@ -52,8 +52,8 @@ from pipeline_rl.launch.ray_cluster import connect, reserve
 from pipeline_rl.launch.ray_nodes import RayNode, bundle_nodes, node_alive, raylet_gone
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, STOP_GRACE_S, blame_order, describe_exit, last_lines
-from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
+from pipeline_rl.launch.supervisor import STOP_GRACE_S, blame_order, describe_exit, last_lines
+from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV, ExitCode
 
 NODE_PROBE_EVERY_S = 5.0
 """How often the driver checks that every node of the run still answers. Ray's own health check
@@ -269,7 +269,7 @@ class RayRun(RunLoop):
             # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
             log_tail = tail if code is not None else last_lines(h.log_path)
             process = h.name if self._restartable(h, dead) else ""
-            peer = code == PEER_GONE_EXIT and not dead
+            peer = code == ExitCode.PEER_GONE and not dead
             return Failure(summary, str(h.log_path), log_tail, peer, process, code), False
         gone = self._probe_nodes()
         if gone is not None:

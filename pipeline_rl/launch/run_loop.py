@@ -5,9 +5,9 @@ process: launch/restarts.py), stop, plot.
 
 A backend (a RunLoop subclass) says only how its processes start, are polled, restarted and
 stop, and where actors added to a running job go (launch/scaling.py); `run`
-and `RunLoop.watch` decide the rest, and with which exit code: 0 when the trainers finished (or
-max_time_s), 1 when a process or a node failed, 3 when the watchdog found no progress, 130 on
-a signal.
+and `RunLoop.watch` decide the rest, and with which exit code (wire.ExitCode): OK when the
+trainers finished (or max_time_s), FAILED when a process or a node failed, STALLED when the
+watchdog found no progress, INTERRUPTED on a signal.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pipeline_rl.launch.supervisor import PEER_REPORT_WAIT_S
 from pipeline_rl.launch.watchdog import Watchdog
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams.records import ActorCount, Metrics
-from pipeline_rl.wire import Topic
+from pipeline_rl.wire import ExitCode, Topic
 
 if TYPE_CHECKING:
     from pipeline_rl.launch.status import StatusLine
@@ -47,7 +47,7 @@ class Failure:
     log_tail: str
     """The last lines of its log."""
     caused_by_peer: bool = False
-    """It failed because a peer is gone (supervisor.PEER_GONE_EXIT): that peer's failure, when
+    """It failed because a peer is gone (wire.ExitCode.PEER_GONE): that peer's failure, when
     it comes, is the one to report."""
     process: str = ""
     """The process that failed (a pool process's name, or a service's: redis)."""
@@ -210,11 +210,11 @@ class RunLoop:
                 if failure is not None:
                     return self.fail(failure, noticed)
                 if done:
-                    return self.finish("the trainers finished", code=0)
+                    return self.finish("the trainers finished", code=ExitCode.OK)
                 if self.stop_reason:
-                    return self.finish(self.stop_reason, code=130)
+                    return self.finish(self.stop_reason, code=ExitCode.INTERRUPTED)
                 if self.cfg.max_time_s and time.time() - start > self.cfg.max_time_s:
-                    return self.finish(f"max_time_s={self.cfg.max_time_s:g} reached", code=0)
+                    return self.finish(f"max_time_s={self.cfg.max_time_s:g} reached", code=ExitCode.OK)
                 request = self.scale_requests.take()
                 if request is not None:
                     self.scale(request, streams)
@@ -226,7 +226,7 @@ class RunLoop:
                 if stall is not None:
                     print(f"\n{stall}\nstopping the run", file=sys.stderr, flush=True)
                     self.stop_all(graceful=True)
-                    return 3
+                    return ExitCode.STALLED
         finally:
             feed.stop()
             status.close()
@@ -314,7 +314,7 @@ class RunLoop:
             file=sys.stderr,
             flush=True,
         )
-        return 1
+        return ExitCode.FAILED
 
     def finish(self, reason: str, code: int) -> int:
         print(f"\nstopping: {reason}", flush=True)

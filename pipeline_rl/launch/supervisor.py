@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_rl.wire import PEER_GONE_EXIT
+from pipeline_rl.wire import ExitCode
 
 STOP_GRACE_S = 6.0
 """SIGTERM, then SIGKILL after this long: a stop completes well within 10 s."""
@@ -62,16 +62,16 @@ def blame_order(code: int | None) -> tuple[bool, bool]:
     """Sort key of exit codes seen together, the likeliest cause first: a process killed by a
     signal, or whose host is gone (None, on Ray) — its peers' collective errors follow from it,
     and as processes end without the interpreter's teardown they can end within one poll of
-    it — then any other exit, a PEER_GONE_EXIT (a failure the process itself blames on a peer)
+    it — then any other exit, an ExitCode.PEER_GONE (a failure the process itself blames on a peer)
     last."""
     killed = code is None or code < 0
-    return not killed, code == PEER_GONE_EXIT
+    return not killed, code == ExitCode.PEER_GONE
 
 
 def describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
-    if code == PEER_GONE_EXIT:
+    if code == ExitCode.PEER_GONE:
         return f"exit code {code} (a weight-update peer is gone)"
     return f"exit code {code}"
 

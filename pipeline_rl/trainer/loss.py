@@ -3,7 +3,7 @@
 Off-policy correction: every trained token carries the behaviour logprob the actor sampled
 it with (old_logprobs), so the importance weight of the current policy is
 w = exp(logprob - old_logprob), per token, or per sequence with `ratio: sequence` (GSPO: the
-geometric mean exp(mean log w) of the sequence's trained tokens, given to each of them). Two
+geometric mean exp(mean log w) of the sequence's trained tokens, given to each of them). Three
 objectives:
 
 - reinforce: -min(w, is_truncation).detach() * A * logprob (truncated importance weights);

@@ -38,7 +38,7 @@ from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import GroupsLost, MicroBatch
 from pipeline_rl.streams.redis_secret import PASSWORD_FILE
 from pipeline_rl.trainer.replay import replay_path
-from pipeline_rl.wire import CACHE_ENV, Topic
+from pipeline_rl.wire import CACHE_ENV, ExitCode, Topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -288,7 +288,7 @@ def test_watchdog_stops_a_stalled_run_and_says_who_waits(tmp_path, tiny_model):
     finally:
         stop(proc)
     out = "".join(lines)
-    assert code == 3, out
+    assert code == ExitCode.STALLED, out
     # The trainer's checkpoint of a tiny model takes seconds, then at most STOP_GRACE_S for the rest.
     trainer_stop_grace_s, _ = run_limits(load_saved_config(run_dir / "config.yaml"))
     assert stopped_in < STOP_GRACE_S + 30 < trainer_stop_grace_s, out

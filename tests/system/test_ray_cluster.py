@@ -27,6 +27,7 @@ from pipeline_rl.core.checkpoint_layout import latest_checkpoint
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.preprocess.packing import PAD_GROUP_ID
 from pipeline_rl.streams.records import MicroBatch, decode
+from pipeline_rl.wire import ExitCode
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
@@ -303,7 +304,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
         code = driver.wait(timeout=120)
     finally:
         driver.stop()
-    assert code == 130, driver.out[-4000:]
+    assert code == ExitCode.INTERRUPTED, driver.out[-4000:]
     assert "resuming" in driver.out
     # The steps after the checkpoint were lost with the node and are trained again, once each.
     versions = trainer_versions(run_dir)

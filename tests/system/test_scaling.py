@@ -24,6 +24,7 @@ from fixtures.launches import (
 
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams.records import PAD_GROUP_ID
+from pipeline_rl.wire import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -71,7 +72,7 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
     finally:
         stop(proc)
     out = proc.stdout.read() if proc.stdout else ""
-    assert proc.returncode == 130, out[-4000:]  # stopped by the test's Ctrl-C, not by a failure
+    assert proc.returncode == ExitCode.INTERRUPTED, out[-4000:]  # stopped by the test's Ctrl-C, not by a failure
     assert first["time"] - scaled_at < ADDED_WITHIN_S and first["values"]["version"] >= at_scale, first
     assert "scaled the job from 1 to 2 actors" in out and "scaled the job from 2 to 1 actors" in out, out[-4000:]
     assert "actor1 drained and left the job" in out and "restarting" not in out, out[-4000:]

@@ -1,5 +1,5 @@
 """Which failure a run reports when several processes fail (pipeline_rl/launch/run_loop.py): a
-process that failed because a weight-update peer is gone (exit PEER_GONE_EXIT) is not the cause;
+process that failed because a weight-update peer is gone (exit ExitCode.PEER_GONE) is not the cause;
 the launcher waits for the peer's own failure and reports that one."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.launch import run_loop
 from pipeline_rl.launch.launcher import Launcher
 from pipeline_rl.launch.run_dir import prepare_run_dir
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT, Supervisor
+from pipeline_rl.launch.supervisor import Supervisor
 from pipeline_rl.streams import open_streams
 from pipeline_rl.weight_sync import PeerGone, WeightGroupFailed
+from pipeline_rl.wire import ExitCode
 
 
 def exits(code: int, after_s: float) -> list[str]:
@@ -39,7 +40,9 @@ def watch(tmp_path, children: dict[str, list[str]]) -> tuple[int, float]:
     return code, time.monotonic() - started
 
 
-@pytest.mark.parametrize("error, code", [(PeerGone("gone: actor0"), PEER_GONE_EXIT), (WeightGroupFailed("hung"), 1)])
+@pytest.mark.parametrize(
+    "error, code", [(PeerGone("gone: actor0"), ExitCode.PEER_GONE), (WeightGroupFailed("hung"), ExitCode.FAILED)]
+)
 def test_a_pool_process_that_lost_a_peer_exits_with_its_own_code(tmp_path, error, code):
     cfg = load_config("tiny", [f"run_dir={tmp_path}"])
     prepare_run_dir(cfg, fresh=False)
@@ -53,7 +56,7 @@ def test_a_pool_process_that_lost_a_peer_exits_with_its_own_code(tmp_path, error
 def test_the_peer_that_failed_later_is_reported_as_the_cause(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(run_loop, "PEER_REPORT_WAIT_S", 20.0)
     code, took = watch(
-        tmp_path, {"trainer0": exits(PEER_GONE_EXIT, 0.0), "actor0": exits(1, 2.0), "preprocessor0": exits(0, 60)}
+        tmp_path, {"trainer0": exits(ExitCode.PEER_GONE, 0.0), "actor0": exits(1, 2.0), "preprocessor0": exits(0, 60)}
     )
     err = capsys.readouterr().err
     assert code == 1
@@ -63,7 +66,7 @@ def test_the_peer_that_failed_later_is_reported_as_the_cause(tmp_path, capsys, m
 
 def test_a_peer_failure_with_no_cause_in_time_is_reported_itself(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(run_loop, "PEER_REPORT_WAIT_S", 1.0)
-    code, took = watch(tmp_path, {"trainer0": exits(PEER_GONE_EXIT, 0.0), "actor0": exits(0, 60)})
+    code, took = watch(tmp_path, {"trainer0": exits(ExitCode.PEER_GONE, 0.0), "actor0": exits(0, 60)})
     err = capsys.readouterr().err
     assert code == 1 and 1.0 <= took < 30.0, took
     assert "process trainer0 failed: exit code 3 (a weight-update peer is gone); stopped the others" in err, err

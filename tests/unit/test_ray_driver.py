@@ -19,7 +19,7 @@ from pipeline_rl.launch.bundles import bundles
 from pipeline_rl.launch.placement import plan
 from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, Hosted, RayRun
 from pipeline_rl.launch.ray_nodes import RayNode, node_alive
-from pipeline_rl.launch.supervisor import PEER_GONE_EXIT
+from pipeline_rl.wire import ExitCode
 
 
 @dataclass
@@ -117,7 +117,7 @@ def test_a_failure_caused_by_a_gone_peer_is_reported_after_its_cause(raylet, mon
     run = RayRun(cfg, None, bundles(cfg, plan(cfg)), [node] * 3, nonce="x")  # type: ignore[arg-type]
     monkeypatch.setattr(run, "_collect", lambda timeout: None)
     monkeypatch.setattr(ray_nodes, "cluster_nodes", lambda: {"up": {"Alive": True}})
-    trainer = Hosted("trainer0", "trainer", node, None, None, tmp_path / "t.log", (PEER_GONE_EXIT, "gone: actor0"))
+    trainer = Hosted("trainer0", "trainer", node, None, None, tmp_path / "t.log", (ExitCode.PEER_GONE, "gone: actor0"))
     actor = Hosted("actor0", "actor", node, None, None, tmp_path / "a.log", None)
     run.hosted = [trainer, actor]
     failure, _ = run.poll()
