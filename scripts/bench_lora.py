@@ -5,7 +5,7 @@ a LoRA adapter of --rank (alpha 2 x rank) written in place into the engine's slo
 interleaves its own phases (plain vLLM, LLMClient, LLMClient with an update every
 --update-every seconds), so its ratios are fair within it. Prints per mode the bytes per
 update, the swap's lock hold, decode tokens/s with and without updates, their ratio and the
-peak RSS, then the issue's goals: LoRA lock hold <= 1/10 of the full-weight swap's, decode
+peak RSS, then the goals: LoRA lock hold <= 1/10 of the full-weight swap's, decode
 overhead of LoRA updates <= 3%.
 
 With --random-shape HIDDENxLAYERS the engines serve a model of that shape with random weights

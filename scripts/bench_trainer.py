@@ -12,7 +12,7 @@
    one flat buffer in parameter order, as the trainer holds its parameters under DeepSpeed
    ZeRO-1/2 (packed runs, and from the second update on whole buckets, go without a copy),
    and from separate tensors (as loaded from a checkpoint: every packed run pays a copy).
-   Goal (issue 27), flat source: <= 1.5x the raw broadcast with a reused buffer on both
+   Goal, flat source: <= 1.5x the raw broadcast with a reused buffer on both
    sides for the tiny model, <= 1.2x at 100M. The separate-tensor rows pay the packing copy
    the raw time does not; the fresh-buffer raw time (which pays a packing copy and page
    faults) is shown beside it. Rounds interleave the three (20 for the tiny model, 5 at
@@ -63,8 +63,8 @@ SEQ_LENGTH = 1024
 GROUPS_PER_STEP = 16
 ATTEMPTS = 8
 TRAINING_GOALS = {2: 0.9, 3: 0.8}
-"""Trainer / bare loop tokens per second by ZeRO stage, the stages measured (issue 53's goals on a
-GPU, watched here on CPU)."""
+"""Trainer / bare loop tokens per second by ZeRO stage, the stages measured (the goals on a GPU,
+watched here on CPU)."""
 REPEATS = {"tiny model": 20, "100M Qwen2": 5}
 """Broadcast rounds per model: a millisecond transfer needs more of them to show its best."""
 

@@ -13,7 +13,7 @@ Each loop runs `gpu_check.py --tally` (bf16, the 0.5 B shape's width and vocabul
 and 2 decoder layers and 1,024 and 2,048 tokens a micro-batch. Every count is bilinear in the
 layers and the tokens (what a layer or the output layer does grows with the tokens; the
 optimizer's and DeepSpeed's passes over the parameters grow with the layers only), so the four
-points give each count at 24 layers and 8,192 tokens, the issue's shape. Prints a table per kind,
+points give each count at 24 layers and 8,192 tokens, a 0.5 B step on a GPU. Prints a table per kind,
 writes step_tally.json and step_tally.png (the least time by kind, each loop a bar) to --out.
 
 What the count cannot see: the host (launch gaps, synchronizations: `gpu_check.py --profile`

@@ -31,7 +31,7 @@ from pipeline_rl.streams.records import PAD_GROUP_ID
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 REPLACED_WITHIN_S = 60.0
-"""The issue's promise: a replacement actor generates on the current version within this."""
+"""The promise: a replacement actor generates on the current version within this."""
 
 
 def restarts(run_dir: Path) -> list[dict]:
