@@ -16,12 +16,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pipeline_rl.config.bounds import Bounds  # noqa: E402
+
 SCHEMA = [ROOT / "pipeline_rl" / "config" / name for name in ("schema.py", "pool_sections.py")]
 PAGE = ROOT / "docs" / "config.md"
 
 
-def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
-    """(name, type, default, docstring) of each annotated field, in order."""
+def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str, str]]:
+    """(name, type, default, valid range, docstring) of each annotated field, in order."""
     out = []
     body = cls.body
     for i, node in enumerate(body):
@@ -31,14 +34,18 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
         after = body[i + 1] if i + 1 < len(body) else None
         if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
             doc = " ".join(after.value.value.split())
-        default = ""
-        if node.value is not None:
+        default, valid = "", ""
+        if isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "bounded":
+            bounds = Bounds(**{k.arg: ast.literal_eval(k.value) for k in node.value.keywords if k.arg})
+            default = ast.unparse(node.value.args[0])
+            valid = bounds.describe().removeprefix("must be ") + (f" ({bounds.why})" if bounds.why else "")
+        elif node.value is not None:
             default = ast.unparse(node.value)
             factory = re.fullmatch(r"field\(default_factory=(.+)\)", default)
             if factory:
                 made = factory.group(1)
                 default = made.removeprefix("lambda: ") if made.startswith("lambda") else f"{made}()"
-        out.append((node.target.id, ast.unparse(node.annotation), default, doc))
+        out.append((node.target.id, ast.unparse(node.annotation), default, valid, doc))
     return out
 
 
@@ -50,20 +57,21 @@ def reference() -> str:
     def section(cls_name: str, prefix: str) -> None:
         cls = classes[cls_name]
         rows, nested = [], []
-        for name, annotation, default, doc in _fields(cls):
+        for name, annotation, default, valid, doc in _fields(cls):
             key = f"{prefix}{name}"
             inner = [c for c in re.findall(r"\w+", annotation) if c in classes]
             if inner:
                 suffix = "[]" if annotation.startswith("list[") else ""
                 nested.append((inner[0], f"{key}{suffix}."))
-                rows.append(f"| `{key}` | section `{inner[0]}` | {_cell(default)} | {_cell(doc)} |")
+                rows.append(f"| `{key}` | section `{inner[0]}` | {_cell(default)} | | {_cell(doc)} |")
             else:
-                rows.append(f"| `{key}` | `{annotation}` | {_cell(default)} | {_cell(doc)} |")
+                rows.append(f"| `{key}` | `{annotation}` | {_cell(default)} | {_cell(valid)} | {_cell(doc)} |")
         title = prefix.rstrip(".") or "(top level)"
         what = " ".join((ast.get_docstring(cls) or "").split())
         intro = f"{what}\n\n" if what else ""
         sections.append(
-            f"## `{title}`\n\n{intro}| key | type | default | meaning |\n| --- | --- | --- | --- |\n" + "\n".join(rows)
+            f"## `{title}`\n\n{intro}| key | type | default | valid | meaning |\n| --- | --- | --- | --- | --- |\n"
+            + "\n".join(rows)
         )
         for inner_cls, inner_prefix in nested:
             section(inner_cls, inner_prefix)
@@ -74,7 +82,9 @@ def reference() -> str:
         "Generated from `pipeline_rl/config/schema.py` and `pool_sections.py` by `python scripts/config_reference.py`; edit the\n"
         "schema's docstrings, not this page. A config is `base.yaml`, then the named config (which may\n"
         "`extends:` another), then the dotted overrides of the command line; unknown keys are rejected\n"
-        "with a suggestion. Choice-valued keys list their choices in `pipeline_rl/config/choices.py`.\n"
+        "with a suggestion, and a value outside its key's valid range (declared on the field,\n"
+        "`pipeline_rl/config/bounds.py`) is refused naming the key. Choice-valued keys list their\n"
+        "choices in `pipeline_rl/config/choices.py`.\n"
     )
     return head + "\n" + "\n\n".join(sections) + "\n"
 

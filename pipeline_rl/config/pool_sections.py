@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline_rl.config.bounds import bounded
 from pipeline_rl.config.choices import (
     ActorMode,
     Attention,
@@ -33,15 +34,15 @@ class DatasetConfig:
 
 @dataclass
 class LLMConfig:
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = bounded(1.0, gt=0)
     """KV-cache size per engine in GiB (CPU needs it set explicitly)."""
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may use (GPU only)."""
     enforce_eager: bool = True
     """Skip torch.compile / CUDA graphs (fast start-up; on CPU also the faster path)."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = bounded(256, ge=1)
     """Most sequences one engine step batches."""
-    max_model_len: int = 256
+    max_model_len: int = bounded(256, ge=1)
     """Longest prompt + completion the engine accepts."""
     stage_weights_on_host: bool = False
     """Keep each received weight update in host memory (pinned) instead of on the GPU: the GPU
@@ -91,12 +92,12 @@ class AgentConfig:
     mcp_servers: list[McpServerConfig] = field(default_factory=list)
     """MCP tool servers (stdio) whose tools the model may call too; each actor starts its own
     at its first episode and stops them at exit."""
-    tool_timeout_s: float = 10.0
+    tool_timeout_s: float = bounded(10.0, gt=0)
     """Time limit of one tool call; past it the tool's worker is killed (an MCP call is
     abandoned) and the episode ends with an error."""
-    tool_workers: int = 2
+    tool_workers: int = bounded(2, ge=1)
     """Worker processes per actor that run tool calls."""
-    max_turns: int = 8
+    max_turns: int = bounded(8, ge=1)
     """Most model turns of one episode; one more ends it with an error."""
     chat_template: str | None = None
     """Path to a Jinja chat template; null: the tokenizer's own."""
@@ -107,7 +108,7 @@ class AgentConfig:
     POST .../v1/chat/completions), for environments in another process."""
     http_host: str = "127.0.0.1"
     """Address the HTTP endpoint listens on (0.0.0.0 for environments on other machines)."""
-    http_port: int = 0
+    http_port: int = bounded(0, ge=0, le=65535)
     """Its port; 0: any free one (a fixed port serves only one actor per node)."""
 
 
@@ -132,30 +133,30 @@ class ActorConfig:
     (generate one batch with the current policy, wait for the update, repeat)."""
     domain: str = "arithmetic"
     """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent, verifiers) or `module:function`."""
-    attempts: int = 8
+    attempts: int = bounded(8, ge=1)
     """Completions sampled per problem (the group size)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = bounded(16, ge=1)
     """Longest completion."""
-    max_groups_in_flight: int = 64
+    max_groups_in_flight: int = bounded(64, ge=1)
     """Most groups one actor generates at once (continuous batching fills the engine)."""
-    admission_lag: int | None = None
+    admission_lag: int | None = bounded(None, ge=0)
     """How many versions behind the trainer a group may land and still be started
     (pipeline_rl/actor/admission.py); null: shared.max_lag, so the lag gate rarely has anything
     to drop. A larger value keeps actors generating when training is slow, and what then lands
     beyond max_lag is dropped or masked by `trainer.lag_gate`. Ignored in sync mode."""
-    reward_timeout_s: float = 5.0
+    reward_timeout_s: float = bounded(5.0, gt=0)
     """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
-    reward_workers: int = 2
+    reward_workers: int = bounded(2, ge=1)
     """Worker processes per actor that run reward checks under the time limit (pipeline_rl/rollouts/rewards.py)."""
     math_reward: MathRewardConfig = field(default_factory=MathRewardConfig)
     """Reward table of the math domain."""
-    eval_every_s: float = 30.0
+    eval_every_s: float = bounded(30.0, ge=0)
     """Actor 0 evaluates on held-out problems this often (0: never)."""
-    eval_problems: int = 200
+    eval_problems: int = bounded(200, ge=1)
     """Held-out problems per evaluation."""
-    metrics_every_s: float = 5.0
+    metrics_every_s: float = bounded(5.0, gt=0)
     """How often an actor publishes its metrics."""
     llm: LLMConfig = field(default_factory=LLMConfig)
     """vLLM engine settings."""
@@ -187,13 +188,13 @@ class ScorerConfig:
 
 @dataclass
 class PreprocessConfig:
-    seq_length: int = 2048
+    seq_length: int = bounded(2048, ge=1)
     """Tokens per packed micro-batch."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     """Group-relative advantage options."""
     scorers: list[ScorerConfig] = field(default_factory=list)
     """Scorers run on every batch of groups, in order."""
-    batch_groups: int = 16
+    batch_groups: int = bounded(16, ge=1)
     """Groups a preprocessor scores together."""
 
 
@@ -202,9 +203,9 @@ class LossConfig:
     kind: LossKind = LossKind.reinforce
     """reinforce: policy gradient with truncated importance weights; ppo: clipped ratio objective;
     cispo: policy gradient with the importance weight clipped to the PPO range and detached."""
-    is_truncation: float = 5.0
+    is_truncation: float = bounded(5.0, gt=0)
     """Upper bound of the importance weight in reinforce mode."""
-    ppo_clip: float = 0.2
+    ppo_clip: float = bounded(0.2, gt=0, lt=1)
     """PPO clip range epsilon: the ratio is clipped to [1 - ppo_clip, 1 + ppo_clip_high] (ppo and
     cispo)."""
     ppo_clip_high: float | None = None
@@ -212,12 +213,12 @@ class LossConfig:
     ppo_clip 0.2: lets unlikely good tokens grow faster); null: ppo_clip."""
     ratio: RatioLevel = RatioLevel.token
     """token: one importance ratio per token; sequence: one per sequence (GSPO)."""
-    ratio_mask: float | None = None
+    ratio_mask: float | None = bounded(None, gt=1, why="tokens kept: ratio in [1/c, c]")
     """IcePop / masked importance sampling, c > 1: a token whose ratio exp(logprob - behaviour
     logprob) lies outside [1/c, c] gets no gradient (it still counts in the normalisation), so
     tokens the engine and the trainer disagree on, or that went far off-policy, cannot steer
     the update; the share masked is the metric `ratio_masked_fraction`. null: no mask."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, ge=0)
     """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
@@ -230,9 +231,9 @@ class LossConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-5
+    lr: float = bounded(1e-5, ge=0)
     """Peak learning rate, reached at the end of warm-up."""
-    warmup_steps: int = 10
+    warmup_steps: int = bounded(10, ge=0)
     """Linear warm-up over this many optimizer updates (`trainer.epochs x updates_per_step` per step).
     Adam's first updates move every weight by about the full lr whatever its gradient's noise
     (its moment estimates hold one sample), so without warm-up they are a run's largest by far:
@@ -240,15 +241,15 @@ class OptimizerConfig:
     median (docs/learning.md); 0 turns it off."""
     decay: LrDecay = LrDecay.constant
     """What the lr does after warm-up."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
     """Where `decay: cosine` ends, as a fraction of lr."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, gt=0)
     """AdamW epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Max global gradient norm (0 disables; DeepSpeed's own default would be 1.0)."""
     offload: bool = False
     """Keep the optimizer state (fp32 master weights, both Adam moments: 12 bytes a parameter)
@@ -260,18 +261,18 @@ class OptimizerConfig:
 class TrainerConfig:
     lag_gate: LagGateMode = LagGateMode.sample
     """sample: drop a stale sample whole; token: mask only its tokens older than max_lag."""
-    updates_per_step: int = 1
+    updates_per_step: int = bounded(1, ge=1)
     """Optimizer updates per step: the step's micro-batches are split, in order, into this many
     mini-batches, each normalised on its own and followed by an optimizer update (the later
     ones are off-policy; the importance ratios and clipping correct for it). The policy version
     counts steps, not updates. At most the step's micro-batches per rank are used."""
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Passes over the step's samples: each pass makes `updates_per_step` optimizer updates on
     the same micro-batches (PPO's epochs), so a step makes `epochs x updates_per_step` updates.
     Later passes are off-policy by the updates before them (the ratio clip bounds them). Meant
     for trainers that wait for actors on devices of their own; on a shared 2-core CPU two
     passes learned slower (docs/learning.md)."""
-    zero_stage: int = 2
+    zero_stage: int = bounded(2, ge=0, le=3)
     """DeepSpeed ZeRO stage (0-3). ZeRO-2 runs faster than ZeRO-3 (docs/gpu.md); `--dry-run`
     prints the lowest of the two whose memory plan fits, and ZeRO-3's sizes, derived from a
     decoder layer (pipeline_rl/trainer/zero_sizes.py)."""
@@ -279,15 +280,15 @@ class TrainerConfig:
     """Under ZeRO-3 with trainer ranks on several GPU nodes, also partition the weights among the
     ranks of each node (DeepSpeed ZeRO++'s hpZ) so that backward's gathers stay within a node;
     costs the weights in model.dtype over the ranks of a node, per GPU (in the memory plan)."""
-    checkpoint_every: int = 50
+    checkpoint_every: int = bounded(50, ge=0)
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = bounded(2, ge=1)
     """Most recent checkpoints kept on disk."""
-    stop_grace_s: float | None = None
+    stop_grace_s: float | None = bounded(None, ge=0)
     """How long a normal stop (SIGTERM, Ctrl-C, max_time_s, the watchdog) waits for trainers to
     finish their micro-batch and write the final checkpoint before killing them; null: derived
     from the model size (pipeline_rl/launch/budget.py, printed by `--dry-run`)."""
-    weight_bucket_mb: int = 256
+    weight_bucket_mb: int = bounded(256, ge=1)
     """Size of one weight-broadcast bucket."""
     weight_delta: bool = True
     """Send each weight update as the elements whose published value changed since the version
@@ -297,7 +298,7 @@ class TrainerConfig:
     actors check their weights against. Full updates still go first, to a changed group, on an
     actor's request and every `full_update_every`. Costs each rank its share of the weights in
     model.dtype. Ignored with model.lora (adapter updates are small and go whole)."""
-    full_update_every: int = 50
+    full_update_every: int = bounded(50, ge=0)
     """With weight_delta: every this many weight updates one is sent whole, bounding what a
     mistake could let drift (the checksums catch any that does); 0: only when needed."""
     gradient_checkpointing: bool = False

@@ -1,14 +1,16 @@
 """The typed configuration schema: every key of a run, documented once, here (the pools'
 own sections in `pool_sections.py`).
 
-Choice-valued keys are Enums whose members document themselves (`choices.py`); `validate.py`
-checks what types cannot express. Loading and merging YAML layers lives in `loader.py`.
+Choice-valued keys are Enums whose members document themselves (`choices.py`); a key's valid
+range is declared on its field (`bounded`, `bounds.py`); `validate.py` checks those and the rules
+that span keys. Loading and merging YAML layers lives in `loader.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline_rl.config.bounds import bounded
 from pipeline_rl.config.choices import (
     DType,
     LogprobKernel,
@@ -24,23 +26,23 @@ class SharedConfig:
     preprocess, trainer) or describes the run's machinery (model, world, streams, metrics); a
     pool's code reads its own section and these (tests/unit/test_config_sections.py)."""
 
-    groups_per_step: int = 16
+    groups_per_step: int = bounded(16, ge=1)
     """Rollout groups in one optimizer step (the RL batch): the actors admit groups by steps, the
     preprocessor packs steps of this many groups, the trainer trains them."""
-    max_steps: int = 1000
+    max_steps: int = bounded(1000, ge=1)
     """Optimizer steps of the run: the trainer stops after them, the preprocessor after packing them."""
-    max_lag: int = 4
+    max_lag: int = bounded(4, ge=0)
     """A sample whose oldest token comes from a policy more than this many versions behind the
     trainer is not trained on (counted), or only its stale tokens are not (`trainer.lag_gate:
     token`). Actors also stop admitting groups beyond this budget (unless `actor.admission_lag`
     says otherwise)."""
-    weight_update_interval: int = 1
+    weight_update_interval: int = bounded(1, ge=1)
     """The trainer publishes weights to the actors every this many optimizer steps (the actors'
     admission counts versions by it)."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0, why="logprobs are taken at it")
     """Sampling temperature of the actors; the trainer and the reference scorer compute
     logprobs at the same temperature."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ge=1)
     """Shards of each actor's engine (vLLM's tensor parallelism): on GPU that many GPUs of one
     node per actor, on CPU that many worker processes. Above 1 the weight swap gates whole
     engine steps and every shard swaps between the same two steps (pipeline_rl/engine/tp_swap.py);
@@ -61,12 +63,12 @@ class SharedConfig:
 class LoraConfig:
     """Low-rank adapters on the frozen base model (pipeline_rl/lora.py)."""
 
-    rank: int = 16
+    rank: int = bounded(16, ge=1, le=512, why="vLLM's largest LoRA rank")
     """Rank r of each adapter pair (A: r x in, B: out x r). The actor's engine reserves it as
     vLLM's max_lora_rank."""
-    alpha: int = 32
+    alpha: int = bounded(32, gt=0)
     """Scale of the adapter's output: alpha / rank (PEFT's lora_alpha)."""
-    dropout: float = 0.0
+    dropout: float = bounded(0.0, ge=0, lt=1)
     """Dropout on the adapter's input in the trainer's training pass (the scorers and the engine
     run without it). Above 0 the trainer's logprobs, and so the importance ratios and the lag-0
     consistency metrics, differ from the behaviour policy's even at lag 0."""
@@ -83,7 +85,7 @@ class ModelConfig:
     """Hugging Face model directory (config.json + safetensors) loaded by actors, scorers and trainers."""
     dtype: DType = DType.float32
     """Parameter dtype everywhere: float32 or bfloat16."""
-    logprob_chunk_tokens: int = 2048
+    logprob_chunk_tokens: int = bounded(2048, ge=0)
     """Tokens whose logits, float32 log-softmax and entropy over the vocabulary are computed at
     once, in the trainer (only for the tokens it trains) and the logprob scorers; backward
     recomputes each chunk's logits once. The intermediates then exist for one chunk at a time
@@ -109,7 +111,7 @@ class RedisConfig:
     host: str = "127.0.0.1"
     """Redis host. With `start_server` the run's redis-server listens on it; on Ray the driver sets
     it to the address of trainer rank 0's node, where that server runs."""
-    port: int = 6379
+    port: int = bounded(6379, ge=1, le=65535)
     """Redis port."""
     password_env: str | None = None
     """Name of the environment variable that holds the password (AUTH) of an external Redis
@@ -125,7 +127,7 @@ class RedisConfig:
     """PEM client certificate, for a server that requires one (tls-auth-clients); with `tls_key_file`."""
     tls_key_file: str | None = None
     """PEM private key of `tls_cert_file`."""
-    maxlen: int = 100000
+    maxlen: int = bounded(100000, ge=0)
     """Approximate cap on entries kept per stream key (XADD MAXLEN ~) of the small broadcast
     topics (metrics, weights, dead letters); 0 keeps everything. The data topics
     (actor, scored, trainer) are never capped: they are trimmed only below the positions their
@@ -145,30 +147,30 @@ class StreamsConfig:
 
 @dataclass
 class WorldConfig:
-    nodes: int = 1
+    nodes: int = bounded(1, ge=1)
     """Number of nodes. Above 1 the run goes on a running Ray cluster (`world.ray_address`): one
     launch.py, on any node of it, places every process (pipeline_rl/launch/ray_driver.py)."""
     ray_address: str | None = None
     """Address of the Ray cluster (`ray start --head`'s, e.g. 10.0.0.1:6379) for a run of several
     nodes; null: the RAY_ADDRESS environment variable, else the cluster started on this machine.
     Set, it also puts a one-node run on Ray."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = bounded(0, ge=0)
     """GPUs on each node; 0 means CPU only (every process gets one CPU thread)."""
-    gpu_memory_gib: float = 80.0
+    gpu_memory_gib: float = bounded(80.0, gt=0)
     """Memory of one GPU; `--dry-run` checks the memory plan against it."""
-    actors: int = 1
+    actors: int = bounded(1, ge=1)
     """Actor processes (each owns one vLLM engine, which takes shared.tensor_parallel_size GPUs)."""
-    preprocessors: int = 1
+    preprocessors: int = bounded(1, ge=1)
     """Preprocessor processes."""
-    preprocessor_gpus: int = 0
+    preprocessor_gpus: int = bounded(0, ge=0)
     """GPUs per preprocessor (for scorers that run a model); ignored on CPU."""
-    trainers: int = 1
+    trainers: int = bounded(1, ge=1)
     """Trainer ranks (one process, one GPU each)."""
-    weight_sync_port: int = 29600
+    weight_sync_port: int = bounded(29600, ge=1, le=65535)
     """Port of the weight-update process group's store, on the trainer's node."""
-    trainer_port: int = 29500
+    trainer_port: int = bounded(29500, ge=1, le=65535)
     """MASTER_PORT of the trainers' own process group."""
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = bounded(600.0, gt=0)
     """Timeout of every collective and rendezvous store of the run: the trainers' process group
     (DeepSpeed's), the weight-update group and its TCPStore (the weight-update group's waits end
     at half of it, so that trainer ranks waiting for rank 0's broadcast in a ZeRO-3 gather do
@@ -183,7 +185,7 @@ class WorldConfig:
     address its route to node 0 leaves from, unless the node's environment sets those variables.
     A process fails at start when its node has no interface of that name; `--dry-run` checks the
     launcher's node."""
-    max_restarts: int = 3
+    max_restarts: int = bounded(3, ge=0)
     """Restarts of one process within an hour before the run stops, naming it: a lost actor or
     preprocessor is started again in its slot (it resumes from its position file), a lost
     trainer rank restarts the trainer pool from the last checkpoint while the actors and
@@ -193,7 +195,7 @@ class WorldConfig:
     froze (only actors) start in placement groups of their own on nodes with room; losing node 0
     (trainer rank 0 and Redis), or the freeze of a node that held any other process, stops the
     run."""
-    disk_gib_per_s: float = 1.0
+    disk_gib_per_s: float = bounded(1.0, gt=0)
     """Assumed read and write bandwidth of the file system under run_dir and model.path, GiB/s
     (one shared stream: every rank's checkpoint shards together). The plan's checkpoint-write and
     model-load estimates divide bytes by it; they set the trainers' stop grace period and the
@@ -220,14 +222,14 @@ class RunConfig:
     """Name of the run (also the Redis key namespace)."""
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
-    max_time_s: float = 0.0
+    max_time_s: float = bounded(0.0, ge=0)
     """Stop the run after this much wall time (0: run until shared.max_steps)."""
-    watchdog_s: float = 300.0
+    watchdog_s: float = bounded(300.0, ge=0)
     """Stall limit: when the policy version has not advanced for max(watchdog_s, 5 x the longest
     interval between two versions so far) while every process is alive, the launcher prints
     what each process last did and waits on, stops the run and exits non-zero. Adapts to slow
     steps (a 32B run), yet catches a stalled tiny demo within minutes. 0 disables it."""
-    watchdog_startup_s: float | None = None
+    watchdog_startup_s: float | None = bounded(None, ge=0)
     """The same limit for the first version (engines and models loading, compilation, the first
     step's rollouts); null: derived from the model size (pipeline_rl/launch/budget.py, printed
     by `--dry-run`)."""

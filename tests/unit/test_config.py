@@ -11,6 +11,8 @@ import pytest
 from fixtures.helpers import ROOT
 
 from pipeline_rl.config import SHIPPED_CONF_DIR, ConfigError, load_config, load_saved_config, save_config
+from pipeline_rl.config.bounds import BOUNDS, Bounds
+from pipeline_rl.config.schema import RunConfig
 from pipeline_rl.launch.placement import plan
 
 
@@ -57,21 +59,21 @@ def test_extends_chain_and_overrides():
         (["trainer.max_lag=2"], "unknown key 'trainer.max_lag' (renamed 'shared.max_lag')"),
         (["actor.temperature=0.7"], "unknown key 'actor.temperature' (renamed 'shared.temperature')"),
         (["preprocess.share_prompts=false"], "unknown key 'preprocess.share_prompts' (renamed 'shared.share_prompts')"),
-        (["shared.tensor_parallel_size=0"], "'shared.tensor_parallel_size': 0, expected >= 1"),
+        (["shared.tensor_parallel_size=0"], "'shared.tensor_parallel_size': 0, must be >= 1"),
         (["trainer.loss.ppo_clip_high=0.1"], "'trainer.loss.ppo_clip_high': 0.1, must be >= 'trainer.loss.ppo_clip'"),
         (["trainer.loss.ratio_mask=1.0"], "bad value for 'trainer.loss.ratio_mask': 1.0, must be > 1"),
         (["trainer.updates_per_step=0"], "'trainer.updates_per_step': 0, must be >= 1"),
         (["trainer.epochs=0"], "'trainer.epochs': 0, must be >= 1"),
         (["actor.admission_lag=-1"], "'actor.admission_lag': -1, must be >= 0 or null"),
         (["trainer.optimizer.decay=linear"], "bad value for 'trainer.optimizer.decay': Invalid value 'linear'"),
-        (["trainer.optimizer.min_lr_ratio=1.5"], "'trainer.optimizer.min_lr_ratio': 1.5, expected 0-1"),
+        (["trainer.optimizer.min_lr_ratio=1.5"], "'trainer.optimizer.min_lr_ratio': 1.5, must be >= 0 and <= 1"),
         (["trainer.lag_gate=tokens"], "bad value for 'trainer.lag_gate': Invalid value 'tokens'"),
         (["trainer.loss.ratio=seq"], "bad value for 'trainer.loss.ratio': Invalid value 'seq'"),
         (["noequals"], "not of the form key=value"),
         (["model.lora.rnk=8"], "unknown key 'model.lora.rnk' (did you mean 'model.lora.rank'?)"),
-        (["model.lora.rank=0"], "'model.lora.rank': 0, expected 1-512"),
-        (["model.lora.rank=1024"], "'model.lora.rank': 1024, expected 1-512"),
-        (["model.lora.dropout=1"], "'model.lora.dropout': 1.0, expected 0 <= dropout < 1"),
+        (["model.lora.rank=0"], "'model.lora.rank': 0, must be >= 1 and <= 512"),
+        (["model.lora.rank=1024"], "'model.lora.rank': 1024, must be >= 1 and <= 512"),
+        (["model.lora.dropout=1"], "'model.lora.dropout': 1.0, must be >= 0 and < 1"),
         (["model.lora.target_modules=[]"], "'model.lora.target_modules': empty"),
     ],
 )
@@ -219,3 +221,64 @@ def test_a_run_port_inside_rays_worker_ports_is_refused_on_ray(key):
         load_config("tiny", [*ray, f"{key}=11000"])
     assert load_config("tiny", [*ray, f"{key}=9000"]) is not None
     assert load_config("tiny", ["streams.backend=redis", f"{key}=11000"]) is not None
+
+
+def _bounded_keys(section: type, prefix: str = "") -> list[tuple[str, Bounds, type]]:
+    """(key, bounds, type) of every bounded field of the schema, sections within sections."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_args, get_type_hints
+
+    out = []
+    hints = get_type_hints(section)
+    for f in fields(section):
+        kinds = get_args(hints[f.name]) or (hints[f.name],)
+        inner = [k for k in kinds if isinstance(k, type) and is_dataclass(k)]
+        if inner:
+            out += _bounded_keys(inner[0], f"{prefix}{f.name}.")
+        elif BOUNDS in f.metadata:
+            out.append((prefix + f.name, f.metadata[BOUNDS], next(k for k in kinds if k is not type(None))))
+    return out
+
+
+BOUNDED = _bounded_keys(RunConfig)
+
+
+def test_the_schema_declares_bounds():
+    keys = {key for key, _, _ in BOUNDED}
+    assert {"world.actors", "shared.max_lag", "model.lora.rank", "trainer.optimizer.min_lr_ratio"} <= keys
+
+
+@pytest.mark.parametrize("key, bounds, kind", BOUNDED, ids=[key for key, _, _ in BOUNDED])
+def test_every_declared_bound_refuses_a_value_just_outside_it(key, bounds, kind):
+    """Each end of each declared range takes effect on the loading path: a value one step past
+    it (an int's next integer, a float's end itself when open, or 0.5 past it when closed) is
+    refused with the key and the range named; the end's own value, when closed, is not refused
+    by the bound."""
+    step = 1 if kind is int else 0.5
+    outside = []
+    if bounds.ge is not None:
+        outside.append(bounds.ge - step)
+    if bounds.gt is not None:
+        outside.append(bounds.gt)
+    if bounds.le is not None:
+        outside.append(bounds.le + step)
+    if bounds.lt is not None:
+        outside.append(bounds.lt)
+    assert outside
+    for value in outside:
+        value = kind(value)
+        with pytest.raises(ConfigError, match=f"bad value for '{key}': {value}, {bounds.describe()}"):
+            load_config("tiny", [f"{key}={value}"])
+    for end in (bounds.ge, bounds.le):
+        if end is not None:
+            try:
+                load_config("tiny", [f"{key}={kind(end)}"])
+            except ConfigError as e:
+                assert f"bad value for '{key}'" not in str(e), e
+
+
+def test_bounds_describe_each_end():
+    assert Bounds(ge=1).describe() == "must be >= 1"
+    assert Bounds(ge=0, lt=1).describe() == "must be >= 0 and < 1"
+    assert Bounds(gt=0.5).describe() == "must be > 0.5"
+    assert Bounds(ge=0, le=1).allows(1) and not Bounds(ge=0, lt=1).allows(1) and not Bounds(gt=0).allows(0)
