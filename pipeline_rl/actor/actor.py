@@ -196,7 +196,9 @@ class Actor:
                 count = self.actor_count.poll()
                 draining = self.index >= count
                 if draining and not tasks:
-                    self._leave(count)
+                    # Off the event loop: the engine (an evaluation in flight, its output
+                    # handling) goes on while the weight-update group re-forms without it.
+                    await asyncio.to_thread(self._leave, count)
                     return
                 if not draining and count != self.admission.actors:
                     self._rescale(count)

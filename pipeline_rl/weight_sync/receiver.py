@@ -361,14 +361,15 @@ def leave_group(addr: str, ranks: list[int], timeout_s: float) -> bool:
     registrations, then wait until the sender names a group without them (it forms one at its
     next update), at most `timeout_s`. Their receivers must keep taking part until then: a
     transfer of the current group still counts on them. Returns whether the group re-formed
-    in time (False too when the sender's store is gone)."""
+    in time (False too when the sender's store is gone). A registration made again meanwhile (a
+    receiver whose transfer failed registers when it reconnects) is deleted again."""
     host, port = split_host_port(addr)
     deadline = time.monotonic() + timeout_s
     try:
         store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
-        for rank in ranks:
-            store.delete_key(ready_key(rank))
         while time.monotonic() < deadline:
+            for rank in ranks:
+                store.delete_key(ready_key(rank))
             name = store.get("group").decode() if store.check(["group"]) else ""
             if name and store.check([members_key(name)]):
                 members = json.loads(store.get(members_key(name)))

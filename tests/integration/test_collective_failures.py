@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from fixtures.helpers import free_port
 from fixtures.trainer_runs import make_steps, start_ranks, trainer_config, trainer_metrics, wait_all, write_steps
 
@@ -295,6 +296,45 @@ def _two_receivers(timeout_s: float, sender_timeout_s: float | None = None):
             queues[rank].put(update)
 
     return sender, procs, results, announce
+
+
+def test_a_leaving_receiver_that_registers_again_is_still_left_out():
+    """An actor scaled away leaves the group (leave_group: its registration deleted, then the
+    wait for a group formed without it). A registration made again meanwhile, as a receiver
+    whose transfer failed makes when it reconnects, is deleted again: the next group is formed
+    without it and the leave ends there, instead of waiting for the whole timeout."""
+    from pipeline_rl.weight_sync import leave_group
+    from pipeline_rl.weight_sync.group import LEAVE_POLL_S, ready_key
+
+    sender, procs, results, announce = _two_receivers(TIMEOUT_S)
+    addr = f"{sender.host}:{sender.port}"
+    store = dist.TCPStore(sender.host, sender.port, None, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    left: list[bool] = []
+    try:
+        assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
+        sender.send(1, _weights(1), announce, bucket_mb=1)
+        assert [_report(results[rank], 1) for rank in (1, 2)] == ["ok", "ok"]
+        token = store.get(ready_key(2))
+        leaving = threading.Thread(target=lambda: left.append(leave_group(addr, [2], 60.0)))
+        leaving.start()
+        _wait_for(lambda: not store.check([ready_key(2)]), "deletion of the registration")
+        store.set(ready_key(2), token)  # registered again
+        _wait_for(lambda: not store.check([ready_key(2)]), "second deletion of the registration", 20 * LEAVE_POLL_S)
+        sender.send(2, _weights(2), lambda update: announce(update, (1,)), bucket_mb=1)
+        assert sender.members == [0, 1] and _report(results[1], 2) == "ok"
+        leaving.join(10 * LEAVE_POLL_S)
+        assert left == [True]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        sender.close()
+
+
+def _wait_for(check, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.02)
 
 
 def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():
