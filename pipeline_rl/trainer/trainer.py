@@ -24,11 +24,9 @@ import logging
 import math
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import deepspeed
 import torch
@@ -41,13 +39,13 @@ from pipeline_rl.core.process import launched_at, run_pool_process
 from pipeline_rl.lora import trained_parameters
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.streams import open_streams
-from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch
+from pipeline_rl.streams.records import MicroBatch
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.full_weights import gathered_chunks, parameter_specs
 from pipeline_rl.trainer.grad_norm import finite_norms
-from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS, consistency_sums, micro_batch_inputs
+from pipeline_rl.trainer.inputs import consistency_sums, micro_batch_inputs
 from pipeline_rl.trainer.lag_gate import GateResult, apply_lag_gate
-from pipeline_rl.trainer.loss import STAT_KEYS, LossInputs, load_loss, summarize
+from pipeline_rl.trainer.loss import LossInputs, load_loss
 from pipeline_rl.trainer.model import (
     deepspeed_config,
     leave_out_shm_all_reduce,
@@ -58,6 +56,7 @@ from pipeline_rl.trainer.model import (
 from pipeline_rl.trainer.publisher import WeightPublisher
 from pipeline_rl.trainer.replay import ReplayingReader, ReplayLog, replay_path
 from pipeline_rl.trainer.routing_replay import RoutingReplay
+from pipeline_rl.trainer.step_metrics import GateTotals, RankReduction, StepCounts, StepTotals, step_values
 from pipeline_rl.trainer.steps import StepCollector, update_slices
 from pipeline_rl.wire import Topic
 
@@ -104,6 +103,8 @@ class Trainer:
         )
         self.model: torch.nn.Module = model  # the engine's module: DeepSpeed wraps it in place
         self.device = torch.device(self.engine.device or "cpu")
+        self.ranks = RankReduction(self.device)
+        """Sums and ranges of the step's counts over the ranks (trainer/step_metrics.py)."""
         kernel = logprob_kernel(cfg, self.device.type == "cuda")
         self.compiled_logprobs = kernel == LogprobKernel.compiled
         offload = " with its state in host memory (ZeRO-Offload)" if self.engine.zero_offload_optimizer() else ""
@@ -136,13 +137,6 @@ class Trainer:
         self.trained_position = self.reader.position()
         self.saved_version = self.version if found is not None else None
         self.publisher = WeightPublisher(cfg, rank, self.streams, world_size)
-
-    def _all_reduce(self, named: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
-        """`named` reduced over the ranks by `op` in one collective, by name (every rank passes
-        the same names in the same order)."""
-        t = torch.tensor(list(named.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
-        return dict(zip(named, t.tolist()))
 
     def _waiting(self, what: str) -> None:
         if self.metrics is not None:
@@ -210,12 +204,10 @@ class Trainer:
         """True if any rank is stopping; otherwise check that all ranks hold the same step with
         the same number of micro-batches (a mismatch would hang the collectives later)."""
         step, count = (batch[0].step, batch[0].count) if batch else (-1, -1)
-        # Maxima as minima of negatives: one MIN collective gives both ends of each range.
-        ends = {"lo_step": step, "neg_hi_step": -step, "lo_count": count, "neg_hi_count": -count}
-        m = self._all_reduce({"not_stopping": float(batch is not None), **ends}, op=dist.ReduceOp.MIN)
-        if m["not_stopping"] == 0:
+        going = float(batch is not None)
+        (least_going, _), steps, counts = self.ranks.ranges([(going, going), (step, step), (count, count)])
+        if least_going == 0:
             return True
-        steps, counts = (m["lo_step"], -m["neg_hi_step"]), (m["lo_count"], -m["neg_hi_count"])
         if steps[0] != steps[1] or counts[0] != counts[1]:
             raise RuntimeError(
                 f"trainer ranks disagree on the step: steps {steps[0]:.0f}..{steps[1]:.0f}, "
@@ -241,26 +233,15 @@ class Trainer:
         updates = update_slices(len(batch), self.cfg.trainer.updates_per_step)
         # Denominators over all ranks: each mini-batch's loss is its own mean (of tokens or of
         # samples), so that it does not matter how its tokens are spread over ranks.
-        gated: dict[str, float] = {
-            "dropped_tokens": sum(g.dropped_tokens for g in gates),
-            "dropped_samples": sum(g.dropped_samples for g in gates),
-            "masked_tokens": sum(g.masked_tokens for g in gates),
-        }
-        for i, u in enumerate(updates):
-            gated[f"update{i}/tokens"] = sum(sum(g.loss_mask) for g in gates[u])
-            gated[f"update{i}/samples"] = sum(g.samples for g in gates[u])
-        gated = self._all_reduce(gated)
-        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
-        consistency = torch.zeros(len(CONSISTENCY_KEYS), dtype=torch.float64, device=self.device)
+        gated = GateTotals.reduce(gates, updates, self.ranks)
+        counts = StepCounts.zeros(self.device)
         optimizer_s = 0.0
-        lags: Counter = Counter()
-        rewards, samples, tokens = 0.0, 0, 0
         lr = self.engine.get_lr()[0]
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
         norms: list = []  # each update's gradient norm, read at the step's end with its metrics
         passes = [(epoch, i, u) for epoch in range(self.cfg.trainer.epochs) for i, u in enumerate(updates)]
         for epoch, i, u in passes:
-            step_tokens, step_samples = gated[f"update{i}/tokens"], gated[f"update{i}/samples"]
+            step_tokens, step_samples = gated.update_tokens[i], gated.update_samples[i]
             for k, (mb, gate) in enumerate(zip(batch[u], gates[u])):
                 # Only before the step's first optimizer update: after it, the weights are no
                 # longer those of any whole version, and the step runs to its end.
@@ -274,74 +255,27 @@ class Trainer:
                     )
                     return None
                 if epoch == 0:
-                    lags.update(gate.lags)
-                    real = [j for j, g in enumerate(mb.group_ids) if g != PAD_GROUP_ID]
-                    rewards += sum(mb.rewards[j] for j in real)
-                    samples += len(real)
-                    tokens += len(mb.input_ids)
+                    counts.count_samples(mb, gate)
                 if step_tokens == 0:
                     continue
                 loss, stats, mismatch = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
                 # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the sum.
                 self.engine.backward(loss * self.world_size)
-                sums += torch.stack([stats[k] for k in STAT_KEYS]).to(sums)
+                counts.add_loss_stats(stats)
                 if epoch == 0:  # later passes see weights that no version had
-                    consistency += mismatch.to(consistency)
+                    counts.consistency += mismatch.to(counts.consistency)
             if step_tokens > 0:
                 t = time.perf_counter()
                 self.engine.step()
                 optimizer_s += time.perf_counter() - t
                 norms.append(self.engine.get_global_grad_norm())
                 done += 1
-        # The lag histogram's range over all ranks (a maximum as the minimum of its negative).
-        ends = self._all_reduce({"lo": min(lags, default=0), "neg_hi": -max(lags, default=0)}, op=dist.ReduceOp.MIN)
-        lo, hi = int(ends["lo"]), int(-ends["neg_hi"])
-        local: dict[str, float] = dict(zip(STAT_KEYS, sums.tolist()))
-        local.update(rewards=rewards, samples=samples, step_tokens=tokens)
-        local.update(zip(CONSISTENCY_KEYS, consistency.tolist()))
-        if self.routing is not None:
-            local["routes_replayed"], local["routes_moved"] = self.routing.take_counts()
-        local.update({f"lag{lag}": lags.get(lag, 0) for lag in range(lo, hi + 1)})
-        totals = self._all_reduce(local)
-        values: dict[str, Any] = dict(summarize({k: totals[k] for k in STAT_KEYS}))
-        # The ratio metrics average over the passes; every pass trains the same tokens.
-        values["trained_tokens"] /= self.cfg.trainer.epochs
-        # Inference/training consistency on tokens sampled by the weights being trained (lag 0),
-        # and on those whose rollout no swap touched (a swap mid-rollout leaves a KV cache of
-        # older weights): there logprobs differ only by numerics and an MoE router's choices.
-        for name in ("lag0", "unswapped"):
-            if totals[f"{name}_tokens"]:
-                values[f"mismatch/{name}_tokens"] = totals[f"{name}_tokens"]
-                values[f"mismatch/{name}_abs_logprob_diff"] = totals[f"{name}_abs_diff"] / totals[f"{name}_tokens"]
-                values[f"mismatch/{name}_kl"] = totals[f"{name}_kl"] / totals[f"{name}_tokens"]
-        if totals.get("routes_replayed"):
-            # How often the engine's experts were not the ones the trainer's router would pick:
-            # what routing replay corrects (token-layer pairs of the step's forward passes).
-            values["routing/replayed"] = totals["routes_replayed"]
-            values["routing/moved_share"] = totals["routes_moved"] / totals["routes_replayed"]
-        if totals["behaviour_tokens"]:
-            # How far the trained policy has moved from the one that sampled: per-version step
-            # size times the lag, the quantity the ratio clip and the lag gate control.
-            values["behaviour_kl"] = totals["behaviour_kl"] / totals["behaviour_tokens"]
-        # The per-update losses are means of their mini-batch: report the mean over updates.
-        values["loss"] /= max(done, 1)
-        values["pg_loss"] /= max(done, 1)
-        grad_norm = finite_norms(norms, self.version + 1, self.saved_version)[-1] if done else None
-        values.update(
-            reward_mean=totals["rewards"] / max(totals["samples"], 1),
-            samples=totals["samples"],
-            tokens=totals["step_tokens"],
-            lr=lr,
-            optimizer_s=optimizer_s,
-            dropped_samples=gated["dropped_samples"],
-            dropped_tokens=gated["dropped_tokens"],
-            masked_tokens=gated["masked_tokens"],
-            updated=done > 0,
-            optimizer_updates=done,
-            lag_hist={str(lag): int(totals[f"lag{lag}"]) for lag in range(lo, hi + 1) if totals[f"lag{lag}"]},
-        )
-        if grad_norm is not None:
-            values["grad_norm"] = float(grad_norm)
+        routes = self.routing.take_counts() if self.routing is not None else (0, 0)
+        totals = StepTotals.reduce(counts, routes, self.ranks)
+        values = step_values(totals, gated, self.cfg.trainer.epochs, done)
+        values.update(lr=lr, optimizer_s=optimizer_s)
+        if done:
+            values["grad_norm"] = float(finite_norms(norms, self.version + 1, self.saved_version)[-1])
         return values
 
     def _micro_batch_loss(
