@@ -44,7 +44,8 @@ problems it has drawn, how many of its groups were reported lost (with its posit
 "lost" stream), how many were in flight, and the share its counts were made at (the actor count
 and admission's offset); a restarted actor (the run resumed, or the launcher replaced a dead
 one) goes on from there (and counts groups from at least checkpoint version x share, see
-admission.py), its groups in flight at the last save counted lost.
+admission.py), its groups in flight at the last save counted lost. The file and the arithmetic
+of the counts it resumes with: actor/resume.py.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.actor.problems import ProblemOrder
+from pipeline_rl.actor.resume import SavedCounts, resume
 from pipeline_rl.actor.window import Window
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
@@ -133,35 +135,25 @@ class Actor:
             log.warning("%s is not set: no weight updates, the actor keeps version %d", WEIGHT_SYNC_ADDR_ENV, version)
 
         self.position = PositionStore(run_dir / "positions" / f"{self.name}.json")
-        saved = self.position.load() or {}
+        saved = SavedCounts.from_file(self.position.load(), self.position.path)
         # The share this actor's saved counts were made at; rebased to the job's below.
-        actors = int(saved.get("actors", self.actor_count.count))
+        actors = saved.actors or self.actor_count.count
         self.order = ProblemOrder(self.problems, cfg.seed, index, actors)
         self.admission = Admission(cfg.shared.groups_per_step, actors, admission_lag(cfg))
-        self.admission.offset = int(saved.get("admission_offset", 0))
         # Groups the preprocessors reported lost give their admission slots back (see admission.py).
         self.lost_reader = self.streams.reader(
-            Topic.LOST, GroupsLost, partitions=(index,), position=saved.get("lost_position")
+            Topic.LOST, GroupsLost, partitions=(index,), position=saved.lost_position
         )
-        self.lost_total = int(saved.get("lost", 0))
+        self.lost_total = saved.lost
         self.lost_by_cause: Counter[str] = Counter()
         self._lost_ids: set[str] = set()
-        self.written = int(saved.get("written", 0))
         # No group before the step of the weights it starts from (the trainer's latest, for an
-        # actor added to a running job); the groups skipped count in the offset, not as written.
-        floor = self.admission.first_group_of(max(version, self._published_version()))
-        counted = self.written - self.lost_total + self.admission.offset
-        self.admission.offset += max(0, floor - counted)
-        self.admission.started = max(counted, floor)
-        self.drawn = saved.get("problems", 0)
-        unsaved = self._count_unsaved(saved["stream_end"]) if "stream_end" in saved else 0
-        in_flight = int(saved.get("in_flight", 0))
-        self.written += unsaved
-        self.admission.started += unsaved
-        self.drawn += max(0, unsaved - in_flight)  # those started after the save
-        # Groups in flight when the actor last stopped (killed, or the run stopped) that did not
-        # land: their admission slots are free again (`written` counts only what landed).
-        self.lost_stopped = int(saved.get("lost_stopped", 0)) + max(0, in_flight - unsaved)
+        # actor added to a running job).
+        first_group = self.admission.first_group_of(max(version, self._published_version()))
+        unsaved = self._count_unsaved(saved.stream_end) if saved.was_saved else 0
+        counts = resume(saved, first_group, unsaved)
+        self.written, self.drawn, self.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
+        self.admission.started, self.admission.offset = counts.admission_started, counts.admission_offset
         if self.actor_count.count != actors and index < self.actor_count.count:
             self._rescale(self.actor_count.count)
         self.incarnation = f"{int(time.time() * 1000):x}"
@@ -417,17 +409,17 @@ class Actor:
         if force or now - self._saved_at >= SAVE_EVERY_S:
             self.writer.flush()  # `written` counts groups in the stream, never ones still buffered
             self.position.save(
-                {
-                    "written": self.written,
-                    "stream_end": self.writer.ends.get(self.index),
-                    "problems": self.drawn,
-                    "lost": self.lost_total,
-                    "lost_position": self.lost_reader.position(),
-                    "lost_stopped": self.lost_stopped,
-                    "in_flight": in_flight,
-                    "actors": self.admission.actors,
-                    "admission_offset": self.admission.offset,
-                }
+                SavedCounts(
+                    written=self.written,
+                    stream_end=self.writer.ends.get(self.index),
+                    problems=self.drawn,
+                    lost=self.lost_total,
+                    lost_position=self.lost_reader.position(),
+                    lost_stopped=self.lost_stopped,
+                    in_flight=in_flight,
+                    actors=self.admission.actors,
+                    admission_offset=self.admission.offset,
+                ).to_file()
             )
             self._saved_at = now
 
