@@ -7,8 +7,9 @@
 #                                             redis and what they need), into .gpu-wheels/,
 #                                             which .git/info/exclude keeps out of git
 #   bash scripts/gpu_device_run.sh [OUT]      on the device (carry .gpu-wheels): installs them,
-#                                             prints the driver and the devices, runs the TP = 1
-#                                             swap checks (ordered and concurrent), then
+#                                             prints the driver and the devices, runs the GPU
+#                                             test tier (tests/gpu), the TP = 1 swap checks'
+#                                             figures (ordered and concurrent), then
 #                                             `gpu_check.py --suite` in what time is left
 #
 # Everything goes to OUT/device_run.log as well as to the terminal; the suite writes its table
@@ -21,7 +22,7 @@ if [ "${1:-}" = "--wheels" ]; then
     grep -qxF "/$WHEELS/" .git/info/exclude 2>/dev/null || echo "/$WHEELS/" >>.git/info/exclude
     pins=()
     for name in orjson msgspec omegaconf antlr4-python3-runtime redis hjson ninja py-cpuinfo pydantic \
-        pydantic-core annotated-types typing-inspection einops; do
+        pydantic-core annotated-types typing-inspection einops pytest pluggy iniconfig pytest-timeout; do
         pins+=("$(grep -i "^$name==" scripts/cpu-lock.txt)")
     done
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
@@ -45,6 +46,8 @@ export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 echo "== devices"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+echo "== the GPU test tier ($(left) s left)"
+timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider || echo "gpu tier exit $?"
 echo "== TP = 1 swap: the copy ordered before the next forward pass ($(left) s left)"
 timeout 60 python3 scripts/gpu_swap_check.py --gib 1.0 --rounds 20 || echo "swap check exit $?"
 echo "== TP = 1 swap while the engine runs ($(left) s left)"
