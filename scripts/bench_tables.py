@@ -1,0 +1,178 @@
+"""The tables in docs/ that show kept benchmark results, generated from the results' JSON; and a
+comparison of a new run's JSON with the kept one.
+
+    python scripts/bench_tables.py              rewrite every generated table in docs/
+    python scripts/bench_tables.py --check      exit 1 when a table differs from its JSON
+    python scripts/bench_tables.py --compare NEW.json [--baseline docs/bench_delta.json] [--tolerance 0.25]
+                                                the figures of NEW that moved beyond the kept run's
+
+A generated table sits in its page between `<!-- table: NAME -->` and `<!-- end table -->`; NAME
+is a key of TABLES, which names the kept JSON (written by the benchmark's `--json` or `--out`)
+and how its rows become the table. tests/unit/test_bench_tables.py keeps the pages in step.
+
+The comparison matches rows by their identity fields (the setup, the learning rate) and looks at
+every numeric field: it has moved when it leaves the band of the kept value +- `tolerance`
+(relative), widened to the kept run's own maximum where the JSON records one (`X_max` beside
+`X_median`), the spread that run saw over its updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+def delta_table(rows: list[dict]) -> str:
+    """scripts/bench_delta.py's rows."""
+    lines = [
+        "| setup | lr | elements changed per update, median (max) | bytes / full update, median (max) | rank 0's "
+        "publication, delta / full | engine lock hold, delta / full | staging, delta (max) / full | engine = final "
+        "checkpoint |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        exact = not r["engine_differs_from_checkpoint"] and not r["checksum_mismatches"] and not r["swaps_failed"]
+        lines.append(
+            f"| {r['setup']} | {r['lr']:.0e} | {r['changed_fraction_median']:.2%} ({r['changed_fraction_max']:.2%}) "
+            f"| {r['delta_bytes_ratio_median']:.2%} ({r['delta_bytes_ratio_max']:.2%}) = "
+            f"1/{1 / r['delta_bytes_ratio_median']:.0f} "
+            f"| {r['publish_s_delta'] * 1e3:.0f} / {r['publish_s_full'] * 1e3:.0f} ms "
+            f"| {r['lock_hold_s_delta'] * 1e3:.1f} / {r['lock_hold_s_full'] * 1e3:.1f} ms "
+            f"| {r['staging_bytes_delta_max'] / MIB:.1f} / {r['staging_bytes_full'] / MIB:.1f} MiB "
+            f"| {'yes' if exact else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+KINDS = [
+    ("matrix products", "matmul"),
+    ("elementwise", "elementwise"),
+    ("copies and casts", "copy"),
+    ("softmax", "softmax"),
+    ("norms and reductions", "norm and reduction"),
+    ("optimizer", "optimizer"),
+    ("attention", "attention"),
+    ("compiled logprob kernel", "compiled"),
+]
+
+
+def step_tally_table(result: dict) -> str:
+    """scripts/step_tally.py's result: least device time a step by kind, per loop."""
+    loops = result["per_step"]
+    names = list(loops)
+    total = {n: sum(k["least_ms"] for k in loops[n].values()) for n in names}
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    lines = [row("least ms a step, by kind", names), "| --- |" + " --- |" * len(names)]
+    for label, kind in KINDS:
+        lines.append(row(label, [f"{loops[n][kind]['least_ms']:.1f}" if kind in loops[n] else "0" for n in names]))
+    lines.append(row("**total**", [f"**{total[n]:.1f}**" for n in names]))
+    lines.append(row("bare / loop", [f"{total[names[0]] / total[n]:.2f}" for n in names]))
+    lines.append(
+        row(
+            "TFLOP / GB / operators a step",
+            [
+                f"{sum(k['flops'] for k in loops[n].values()) / 1e12:.1f} / "
+                f"{sum(k['bytes'] for k in loops[n].values()) / 1e9:.0f} / "
+                f"{sum(int(k['ops']) for k in loops[n].values()):,}"
+                for n in names
+            ],
+        )
+    )
+    return "\n".join(lines)
+
+
+TABLES: dict[str, tuple[str, Callable, str]] = {
+    "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
+    "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
+}
+"""Table name -> (kept JSON, how it becomes the table, the page it is in)."""
+
+IDENTITY = ("setup", "lr", "model", "name")
+"""Fields that say which row is which, where a benchmark's rows have them."""
+
+SPAN = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(\n<!-- end table -->)", re.S)
+
+
+def render(page: str, root: Path = ROOT) -> str:
+    """`page`'s text with every generated table made again from its JSON."""
+
+    def table(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise KeyError(f"a generated table names {name!r}, which is not in TABLES ({sorted(TABLES)})")
+        path, make, _ = TABLES[name]
+        return m.group(1) + make(json.loads((root / path).read_text())) + m.group(4)
+
+    return SPAN.sub(table, page)
+
+
+def pages() -> list[Path]:
+    return sorted({ROOT / page for _, _, page in TABLES.values()})
+
+
+def moved(new: list[dict], kept: list[dict], tolerance: float) -> list[str]:
+    """The figures of `new` outside the band of the matching row of `kept` (module docstring),
+    and the rows of either that the other lacks."""
+
+    def key(row: dict) -> tuple:
+        return tuple(row.get(k) for k in IDENTITY)
+
+    kept_rows = {key(r): r for r in kept}
+    out = []
+    for row in new:
+        base = kept_rows.pop(key(row), None)
+        if base is None:
+            out.append(f"{key(row)}: no such row in the kept run")
+            continue
+        for field, value in row.items():
+            was = base.get(field)
+            if field in IDENTITY or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if not isinstance(was, int | float):
+                continue
+            lo, hi = sorted((was * (1 - tolerance), was * (1 + tolerance)))
+            if field.endswith("_median") and isinstance(base.get(field[: -len("median")] + "max"), int | float):
+                hi = max(hi, base[field[: -len("median")] + "max"])
+            if not lo <= value <= hi:
+                out.append(f"{key(row)} {field}: {value:.4g}, kept {was:.4g} (band {lo:.4g}..{hi:.4g})")
+    out += [f"{k}: in the kept run only" for k in kept_rows]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a table differs from its JSON")
+    parser.add_argument("--compare", type=Path, help="a new run's JSON, compared with --baseline")
+    parser.add_argument("--baseline", type=Path, default=ROOT / "docs" / "bench_delta.json")
+    parser.add_argument("--tolerance", type=float, default=0.25, help="relative band around each kept figure")
+    args = parser.parse_args()
+    if args.compare:
+        found = moved(json.loads(args.compare.read_text()), json.loads(args.baseline.read_text()), args.tolerance)
+        print("\n".join(found) if found else f"every figure of {args.compare} within the kept run's band")
+        return 1 if found else 0
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        made = render(text)
+        if made != text:
+            stale.append(page)
+            if not args.check:
+                page.write_text(made)
+    if args.check and stale:
+        print(f"out of date: {', '.join(map(str, stale))}: run python scripts/bench_tables.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
