@@ -35,10 +35,12 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import ray
 import redis
+from ray import ObjectRef
+from ray.actor import ActorHandle, ActorProxy
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -80,9 +82,10 @@ class Hosted:
     pool: str
     """actor, preprocessor, trainer, or redis."""
     node: RayNode
-    actor: Any
-    run: Any
-    """The ObjectRef of its `run` call: (exit code, log tail)."""
+    actor: ActorProxy[ProcessHost]
+    """Its ProcessHost (launch/process_host.py), a Ray actor."""
+    run: ObjectRef
+    """Its `run` call: (exit code, log tail)."""
     log_path: Path
     result: tuple[int | None, str] | None = None
     """Once `run` has returned: (exit code, or None when the Ray worker itself is gone; log tail
@@ -95,6 +98,12 @@ class Hosted:
     pg: PlacementGroup | None = None
     """The placement group of an actor added to the running job (its bundle 0); None: the run's."""
     cpus: float = 1.0
+
+
+def _kill(h: Hosted) -> None:
+    """End `h`'s Ray actor for good. (Ray's stubs type what `ray.remote` makes an ActorProxy and
+    what `ray.kill` takes an ActorHandle: the same object.)"""
+    ray.kill(cast("ActorHandle", h.actor), no_restart=True)
 
 
 class RayRun(RunLoop):
@@ -186,19 +195,35 @@ class RayRun(RunLoop):
         # The plan's node indices, made true: where Ray placed each bundle (trainer rank 0's node is 0).
         placed = [replace(b.spec, node=distinct.index(n.id)) for b, n in zip(self.found, self.nodes)]
         for i, (spec, node) in enumerate(zip(placed, self.nodes)):
-            driver_env = {k: os.environ[k] for k in RAY_WORKER_ONLY if k in os.environ}
-            where = Node(spec.node, len(distinct), self.nodes[0].ip, node.cpus)
-            env = child_env(self.cfg, where, spec, placed, env=driver_env)
-            if spec.gpus:
-                del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
-            env[RUN_NONCE_ENV] = self.nonce
-            env[LAUNCHED_AT_ENV] = repr(self.launched_at)
-            argv = [sys.executable, "-m", POOL_MODULES[spec.pool], "--run-dir", str(self.run_dir)]
-            self.hosted.append(
-                self._start(spec.name, spec.pool, i, argv + ["--index", str(spec.index)], env, float(len(spec.gpus)))
-            )
+            env = self._process_env(self.cfg, spec, placed, Node(spec.node, len(distinct), self.nodes[0].ip, node.cpus))
+            self.hosted.append(self._start(spec.name, spec.pool, i, self._argv(spec), env, float(len(spec.gpus))))
             print(f"placed {spec.name} on {node}", flush=True)
         print(f"started {len(self.hosted)} processes on {len(distinct)} nodes; logs in {self.run_dir / 'logs'}")
+
+    def _process_env(
+        self, cfg: RunConfig, spec: ProcessSpec, sharing: list[ProcessSpec], where: Node
+    ) -> dict[str, str]:
+        """The environment of pool process `spec` on node `where` (`sharing`: every process of
+        the run, for the node-local settings), as on one node (child_env) but for what Ray sets
+        in its workers, and with this start's nonce."""
+        driver_env = {k: os.environ[k] for k in RAY_WORKER_ONLY if k in os.environ}
+        env = child_env(cfg, where, spec, sharing, env=driver_env)
+        if spec.gpus:
+            del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
+        env[RUN_NONCE_ENV] = self.nonce
+        env[LAUNCHED_AT_ENV] = repr(self.launched_at)
+        return env
+
+    def _argv(self, spec: ProcessSpec) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            POOL_MODULES[spec.pool],
+            "--run-dir",
+            str(self.run_dir),
+            "--index",
+            str(spec.index),
+        ]
 
     def _everyone(self) -> list[Hosted]:
         return self.hosted + ([self.redis] if self.redis is not None else [])
@@ -313,12 +338,12 @@ class RayRun(RunLoop):
                 # Fenced: should the node wake, the kill reaches the process before it does more
                 # than a step or two (its groups carry its own incarnation: none is taken twice).
                 old.actor.signal.remote(signal.SIGKILL)
-                ray.kill(old.actor, no_restart=True)
+                _kill(old)
                 new = self._start_elsewhere(old)
                 self.hosted[self.hosted.index(old)] = new
                 print(f"started {new.name} again on {new.node}", flush=True)
                 continue
-            ray.kill(old.actor, no_restart=True)
+            _kill(old)
             node = old.node
             if node.id in self.lost:
                 node = self._moved(old.pg or self.pg, old.bundle)
@@ -387,23 +412,16 @@ class RayRun(RunLoop):
             distinct = list(dict.fromkeys([*(h.node.id for h in self.hosted), node.id]))
             spec = replace(b.spec, node=distinct.index(node.id))
             sharing = [ProcessSpec(h.name, h.pool, 0, distinct.index(h.node.id)) for h in self.hosted]
-            driver_env = {k: os.environ[k] for k in RAY_WORKER_ONLY if k in os.environ}
             where = Node(spec.node, len(distinct), self.nodes[0].ip, node.cpus)
-            env = child_env(cfg, where, spec, [*sharing, spec], env=driver_env)
-            if spec.gpus:
-                del env["CUDA_VISIBLE_DEVICES"]  # Ray sets it to the GPUs it gave the actor
-            env[RUN_NONCE_ENV] = self.nonce
-            env[LAUNCHED_AT_ENV] = repr(self.launched_at)
-            argv = [sys.executable, "-m", POOL_MODULES["actor"], "--run-dir", str(self.run_dir)]
-            argv += ["--index", str(spec.index)]
+            env = self._process_env(cfg, spec, [*sharing, spec], where)
             added = (pg, b.resources["CPU"], node)
-            self.hosted.append(self._start(spec.name, "actor", 0, argv, env, float(len(spec.gpus)), added))
+            self.hosted.append(self._start(spec.name, "actor", 0, self._argv(spec), env, float(len(spec.gpus)), added))
             print(f"placed {spec.name} on {node}", flush=True)
 
     def retire(self, name: str) -> None:
         h = next(h for h in self.hosted if h.name == name)
         self.hosted.remove(h)
-        ray.kill(h.actor, no_restart=True)
+        _kill(h)
         if h.pg is not None:
             remove_placement_group(h.pg)
 
@@ -434,7 +452,7 @@ class RayRun(RunLoop):
             self._wait([self.redis], STOP_GRACE_S)
         for h in self._everyone():
             # A worker killed takes its child with it (PR_SET_PDEATHSIG), whatever is left.
-            ray.kill(h.actor, no_restart=True)
+            _kill(h)
             if h.pg is not None:
                 remove_placement_group(h.pg)
 
