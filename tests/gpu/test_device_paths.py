@@ -55,15 +55,8 @@ def test_the_compiled_logprob_kernel_matches_eager_on_the_device():
     from pipeline_rl.core.logprobs import packed_logprobs
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
+    config = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
     model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 4096, (1, 1024), device="cuda")
     pos = torch.arange(256, device="cuda").repeat(4)[None]
