@@ -12,7 +12,7 @@ Supervision is Ray's: each actor's `run` returns its child's exit code, and a no
 takes its workers with it, so their `run` calls fail at once when the worker's sockets close.
 A node that vanishes without closing them (a power cut, a partition) or freezes with its sockets
 open (a hung kernel: connections are still accepted, nothing answers) is found by the driver's
-own probe of every node's raylet (NODE_PROBE_EVERY_S): a gRPC health check that must be answered
+own probe of every node's raylet (ray_health.py): a gRPC health check that must be answered
 within RAYLET_PROBE_S, long before Ray's own health check gives up on the node. A lost
 process is restarted in its bundle (launch/restarts.py) until world.max_restarts is spent: on
 its node, or, when its node is lost (Ray marked it dead, or its raylet refuses connections),
@@ -51,18 +51,13 @@ from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
 from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
 from pipeline_rl.launch.ray_cluster import connect, reserve
-from pipeline_rl.launch.ray_nodes import RayNode, bundle_nodes, node_alive, raylet_gone
+from pipeline_rl.launch.ray_health import NodeHealth
+from pipeline_rl.launch.ray_nodes import RayNode, bundle_nodes
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
-from pipeline_rl.launch.supervisor import STOP_GRACE_S, blame_order, describe_exit, last_lines
-from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV, ExitCode
+from pipeline_rl.launch.supervisor import STOP_GRACE_S, describe_exit
+from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV
 
-NODE_PROBE_EVERY_S = 5.0
-"""How often the driver checks that every node of the run still answers. Ray's own health check
-gives up on a node that vanished without closing its connections (a power cut) only after some
-5 x (10 s timeout + 3 s period), and until then the calls to its actors just wait."""
-NODE_PROBE_MISSES = 2
-"""Consecutive probes a node must miss to count as gone."""
 NODE_MOVE_S = 120.0
 """How long a restart waits for Ray to place a lost node's bundle on another node (the cluster
 may be adding one)."""
@@ -116,13 +111,8 @@ class RayRun(RunLoop):
         self.remote_host = ray.remote(ProcessHost)
         self.hosted: list[Hosted] = []
         self.redis: Hosted | None = None
-        self.misses: dict[str, int] = {}
-        self.probed_at = 0.0
-        self.lost: set[str] = set()
-        """Ids of the nodes found gone: their processes are neither signalled nor waited for."""
-        self.frozen: set[str] = set()
-        """Ids of the nodes that stopped answering and held only actors: each is started again
-        elsewhere (`_start_elsewhere`)."""
+        self.health = NodeHealth(self.nodes)
+        """Which nodes are gone and which failures a restart heals (launch/ray_health.py)."""
 
     def _start(
         self,
@@ -243,86 +233,13 @@ class RayRun(RunLoop):
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 h.result = (None, f"its Ray worker is gone ({type(e).__name__}: {first})")
 
-    def _held_nodes(self) -> list[RayNode]:
-        """The run's nodes: its bundles' and those of the actors placed since; a node that froze
-        drops out once its actors have all moved away (Ray may mark it dead later: that explains
-        no other failure)."""
-        holding = {h.node.id for h in self._everyone()}
-        nodes = {n.id: n for n in [*self.nodes, *(h.node for h in self._everyone())]}
-        return [n for n in nodes.values() if n.id not in self.frozen or n.id in holding]
-
-    def _dead_nodes(self) -> list[RayNode]:
-        cluster = ray_nodes.cluster_nodes()
-        return [n for n in self._held_nodes() if not node_alive(n, cluster)]
-
-    def _probe_nodes(self) -> RayNode | None:
-        """A node that missed NODE_PROBE_MISSES probes in a row, if any (probes every NODE_PROBE_EVERY_S)."""
-        if time.monotonic() - self.probed_at < NODE_PROBE_EVERY_S:
-            return None
-        self.probed_at = time.monotonic()
-        cluster = ray_nodes.cluster_nodes()
-        for node in self._held_nodes():
-            self.misses[node.id] = 0 if node_alive(node, cluster) else self.misses.get(node.id, 0) + 1
-            if self.misses[node.id] >= NODE_PROBE_MISSES:
-                return node
-        return None
-
-    def _lost_node_summary(self, node: RayNode) -> str:
-        self.lost.add(node.id)
-        held = [h.name for h in self._everyone() if h.node.id == node.id]
-        return f"{node} is gone (its raylet does not answer or Ray marked it dead): it ran {', '.join(held)}"
-
     def poll(self) -> tuple[Failure | None, bool]:
         self._collect(timeout=0.0)
-        # The likeliest cause first (blame_order): a failure caused by a peer comes last.
-        ended = sorted(
-            ((h, h.result) for h in self._everyone() if h.result is not None), key=lambda e: blame_order(e[1][0])
-        )
-        for h, (code, tail) in ended:
-            if h.pool == "trainer" and code == 0:
-                continue
-            dead = self._dead_nodes()
-            if code is None:
-                what = tail
-            else:
-                what = f"redis-server stopped ({describe_exit(code)})" if h.pool == "redis" else describe_exit(code)
-            summary = f"process {h.name} on {h.node} failed: {what}"
-            if dead:
-                # A dead node explains the failure, on it or elsewhere (a peer's collective or Redis broke).
-                lost = "; ".join(self._lost_node_summary(n) for n in dead)
-                summary = lost if h.node in dead else f"{lost}. Then {summary}"
-            # The node's own view of the log when it sent one: the driver's may differ (run_dir not shared).
-            log_tail = tail if code is not None else last_lines(h.log_path)
-            process = h.name if self._restartable(h, dead) else ""
-            peer = code == ExitCode.PEER_GONE and not dead
-            return Failure(summary, str(h.log_path), log_tail, peer, process, code), False
-        gone = self._probe_nodes()
-        if gone is not None:
-            held = [h for h in self._everyone() if h.node.id == gone.id]
-            first = held[0]
-            if gone.id != self.nodes[0].id and all(h.pool == "actor" for h in held):
-                self.frozen.add(gone.id)  # its actors are started again elsewhere, one per poll
-            process = first.name if gone.id in self.frozen or self._restartable(first, [gone]) else ""
-            summary = self._lost_node_summary(gone)
-            return Failure(summary, str(first.log_path), last_lines(first.log_path), False, process), False
+        failure = self.health.failure(self._everyone())
+        if failure is not None:
+            return failure, False
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         return None, bool(trainers) and all(h.result is not None for h in trainers)
-
-    def _restartable(self, h: Hosted, dead: list[RayNode]) -> bool:
-        """Whether the failure of `h` is one a restart heals: a pool process on a live node,
-        or on a lost node (Ray marked it dead, or its raylet's port refuses connections: the
-        machine answers, the raylet is gone) that is not node 0 (trainer rank 0 and Redis: every process reaches
-        them at its address). Any other failure next to a lost node, and a node that only
-        stopped answering (frozen, or cut off), stop the run (but see `poll`: a frozen node that
-        held only actors)."""
-        if h.pool == "redis":
-            return False
-        if not dead:
-            return True
-        if h.node not in dead or any(n.id == self.nodes[0].id for n in dead):
-            return False
-        cluster = ray_nodes.cluster_nodes()
-        return all(not cluster.get(n.id, {}).get("Alive", False) or raylet_gone(n) for n in dead)
 
     def pool_processes(self) -> set[str]:
         return {h.name for h in self.hosted}
@@ -334,7 +251,7 @@ class RayRun(RunLoop):
         self._signal(targets, signal.SIGKILL)
         self._wait(targets, STOP_GRACE_S)
         for old in targets:
-            if old.node.id in self.frozen:
+            if old.node.id in self.health.frozen:
                 # Fenced: should the node wake, the kill reaches the process before it does more
                 # than a step or two (its groups carry its own incarnation: none is taken twice).
                 old.actor.signal.remote(signal.SIGKILL)
@@ -345,7 +262,7 @@ class RayRun(RunLoop):
                 continue
             _kill(old)
             node = old.node
-            if node.id in self.lost:
+            if node.id in self.health.lost:
                 node = self._moved(old.pg or self.pg, old.bundle)
                 if old.pg is None:
                     self.nodes[old.bundle] = node
@@ -379,7 +296,7 @@ class RayRun(RunLoop):
         while True:
             node_id = placement_group_table(pg)["bundles_to_node_id"].get(bundle)
             info = ray_nodes.cluster_nodes().get(node_id or "")
-            if node_id and node_id not in self.lost and info is not None and info["Alive"]:
+            if node_id and node_id not in self.health.lost and info is not None and info["Alive"]:
                 return RayNode.of(node_id, info)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Ray placed bundle {bundle} on no live node within {NODE_MOVE_S:.0f} s")
@@ -427,14 +344,14 @@ class RayRun(RunLoop):
 
     def _signal(self, targets: list[Hosted], sig: int) -> None:
         for h in targets:
-            if h.result is None and h.node.id not in self.lost:
+            if h.result is None and h.node.id not in self.health.lost:
                 h.actor.signal.remote(sig)
 
     def _wait(self, targets: list[Hosted], timeout: float) -> None:
         """Until every target on a node still there has ended, at most `timeout` (a frozen node's
         processes would never say so)."""
         deadline = time.time() + timeout
-        while any(h.result is None and h.node.id not in self.lost for h in targets) and time.time() < deadline:
+        while any(h.result is None and h.node.id not in self.health.lost for h in targets) and time.time() < deadline:
             self._collect(timeout=min(0.5, max(0.0, deadline - time.time())))
 
     def stop_all(self, graceful: bool) -> None:

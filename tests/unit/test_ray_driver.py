@@ -1,4 +1,4 @@
-"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py, ray_nodes.py): a node is gone
+"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py, ray_health.py, ray_nodes.py): a node is gone
 when Ray says so or when its raylet does not answer a gRPC health check in time (closed,
 frozen or cut off), twice in a row."""
 
@@ -14,10 +14,11 @@ import pytest
 from fixtures.helpers import free_port
 
 from pipeline_rl.config import load_config
-from pipeline_rl.launch import ray_driver, ray_nodes
+from pipeline_rl.launch import ray_health, ray_nodes
 from pipeline_rl.launch.bundles import bundles
 from pipeline_rl.launch.placement import plan
-from pipeline_rl.launch.ray_driver import NODE_PROBE_MISSES, Hosted, RayRun
+from pipeline_rl.launch.ray_driver import Hosted, RayRun
+from pipeline_rl.launch.ray_health import NODE_PROBE_MISSES
 from pipeline_rl.launch.ray_nodes import RayNode, node_alive
 from pipeline_rl.wire import ExitCode
 
@@ -75,11 +76,11 @@ def test_a_node_that_stops_answering_is_reported_after_consecutive_misses(raylet
         down = RayNode("down", "127.0.0.1", s.getsockname()[1])  # bound, not listening: refused
     run = RayRun(cfg, None, found, [up, up, down], nonce="x")  # type: ignore[arg-type]
     monkeypatch.setattr(ray_nodes, "cluster_nodes", lambda: {"up": {"Alive": True}, "down": {"Alive": True}})
-    monkeypatch.setattr(ray_driver, "NODE_PROBE_EVERY_S", 0.0)
+    monkeypatch.setattr(ray_health, "NODE_PROBE_EVERY_S", 0.0)
     for _ in range(NODE_PROBE_MISSES - 1):
-        assert run._probe_nodes() is None
-    assert run._probe_nodes() == down
-    assert run.misses == {"up": 0, "down": NODE_PROBE_MISSES}
+        assert run.health.probe(run._everyone()) is None
+    assert run.health.probe(run._everyone()) == down
+    assert run.health.misses == {"up": 0, "down": NODE_PROBE_MISSES}
 
 
 def test_a_frozen_node_is_probed_until_its_actors_have_moved_away(tmp_path):
@@ -92,11 +93,11 @@ def test_a_frozen_node_is_probed_until_its_actors_have_moved_away(tmp_path):
     log = tmp_path / "x.log"
     run.hosted = [Hosted("trainer0", "trainer", a, None, None, log), Hosted("actor0", "actor", f, None, None, log)]
     run.hosted.append(Hosted("actor1", "actor", g, None, None, log))  # added to the running job
-    assert [n.id for n in run._held_nodes()] == ["a", "b", "f", "g"]
-    run.frozen.add("f")
-    assert [n.id for n in run._held_nodes()] == ["a", "b", "f", "g"]  # actor0 still there
+    assert [n.id for n in run.health.held(run._everyone())] == ["a", "b", "f", "g"]
+    run.health.frozen.add("f")
+    assert [n.id for n in run.health.held(run._everyone())] == ["a", "b", "f", "g"]  # actor0 still there
     run.hosted[1] = Hosted("actor0", "actor", g, None, None, log)  # started again elsewhere
-    assert [n.id for n in run._held_nodes()] == ["a", "b", "g"]
+    assert [n.id for n in run.health.held(run._everyone())] == ["a", "b", "g"]
 
 
 def test_a_cluster_address_nothing_listens_on_fails_at_once(tmp_path, capsys):
