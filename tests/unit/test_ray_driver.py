@@ -1,6 +1,6 @@
-"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_driver.py, ray_health.py, ray_nodes.py): a node is gone
-when Ray says so or when its raylet does not answer a gRPC health check in time (closed,
-frozen or cut off), twice in a row."""
+"""The Ray driver's own check of its nodes (pipeline_rl/launch/ray_health.py, ray_nodes.py): a
+node is gone when Ray says so or when its raylet does not answer a gRPC health check in time
+(closed, frozen or cut off), twice in a row."""
 
 from __future__ import annotations
 
