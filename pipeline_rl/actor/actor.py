@@ -83,6 +83,8 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
+CHECKPOINT_TRIES = 3
+"""Engine starts from the newest checkpoint, each after the one before was pruned mid-load."""
 
 
 class Actor:
@@ -102,15 +104,24 @@ class Actor:
         self.eval_cfg.actor.attempts = 1
         self.rollout = load_domain(cfg.actor.domain)
 
-        found = latest_checkpoint(run_dir)
-        policy, version = (str(found[0]), found[1]) if found else (cfg.model.path, 0)
-        model_path, adapter_dir = policy, None
-        if cfg.model.lora is not None:  # the engine serves the base, the policy is its adapter
-            model_path, adapter_dir = cfg.model.path, policy if found else str(self._zero_adapter())
-        log.info("starting the engine from %s at version %d", adapter_dir or model_path, version)
         # Before the engine: its TP workers inherit the NCCL settings with the environment.
         prepare_collectives(cfg.world.collective_timeout_s, cfg.world.socket_ifname)
-        self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
+        for tries_left in reversed(range(CHECKPOINT_TRIES)):
+            found = latest_checkpoint(run_dir)
+            policy, version = (str(found[0]), found[1]) if found else (cfg.model.path, 0)
+            model_path, adapter_dir = policy, None
+            if cfg.model.lora is not None:  # the engine serves the base, the policy is its adapter
+                model_path, adapter_dir = cfg.model.path, policy if found else str(self._zero_adapter())
+            log.info("starting the engine from %s at version %d", adapter_dir or model_path, version)
+            try:
+                self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
+                break
+            except Exception:
+                # The trainer keeps its newest checkpoints only: one can be pruned while an
+                # engine loads it (checkpoint_every steps are short). Start from the newest then.
+                if found is None or found[0].exists() or not tries_left:
+                    raise
+                log.warning("checkpoint %s was pruned while the engine loaded it: starting from the newest", found[0])
         self.streams = open_streams(cfg)
         self.actor_count = ActorCountWatch(self.streams, cfg.world.actors)
         if index >= self.actor_count.largest:
