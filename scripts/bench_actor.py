@@ -196,7 +196,8 @@ def main() -> None:
     from vllm.inputs.engine import tokens_input
 
     from pipeline_rl.engine.adapter_slot import lora_request
-    from pipeline_rl.engine.llm_client import LLMClient, engine_args, set_engine_environment
+    from pipeline_rl.engine.engine_config import engine_args, set_engine_environment
+    from pipeline_rl.engine.llm_client import LLMClient
     from pipeline_rl.engine.tp_swap import TensorParallelSwapHook
     from pipeline_rl.engine.vllm_hook import WeightSwapHook
     from pipeline_rl.lora import write_zero_adapter

@@ -593,7 +593,7 @@ def warm_up_engine(model: Path) -> None:
     machine: the first actor of a fresh machine waited 20 s for its first tokens, later ones 5 s."""
     code = (
         "from pipeline_rl.config import load_config\n"
-        "from pipeline_rl.engine.llm_client import engine_args, set_engine_environment\n"
+        "from pipeline_rl.engine.engine_config import engine_args, set_engine_environment\n"
         f"cfg = load_config('tiny', ['model.path={model}'])\n"
         "set_engine_environment(cfg)\n"
         "from vllm import LLM, SamplingParams\n"

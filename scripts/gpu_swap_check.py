@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline_rl.engine.engine_weights import LoadPlan
+from pipeline_rl.engine.load_plan import LoadPlan
 from pipeline_rl.engine.swap_streams import SwapStreams
 
 

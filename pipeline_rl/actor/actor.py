@@ -83,14 +83,11 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
-CHECKPOINT_TRIES = 3
-"""Engine starts from the newest checkpoint, each after the one before was pruned mid-load."""
 
 
 class Actor:
     def __init__(self, cfg: RunConfig, index: int):
-        from pipeline_rl.core.checkpoint_layout import latest_checkpoint
-        from pipeline_rl.engine.llm_client import LLMClient
+        from pipeline_rl.actor.engine_start import start_engine  # imports the engine's modules
 
         self.cfg, self.index = cfg, index
         self.name = f"actor{index}"
@@ -106,22 +103,7 @@ class Actor:
 
         # Before the engine: its TP workers inherit the NCCL settings with the environment.
         prepare_collectives(cfg.world.collective_timeout_s, cfg.world.socket_ifname)
-        for tries_left in reversed(range(CHECKPOINT_TRIES)):
-            found = latest_checkpoint(run_dir)
-            policy, version = (str(found[0]), found[1]) if found else (cfg.model.path, 0)
-            model_path, adapter_dir = policy, None
-            if cfg.model.lora is not None:  # the engine serves the base, the policy is its adapter
-                model_path, adapter_dir = cfg.model.path, policy if found else str(self._zero_adapter())
-            log.info("starting the engine from %s at version %d", adapter_dir or model_path, version)
-            try:
-                self.llm = LLMClient.create(cfg, model_path, version, adapter_dir)
-                break
-            except Exception:
-                # The trainer keeps its newest checkpoints only: one can be pruned while an
-                # engine loads it (checkpoint_every steps are short). Start from the newest then.
-                if found is None or found[0].exists() or not tries_left:
-                    raise
-                log.warning("checkpoint %s was pruned while the engine loaded it: starting from the newest", found[0])
+        self.llm, version = start_engine(cfg, self.name)
         self.streams = open_streams(cfg)
         self.actor_count = ActorCountWatch(self.streams, cfg.world.actors)
         if index >= self.actor_count.largest:
@@ -271,18 +253,6 @@ class Actor:
             ranks, _ = group_ranks(self.index, self.actor_count.largest, self.cfg.shared.tensor_parallel_size)
             if not leave_group(self.weight_sync_addr, ranks, self.cfg.world.collective_timeout_s):
                 log.warning("the weight-update group did not re-form without %s in time: leaving anyway", self.name)
-
-    def _zero_adapter(self) -> Path:
-        """The adapter of version 0 (zeros: the base model's output, as a fresh peft adapter
-        gives), written once per actor into the run directory."""
-        import torch
-
-        from pipeline_rl.lora import write_zero_adapter
-
-        assert self.cfg.model.lora is not None
-        out = Path(self.cfg.run_dir) / "lora" / f"initial_{self.name}"
-        dtype = getattr(torch, self.cfg.model.dtype)
-        return write_zero_adapter(out, self.cfg.model.path, self.cfg.model.lora, dtype)
 
     def _take_lost(self) -> None:
         """Give back the admission slot of every group a preprocessor reported lost."""

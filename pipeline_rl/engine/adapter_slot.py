@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pipeline_rl.engine.engine_weights import Copies, CopyRecorder, PlanRefused, bind, check_update
+from pipeline_rl.engine.engine_weights import check_update
 from pipeline_rl.engine.host_copy import HostSpans
+from pipeline_rl.engine.load_plan import Copies, CopyRecorder, PlanRefused, bind
 from pipeline_rl.lora import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)

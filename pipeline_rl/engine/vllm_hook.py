@@ -32,7 +32,7 @@ swap let in between the two would sample a token of the old body's hidden states
 the new weights into the engine's parameters and sets the new version. A swap thus waits at most
 one engine step; sequences in flight keep their KV cache and continue with the new weights from
 the next decode step. The engine's environment also pins the V1 runner
-(engine/llm_client.py: `set_engine_environment`), whose attributes engine/routes.py reads.
+(engine/engine_config.py: `set_engine_environment`), whose attributes engine/routes.py reads.
 
 A turnstile lock gives the swap priority: once a swap is waiting, the engine cannot start
 another step before the swap has run.

@@ -250,7 +250,7 @@ def test_a_receiver_keeps_only_its_shard_of_an_update():
     kept blocks load exactly the shard a full receive would (torch.equal), update after update."""
     import threading
 
-    from pipeline_rl.engine.engine_weights import LoadPlan
+    from pipeline_rl.engine.load_plan import LoadPlan
 
     rows, width = 256, 512
     shapes = {"q": (rows, width), "k": (rows, width), "o": (width, rows), "n": (width,)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_rl.engine.engine_weights import LoadPlan, PlanRefused
+from pipeline_rl.engine.load_plan import LoadPlan, PlanRefused
 
 
 class FusedShard(torch.nn.Module):

@@ -109,7 +109,7 @@ def test_dry_run_prints_every_process_binding():
 
 
 def test_cpu_tensor_parallel_workers_get_disjoint_cores():
-    from pipeline_rl.engine.llm_client import cpu_thread_binds
+    from pipeline_rl.engine.engine_config import cpu_thread_binds
 
     assert cpu_thread_binds(2, [1, 0]) == "0|1"
     assert cpu_thread_binds(2, list(range(8))) == "0-3|4-7"

@@ -222,7 +222,7 @@ def test_the_engine_environment_pins_the_v1_runner_where_triton_would_pick_v2(mo
     import vllm.config.vllm as vllm_config
 
     from pipeline_rl.config import load_config
-    from pipeline_rl.engine.llm_client import set_engine_environment
+    from pipeline_rl.engine.engine_config import set_engine_environment
 
     for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.setenv(name, "")  # restored after the test

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pipeline_rl.engine.engine_weights import LoadPlan
+from pipeline_rl.engine.load_plan import LoadPlan
 from pipeline_rl.engine.weight_delta import bind_delta, checksum_parts, locate, mismatches, scatter
 from pipeline_rl.streams.records import WeightUpdate
 from pipeline_rl.trainer.published_shards import PublishedShards
