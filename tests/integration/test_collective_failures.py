@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from fixtures.helpers import free_port
+from fixtures.helpers import free_port, wait_for
 from fixtures.trainer_runs import make_steps, start_ranks, trainer_config, trainer_metrics, wait_all, write_steps
 
 from pipeline_rl.collectives import nccl_env
@@ -317,9 +317,9 @@ def test_a_leaving_receiver_that_registers_again_is_still_left_out():
         token = store.get(ready_key(2))
         leaving = threading.Thread(target=lambda: left.append(leave_group(addr, [2], 60.0)))
         leaving.start()
-        _wait_for(lambda: not store.check([ready_key(2)]), "deletion of the registration")
+        wait_for(lambda: not store.check([ready_key(2)]), 10.0, "the deletion of the registration")
         store.set(ready_key(2), token)  # registered again
-        _wait_for(lambda: not store.check([ready_key(2)]), "second deletion of the registration", 20 * LEAVE_POLL_S)
+        wait_for(lambda: not store.check([ready_key(2)]), 20 * LEAVE_POLL_S, "its second deletion")
         sender.send(2, _weights(2), lambda update: announce(update, (1,)), bucket_mb=1)
         assert sender.members == [0, 1] and _report(results[1], 2) == "ok"
         leaving.join(10 * LEAVE_POLL_S)
@@ -328,13 +328,6 @@ def test_a_leaving_receiver_that_registers_again_is_still_left_out():
         for proc in procs.values():
             proc.kill()
         sender.close()
-
-
-def _wait_for(check, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
-        time.sleep(0.02)
 
 
 def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():

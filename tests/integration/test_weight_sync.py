@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.helpers import ROOT, TESTS, free_port, hf_model, perturbed, record_messages
+from fixtures.helpers import ROOT, TESTS, free_port, hf_model, perturbed, record_messages, wait_for
 from safetensors.torch import load_file
 
 from pipeline_rl.config import load_config
@@ -159,14 +159,6 @@ def greedy(client) -> list[tuple[list[int], list[int]]]:
 def command(sender, line: str) -> None:
     sender.stdin.write(line + "\n")
     sender.stdin.flush()
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def failures(client) -> int:
