@@ -35,17 +35,21 @@ that never lands. Counted by cause in `groups_lost/*` metrics and the status lin
 
 Scaling (pipeline_rl/core/actor_count.py): the job's actor count is read from its stream; a
 change rebases admission to the new share and takes the problems of the new share from the next
-epoch on. An actor whose index is no longer below the count drains: it starts no group, lets
-those in flight land, leaves the weight-update group and ends (exit 0). An actor added to a
-running job counts its groups from the trainer's latest version.
+epoch on. An actor whose index is no longer below the count drains: it starts no group, hands
+those in flight over to the actors that stay (a continuable domain's; else lets them land),
+leaves the weight-update group and ends (exit 0). An actor added to a running job counts its
+groups from the trainer's latest version.
 
 Resume: RUN_DIR/positions/actorI.json holds how many groups the actor has written, how many
 problems it has drawn, how many of its groups were reported lost (with its position in the
 "lost" stream), how many were in flight, and the share its counts were made at (the actor count
 and admission's offset); a restarted actor (the run resumed, or the launcher replaced a dead
 one) goes on from there (and counts groups from at least checkpoint version x share, see
-admission.py), its groups in flight at the last save counted lost. The file and the arithmetic
-of the counts it resumes with: actor/resume.py.
+admission.py). The file and the arithmetic of the counts it resumes with: actor/resume.py.
+
+Rollouts in flight (actor/in_flight.py): every `actor.in_flight_save_s` and at a graceful stop
+the actor saves its groups in flight to RUN_DIR/in_flight/actorI.json; the next actor in its
+slot continues those that did not land. Groups started after the last save are counted lost.
 """
 
 from __future__ import annotations
@@ -57,9 +61,18 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
+from pipeline_rl.actor.in_flight import (
+    HANDOVER_PREFIX,
+    ContinuationMismatch,
+    InFlight,
+    RecordingGenerator,
+    SavedGroup,
+    claim_handovers,
+)
 from pipeline_rl.actor.problems import ProblemOrder
 from pipeline_rl.actor.resume import SavedCounts, resume
 from pipeline_rl.actor.window import Window
@@ -71,6 +84,7 @@ from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.rollouts.agent.stats import AgentStats
 from pipeline_rl.rollouts.datasets import load_problems
 from pipeline_rl.rollouts.domains import load_domain
+from pipeline_rl.rollouts.interface import is_continuable
 from pipeline_rl.streams import PositionStore, open_streams
 from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
@@ -83,6 +97,16 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
+
+
+@dataclass
+class GroupRun:
+    """A group in flight: its id (unique over the run, kept when it is continued elsewhere), its
+    problem and what its rollout samples through."""
+
+    group_id: str
+    problem: dict
+    generator: RecordingGenerator
 
 
 class Actor:
@@ -143,8 +167,19 @@ class Actor:
         # No group before the step of the weights it starts from (the trainer's latest, for an
         # actor added to a running job).
         first_group = self.admission.first_group_of(max(version, self._published_version()))
-        unsaved = self._count_unsaved(saved.stream_end) if saved.was_saved else 0
-        counts = resume(saved, first_group, unsaved)
+        self.stream_end: str | None = None
+        """The partition's end as this actor found it (its writer's ends follow once it writes)."""
+        landed = self._landed_since(saved.stream_end) if saved.was_saved else []
+        unsaved = len(landed)
+        if unsaved:
+            log.info("%d groups reached the stream after the last position save: counted as written", unsaved)
+        self.continuable = is_continuable(self.rollout) and not cfg.shared.routing_replay
+        """Whether groups in flight are saved and continued (routing replay would need each saved
+        token's experts)."""
+        self.in_flight_dir = run_dir / "in_flight"
+        self.in_flight_path = self.in_flight_dir / f"{self.name}.json"
+        self.to_continue = self._saved_in_flight()
+        counts = resume(saved, first_group, unsaved, continued=len(self.to_continue))
         self.written, self.drawn, self.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
         self.admission.started, self.admission.offset = counts.admission_started, counts.admission_offset
         if self.actor_count.count != actors and index < self.actor_count.count:
@@ -160,15 +195,21 @@ class Actor:
         self.idle_total_s = 0.0
         """Time with no group in flight: the engine had nothing to generate."""
         self.swaps_seen = 0
-        self._saved_at = 0.0
+        self.continued_total = self.handed_over_total = self.lost_continuation = 0
+        self.tokens_continued_total = 0
+        """Generated tokens that continued groups did not have to generate again."""
+        self._saved_at = self._in_flight_saved_at = 0.0
         self.drained = False
         """Whether the actor ended because the job was scaled below it."""
 
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self, stop: Callable[[], bool]) -> None:
-        tasks: dict[asyncio.Task, int] = {}
+        tasks: dict[asyncio.Task, GroupRun] = {}
         eval_task: asyncio.Task | None = None
+        self._continue(tasks, self.to_continue, counted=True)
+        self._in_flight_saved_at = time.monotonic()  # the file holds the continued groups already
+        stopping = False
         next_eval = time.monotonic() if self.eval_problems else float("inf")
         next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
         blocked_since: float | None = None
@@ -180,6 +221,8 @@ class Actor:
                     raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
                 count = self.actor_count.poll()
                 draining = self.index >= count
+                if draining and tasks and self.continuable:
+                    await self._hand_over(tasks)
                 if draining and not tasks:
                     # Off the event loop: the engine (an evaluation in flight, its output
                     # handling) goes on while the weight-update group re-forms without it.
@@ -193,8 +236,12 @@ class Actor:
                         break
                     blocked_since = self._unblock(blocked_since)
                     self.admission.start()
-                    task = asyncio.create_task(self.rollout(self.order[self.drawn], self.llm, self.cfg))
-                    tasks[task] = self.drawn
+                    group = GroupRun(
+                        f"{self.name}-{self.incarnation}-{self.drawn}",
+                        self.order[self.drawn],
+                        RecordingGenerator(self.llm),
+                    )
+                    tasks[asyncio.create_task(self.rollout(group.problem, group.generator, self.cfg))] = group
                     self.drawn += 1
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
@@ -214,8 +261,17 @@ class Actor:
                     blocked_since = self._unblock(blocked_since, reopen=True)
                     self._log_metrics(len(tasks))
                     next_metrics = now + self.cfg.actor.metrics_every_s
+                if self.continuable and not draining:
+                    if now - self._in_flight_saved_at >= self.cfg.actor.in_flight_save_s > 0:
+                        await self._save_in_flight(tasks, hold=False)
+                    if now - self._saved_at >= SAVE_EVERY_S:
+                        await self._adopt(tasks)
                 self._save(force=False, in_flight=len(tasks))
+            stopping = True
         finally:
+            if stopping and self.continuable and tasks and self.llm.failure is None:
+                # Held: the engine generates nothing after this, so nothing is thrown away.
+                await self._save_in_flight(tasks, hold=True)
             for task in list(tasks) + ([eval_task] if eval_task else []):
                 task.cancel()
             await asyncio.gather(*tasks, *([eval_task] if eval_task else []), return_exceptions=True)
@@ -276,8 +332,8 @@ class Actor:
         self.blocked_total_s += now - since
         return now if reopen else None
 
-    def _finish(self, task: asyncio.Task, number: int) -> None:
-        """Write a finished group; `number` is its problem draw, unique over the run."""
+    def _finish(self, task: asyncio.Task, run: GroupRun) -> None:
+        """Write a finished group."""
         try:
             group = task.result()
             if not isinstance(group, RolloutGroup) or not group.rollouts:
@@ -285,16 +341,21 @@ class Actor:
                     f"domain {self.cfg.actor.domain!r} returned {type(group).__name__} "
                     f"without rollouts, expected a RolloutGroup"
                 )
-            group.group_id = f"{self.name}-{self.incarnation}-{number}"
+            group.group_id = run.group_id
             group.actor = self.index
             group.written_at = time.time()
             self.writer.write(group, partition=self.index)
+        except ContinuationMismatch as e:
+            self.admission.abandon()
+            self.lost_continuation += 1
+            log.error("group %s could not be continued, lost: %s", run.group_id, e)
+            return
         except Exception as e:
             self.admission.abandon()
             self.rollout_errors_total += 1
             self.consecutive_failures += 1
             self.last_rollout_error = f"{type(e).__name__}: {e}"[:500]
-            log.error("rollout of problem draw %d failed: %s", number, self.last_rollout_error)
+            log.error("rollout of group %s failed: %s", run.group_id, self.last_rollout_error)
             if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                 raise RuntimeError(
                     f"{self.consecutive_failures} rollouts in a row failed, the last with {self.last_rollout_error}"
@@ -364,11 +425,22 @@ class Actor:
             "reward_errors_total": self.reward_errors_total,
             "last_reward_error": self.last_reward_error,
             "rollout_errors_total": self.rollout_errors_total,
-            "groups_lost_total": self.lost_total + self.rollout_errors_total + self.lost_stopped,
+            "groups_lost_total": self.lost_total
+            + self.rollout_errors_total
+            + self.lost_stopped
+            + self.lost_continuation,
             # By cause: rollout (the domain raised), stopped (in flight when this actor last
-            # stopped or was killed), scorer, decode (reported by the preprocessors).
+            # stopped or was killed, and not continued), continuation (a continued rollout asked
+            # for other generations than the saved ones), scorer, decode (reported by the
+            # preprocessors).
             "groups_lost/rollout_total": self.rollout_errors_total,
             "groups_lost/stopped_total": self.lost_stopped,
+            "groups_lost/continuation_total": self.lost_continuation,
+            # Groups in flight at a stop continued here, their tokens not generated again; and
+            # groups this actor handed over when the job was scaled below it.
+            "groups_continued_total": self.continued_total,
+            "tokens_continued_total": self.tokens_continued_total,
+            "groups_handed_over_total": self.handed_over_total,
             **{f"groups_lost/{cause}_total": n for cause, n in sorted(self.lost_by_cause.items())},
             "last_rollout_error": self.last_rollout_error,
             **self.agent_stats.take(),  # turns, tool calls and errors of agent episodes
@@ -392,7 +464,7 @@ class Actor:
             self.position.save(
                 SavedCounts(
                     written=self.written,
-                    stream_end=self.writer.ends.get(self.index),
+                    stream_end=self._stream_end(),
                     problems=self.drawn,
                     lost=self.lost_total,
                     lost_position=self.lost_reader.position(),
@@ -404,21 +476,100 @@ class Actor:
             )
             self._saved_at = now
 
-    def _count_unsaved(self, stream_end: str | None) -> int:
-        """The groups this actor's partition got after the last position save (`stream_end`;
-        None: the save came before the first group landed), up to SAVE_EVERY_S of them when
-        the actor was killed: they landed, so admission and the problem order go on after them
-        (else every later group lands a step later than admission predicts, and the lag gate
-        drops it)."""
+    def _landed_since(self, stream_end: str | None) -> list[str]:
+        """The ids of the groups this actor's partition got after `stream_end` (None: from its
+        start). After the last position save: up to SAVE_EVERY_S of them when the actor was
+        killed; they landed, so admission and the problem order go on after them (else every
+        later group lands a step later than admission predicts, and the lag gate drops it)."""
         position = None if stream_end is None else {str(self.index): stream_end}
         reader = self.streams.reader(Topic.ACTOR, RolloutGroup, partitions=(self.index,), position=position)
-        unsaved = 0
+        landed: list[str] = []
         while entries := reader.read(timeout=0.0, max_count=4096):
-            unsaved += len(entries)
+            landed.extend(e.record.group_id for e in entries)
+        self.stream_end = reader.position().get(self.index, stream_end)
         reader.close()
-        if unsaved:
-            log.info("%d groups reached the stream after the last position save: counted as written", unsaved)
-        return unsaved
+        return landed
+
+    def _stream_end(self) -> str | None:
+        """The end of this actor's partition after its last group that landed."""
+        return self.writer.ends.get(self.index, self.stream_end)
+
+    def _saved_in_flight(self) -> list[SavedGroup]:
+        """The groups of this actor's last in-flight save that did not land after it."""
+        saved = InFlight.load(self.in_flight_path)
+        if saved is None or not saved.groups:
+            return []
+        if not self.continuable:
+            log.warning(
+                "%d saved groups in flight not continued: the domain's rollouts are not continuable", len(saved.groups)
+            )
+            return []
+        landed = set(self._landed_since(saved.stream_end))
+        groups = [g for g in saved.groups if g.group_id not in landed]
+        log.info(
+            "continuing %d groups in flight at the last stop (%d tokens)", len(groups), sum(g.tokens for g in groups)
+        )
+        return groups
+
+    def _continue(self, tasks: dict[asyncio.Task, GroupRun], groups: list[SavedGroup], counted: bool) -> None:
+        """Start saved `groups` again (`counted`: admission already counts them, as resume's
+        counts do this actor's own)."""
+        for saved in groups:
+            if not counted:
+                self.admission.start()
+            run = GroupRun(saved.group_id, saved.problem, RecordingGenerator(self.llm, saved.calls))
+            tasks[asyncio.create_task(self.rollout(run.problem, run.generator, self.cfg))] = run
+            self.continued_total += 1
+            self.tokens_continued_total += saved.tokens
+
+    async def _adopt(self, tasks: dict[asyncio.Task, GroupRun]) -> None:
+        """Continue the groups of hand-over files this actor claims (actor/in_flight.py)."""
+        groups, files = claim_handovers(self.in_flight_dir, self.name)
+        ids = {run.group_id for run in tasks.values()}
+        groups = [g for g in groups if g.group_id not in ids]
+        if groups:
+            log.info("continuing %d groups handed over by a leaving actor", len(groups))
+            self._continue(tasks, groups, counted=False)
+        if files:
+            await self._save_in_flight(tasks, hold=False)  # in this actor's file before the claimed go
+            for path in files:
+                path.unlink()
+
+    async def _snapshot(self, tasks: dict[asyncio.Task, GroupRun], hold: bool) -> list[SavedGroup]:
+        """Every group in flight as far as it has got (one engine snapshot, between two steps)."""
+        runs = list(tasks.values())
+        parts = await self.llm.snapshot([h for r in runs for h in r.generator.handles], hold)
+        groups, i = [], 0
+        for run in runs:
+            k = len(run.generator.handles)
+            groups.append(SavedGroup(run.group_id, run.problem, run.generator.calls(parts[i : i + k])))
+            i += k
+        return groups
+
+    async def _save_in_flight(self, tasks: dict[asyncio.Task, GroupRun], hold: bool) -> None:
+        """Save the groups in flight, and the counts that go with them."""
+        groups = await self._snapshot(tasks, hold)
+        self.writer.flush()  # a group written before the snapshot is behind its stream_end
+        InFlight(groups, self._stream_end()).save(self.in_flight_path)
+        self._save(force=True, in_flight=len(tasks))
+        self._in_flight_saved_at = time.monotonic()
+
+    async def _hand_over(self, tasks: dict[asyncio.Task, GroupRun]) -> None:
+        """Drained with groups in flight: save them for the actors that stay (the first to claim
+        the file continues them) and stop generating them here, so the actor leaves at once."""
+        groups = await self._snapshot(tasks, hold=True)
+        # This actor's own file first: a group is in one file at a time (else an actor started
+        # again at this index would continue it too); a kill in between loses them, counted.
+        InFlight([], None).save(self.in_flight_path)
+        InFlight(groups).save(self.in_flight_dir / f"{HANDOVER_PREFIX}{self.name}-{self.incarnation}.json")
+        for task in tasks:
+            task.cancel()
+            self.admission.abandon()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        tasks.clear()
+        self.handed_over_total += len(groups)
+        self._save(force=True, in_flight=0)
+        log.info("handed %d groups in flight over to the actors that stay", len(groups))
 
     def close(self) -> None:
         self.llm.close()

@@ -14,7 +14,9 @@ as a typed value; `resume` makes the counts a restarted actor goes on from:
   actor added to a running job); the groups skipped to get there go into the offset, not into
   `written`.
 - `drawn` (problems taken from the order) goes on after the groups started after the save.
-- groups in flight at the last save that did not land are `lost_stopped`: their slots are free.
+- groups in flight at the last save that did not land are `lost_stopped` (their slots are
+  free), except the `continued` ones (actor/in_flight.py), which are started again: admission
+  counts them.
 """
 
 from __future__ import annotations
@@ -75,14 +77,15 @@ class ResumedCounts:
     lost_stopped: int
 
 
-def resume(saved: SavedCounts, first_group: int, unsaved: int) -> ResumedCounts:
-    """The counts after `saved`, with `unsaved` groups found in the partition after its save and
-    `first_group` the first group admission may start (module docstring)."""
+def resume(saved: SavedCounts, first_group: int, unsaved: int, continued: int = 0) -> ResumedCounts:
+    """The counts after `saved`, with `unsaved` groups found in the partition after its save,
+    `first_group` the first group admission may start and `continued` saved groups in flight
+    started again (module docstring)."""
     counted = saved.written - saved.lost + saved.admission_offset
     return ResumedCounts(
         written=saved.written + unsaved,
-        admission_started=max(counted, first_group) + unsaved,
+        admission_started=max(counted, first_group) + unsaved + continued,
         admission_offset=saved.admission_offset + max(0, first_group - counted),
         drawn=saved.problems + max(0, unsaved - saved.in_flight),
-        lost_stopped=saved.lost_stopped + max(0, saved.in_flight - unsaved),
+        lost_stopped=saved.lost_stopped + max(0, saved.in_flight - unsaved - continued),
     )

@@ -19,6 +19,14 @@ logprobs_mode="processed_logprobs" (after temperature, and after top-p/top-k whe
 set; the trainer computes them at the temperature, so top_p < 1 makes them differ).
 Async scheduling is off: with it, a step's outputs would come from the previous forward
 pass and the version tags would be one step off.
+
+Rollouts in flight (actor/in_flight.py): `snapshot()` returns, between two engine steps, every
+sequence of the calls it is asked about as far as it has got (its tokens, logprobs and versions;
+finish_reason "" while unfinished), and with `hold` steps no more, so that nothing generated
+after the snapshot is thrown away at a stop. `generate(..., resume=...)` takes such a snapshot
+back: a finished sequence is returned as it was, an unfinished one is continued, its tokens
+re-entered after the prompt and its completion the saved part followed by what the engine
+generates now, under its current weights and version.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,12 +87,22 @@ class _Request:
     engine_id: str = ""
     """vLLM's internal request id (the scheduler's key)."""
     prompt_len: int = 0
+    prefix: Completion | None = None
+    """A continued sequence's saved part, re-entered after the prompt (`generate(resume=...)`)."""
 
     def versions(self, n: int) -> list[int]:
         versions = [self.segments[0][1]] * n
         for start, version in self.segments[1:]:
             versions[start:] = [version] * max(0, n - start)
         return versions
+
+    def completion(self, token_ids: list[int], logprobs: list[float], finish_reason: str, text: str) -> Completion:
+        """The sequence with the engine's `token_ids` so far, after the saved prefix if any."""
+        versions = self.versions(len(token_ids))
+        if self.prefix is None:
+            return Completion(token_ids, logprobs, versions, finish_reason, text)
+        p = self.prefix
+        return Completion(p.token_ids + token_ids, p.logprobs + logprobs, p.versions + versions, finish_reason, text)
 
 
 @dataclass
@@ -94,6 +113,8 @@ class _Group:
     loop: asyncio.AbstractEventLoop
     completions: list[Completion | None]
     remaining: int
+    requests: list[_Request] = field(default_factory=list)
+    """Its sequences still in the engine (engine thread)."""
 
 
 def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -148,6 +169,9 @@ class LLMClient:
         self._requests: dict[str, _Request] = {}
         self._incoming: list[tuple[str, list[int], Any, _Request]] = []
         self._aborts: list[str] = []
+        self._snapshots: list[tuple[list[_Group], bool, _Group]] = []
+        self._held = False
+        """Set by a holding snapshot: the engine takes no more steps."""
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._error: BaseException | None = None
@@ -230,8 +254,13 @@ class LLMClient:
         stop: list[str] | None = None,
         *,
         ignore_eos: bool = False,
+        resume: Sequence[Completion | None] | None = None,
+        handle: list[_Group] | None = None,
     ) -> list[Completion]:
-        """Sample `n` completions of `prompt_ids`; each token carries its logprob and version."""
+        """Sample `n` completions of `prompt_ids`; each token carries its logprob and version.
+        `resume`: per completion, a finished one to return as it is, a part to continue
+        (finish_reason ""), or None to start afresh (the module's docstring). `handle`: the
+        call's group is appended to it, for `snapshot`."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -246,26 +275,46 @@ class LLMClient:
                 f"prompt of {len(prompt_ids)} tokens: must be 1 to {self.max_model_len - 1} tokens "
                 f"(actor.llm.max_model_len = {self.max_model_len})"
             )
-        params = SamplingParams(
-            n=1,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            logprobs=0,
-            flat_logprobs=True,
-            ignore_eos=ignore_eos,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        resume = list(resume) if resume is not None else [None] * n
+        if len(resume) != n:
+            raise ValueError(f"resume holds {len(resume)} completions for a call of n={n}")
+
+        def params(prefix: Completion | None) -> SamplingParams:
+            return SamplingParams(
+                n=1,
+                max_tokens=max_tokens - (len(prefix.token_ids) if prefix else 0),
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                logprobs=0,
+                flat_logprobs=True,
+                ignore_eos=ignore_eos,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+
         loop = asyncio.get_running_loop()
         group = _Group(loop.create_future(), loop, [None] * n, n)
-        ids = [str(next(self._ids)) for _ in range(n)]
+        if handle is not None:
+            handle.append(group)
+        ids = []
         with self._cv:
-            for i, rid in enumerate(ids):
-                self._incoming.append(
-                    (rid, list(prompt_ids), params, _Request(group, i, [], prompt_len=len(prompt_ids)))
-                )
+            for i, saved in enumerate(resume):
+                if saved is not None and saved.finish_reason:
+                    group.completions[i] = saved
+                    group.remaining -= 1
+                    continue
+                prefix = saved if saved is not None and saved.token_ids else None
+                if prefix is not None and not len(prefix.token_ids) < max_tokens:
+                    raise ValueError(
+                        f"a part of {len(prefix.token_ids)} tokens to continue with max_tokens={max_tokens}"
+                    )
+                ids.append(rid := str(next(self._ids)))
+                ids_in = list(prompt_ids) + (prefix.token_ids if prefix else [])
+                request = _Request(group, i, [], prompt_len=len(ids_in), prefix=prefix)
+                self._incoming.append((rid, ids_in, params(prefix), request))
             self._cv.notify()
+        if group.remaining == 0:
+            return list(group.completions)  # pyright: ignore[reportReturnType]
         try:
             return await group.future
         except asyncio.CancelledError:
@@ -280,12 +329,21 @@ class LLMClient:
         try:
             while True:
                 with self._cv:
-                    while not (self._incoming or self._aborts or self._requests or self._closed.is_set()):
+                    while not (
+                        self._incoming
+                        or self._aborts
+                        or self._snapshots
+                        or (self._requests and not self._held)
+                        or self._closed.is_set()
+                    ):
                         self._cv.wait()
                     if self._closed.is_set():
                         break
                     incoming, self._incoming = self._incoming, []
                     aborts, self._aborts = self._aborts, []
+                    snapshots, self._snapshots = self._snapshots, []
+                    if incoming:
+                        self._held = False  # a new call after a holding snapshot: serving again
                 for rid, prompt_ids, params, request in incoming:
                     request.segments.append((0, self.hook.version))
                     # Prefix-cache blocks are keyed by the policy version that admitted the request:
@@ -298,15 +356,20 @@ class LLMClient:
                         _post(request.group, None, e)
                         continue
                     self._requests[rid] = request
+                    request.group.requests.append(request)
                 aborted = [self._requests.pop(rid, None) for rid in aborts]
                 aborts = [rid for rid, request in zip(aborts, aborted) if request is not None]
-                if self.routes is not None:
-                    for request in aborted:
-                        if request is not None:
+                for request in aborted:
+                    if request is not None:
+                        request.group.requests.remove(request)
+                        if self.routes is not None:
                             self.routes.forget(request.engine_id)
                 if aborts:
                     self.engine.abort_request(aborts)
-                if self._requests:
+                for groups, hold, done in snapshots:
+                    self._held = self._held or hold
+                    _post(done, [self._parts(g) for g in groups])
+                if self._requests and not self._held:
                     self._step()
         except BaseException as e:
             log.exception("vLLM engine thread failed")
@@ -326,6 +389,37 @@ class LLMClient:
             self._incoming.clear()
         for request in pending:
             _post(request.group, None, error)
+
+    async def snapshot(self, groups: Sequence[_Group], hold: bool = False) -> list[list[Completion | None]]:
+        """Each of `groups` (the handles of `generate` calls) as far as it has got, taken between
+        two engine steps: per sequence, the finished completion, its part so far (finish_reason
+        "", text ""), or None before its first token. With `hold` the engine steps no more until
+        the next generate call (the actor is stopping: what it generated after this would be
+        lost)."""
+        loop = asyncio.get_running_loop()
+        done = _Group(loop.create_future(), loop, [], 0)
+        with self._cv:
+            self._snapshots.append((list(groups), hold, done))
+            self._cv.notify()
+        return await done.future
+
+    def _parts(self, group: _Group) -> list[Completion | None]:
+        """A group's sequences as far as they have got (engine thread, between steps)."""
+        parts: list[Completion | None] = list(group.completions)
+        states = self.engine.output_processor.request_states
+        for request in group.requests:
+            token_ids: list[int] = []
+            logprobs: list[float] = []
+            state = states.get(request.engine_id)
+            if state is not None and state.detokenizer is not None:
+                token_ids = list(state.detokenizer.output_token_ids)
+                # FlatLogprobs (flat_logprobs=True): one sampled logprob per position.
+                flat: Any = state.logprobs_processor.logprobs if state.logprobs_processor is not None else None
+                logprobs = list(flat.logprobs[: len(token_ids)]) if flat is not None else []
+                token_ids = token_ids[: len(logprobs)]
+            part = request.completion(token_ids, logprobs, "", "")
+            parts[request.index] = part if part.token_ids else None
+        return parts
 
     def _mark_new_version(self, version: int) -> None:
         for request in self._requests.values():
@@ -351,12 +445,13 @@ class LLMClient:
                 raise RuntimeError(f"request {out.request_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
             self.tokens_generated += len(token_ids)
             group = request.group
-            routes = None
+            group.requests.remove(request)
+            completion = request.completion(token_ids, logprobs, seq.finish_reason or "abort", seq.text)
+            if request.prefix is not None:  # the engine's text holds the continued part only
+                completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             if self.routes is not None:
-                routes = self.routes.routes(request.engine_id, request.prompt_len, len(token_ids))
-            group.completions[request.index] = Completion(
-                token_ids, logprobs, request.versions(len(token_ids)), seq.finish_reason or "abort", seq.text, routes
-            )
+                completion.routes = self.routes.routes(request.engine_id, request.prompt_len, len(token_ids))
+            group.completions[request.index] = completion
             group.remaining -= 1
             if group.remaining == 0:
                 _post(group, group.completions)

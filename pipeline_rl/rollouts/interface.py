@@ -62,3 +62,17 @@ class RolloutFn(Protocol):
     def __call__(
         self, problem: dict[str, Any], llm: Generator, cfg: RunConfig
     ) -> Coroutine[Any, Any, RolloutGroup]: ...
+
+
+def continuable(rollout: RolloutFn) -> RolloutFn:
+    """Mark a domain's rollout as one an actor may continue after a stop (actor/in_flight.py):
+    run again on the same problem and given the same generations, it makes the same generate
+    calls in the same order, and what it does besides (rewards, an environment's steps) can be
+    done again. Single-turn rollouts are; a multi-turn rollout is when its environment is a pure
+    function of the conversation. Rollouts of other domains in flight at a stop are counted lost."""
+    rollout.continuable = True  # pyright: ignore[reportAttributeAccessIssue]
+    return rollout
+
+
+def is_continuable(rollout: RolloutFn) -> bool:
+    return bool(getattr(rollout, "continuable", False))

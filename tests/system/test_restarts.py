@@ -25,6 +25,7 @@ from fixtures.launches import (
     wait_until,
 )
 
+from pipeline_rl.actor.in_flight import InFlight
 from pipeline_rl.metrics import read_metrics
 from pipeline_rl.streams.records import PAD_GROUP_ID
 
@@ -126,8 +127,9 @@ def test_a_tensor_parallel_actor_whose_worker_dies_is_replaced_and_the_run_goes_
 def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     """kill -9 the one actor mid-run: the launcher starts another in its slot, which gets the
     current weights (the trainer sends them again while it waits for groups) and generates on
-    them within REPLACED_WITHIN_S; the trainer reaches max_steps; the groups the dead actor
-    had in flight (its position file, frozen by SIGSTOP before the kill) are counted lost."""
+    them within REPLACED_WITHIN_S; the trainer reaches max_steps; of the groups the dead actor
+    had in flight (its position file, frozen by SIGSTOP before the kill), those of its last
+    in-flight save that did not land after it are continued, the others counted lost."""
     run_dir = tmp_path / "run"
     final = 100  # far more groups after the kill than an actor gets ahead of the trainer by
     proc = launch(
@@ -141,6 +143,12 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
         stream = (run_dir / "streams" / "actor" / "0.jsonl").read_bytes()
         # Groups that reached the stream after the last save: written, not lost.
         unsaved = stream[int(saved["stream_end"] or 0) :].count(b"\n")
+        # Groups of the last in-flight save that did not land after it: continued, not lost.
+        in_flight = InFlight.load(run_dir / "in_flight" / "actor0.json")
+        continued = 0
+        if in_flight is not None:
+            after = {orjson.loads(line)["group_id"] for line in stream[int(in_flight.stream_end or 0) :].splitlines()}
+            continued = sum(g.group_id not in after for g in in_flight.groups)
         at_kill = version(run_dir)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
@@ -166,8 +174,9 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     ]
     assert generating, replacement[-1]
     assert generating[0]["time"] - killed_at < REPLACED_WITHIN_S, generating[0]["time"] - killed_at
-    lost = saved.get("lost_stopped", 0) + max(0, saved["in_flight"] - unsaved)
+    lost = saved.get("lost_stopped", 0) + max(0, saved["in_flight"] - unsaved - continued)
     assert all(r["groups_lost/stopped_total"] == lost for r in replacement), (lost, replacement[-1])
+    assert all(r["groups_continued_total"] == continued for r in replacement), (continued, replacement[-1])
     # It counted the groups written after its predecessor's last save, and went on from there.
     assert replacement[0]["groups_written_total"] >= saved["written"] + unsaved
 

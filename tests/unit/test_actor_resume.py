@@ -57,6 +57,18 @@ def test_admission_less_its_offset_is_what_landed_less_what_was_lost(
     assert got.drawn - saved.problems == unsaved - landed_of_in_flight  # the rest were drawn after the save
 
 
+@pytest.mark.parametrize("unsaved, continued", [(0, 0), (0, 3), (1, 2), (3, 0)])
+def test_continued_groups_are_started_again_not_lost(unsaved, continued):
+    """Of three groups in flight at the save, `unsaved` landed after it and `continued` are
+    started again from the in-flight file: only the rest are lost; admission counts the
+    continued ones as started (they will land), on top of what was written less what was lost."""
+    saved = SavedCounts(written=10, problems=13, lost=2, lost_stopped=1, in_flight=3, actors=1)
+    got = resume(saved, first_group=0, unsaved=unsaved, continued=continued)
+    assert got.lost_stopped == 1 + 3 - unsaved - continued
+    assert got.admission_started - got.admission_offset == got.written - saved.lost + continued
+    assert got.drawn == 13  # continued groups keep their problems; nothing new was drawn
+
+
 def test_the_position_file_round_trips_and_unknown_keys_are_refused():
     saved = SavedCounts(written=3, stream_end="1-2", problems=4, lost=1, lost_position={"0": "5"}, actors=2)
     assert SavedCounts.from_file(saved.to_file()) == saved

@@ -30,6 +30,10 @@ tests/fixtures/multiturn_domain.py is a small example. The `agent` domain builds
 environment written against an OpenAI-style chat client (pipeline_rl/rollouts/agent/); the
 `verifiers` domain from an environment of the verifiers library (domains/verifiers_env.py).
 
+Rollouts in flight at a stop are continued by the next actor (pipeline_rl/actor/in_flight.py)
+for domains whose rollout is marked `@continuable` (rollouts/interface.py): the built-in
+arithmetic, math and multistep are; the others' are counted lost.
+
 `load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep", "agent", "verifiers") or "module:function".
 """
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains import make_rollout, sample
-from pipeline_rl.rollouts.interface import Generator
+from pipeline_rl.rollouts.interface import Generator, continuable
 from pipeline_rl.rollouts.rewards import call_checked
 from pipeline_rl.streams.records import RolloutGroup
 
@@ -17,6 +17,7 @@ def score(text: str, finish_reason: str, answer: str) -> float:
     return 1.0 if finish_reason == "stop" and text.strip() == answer else 0.0
 
 
+@continuable
 async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     return await sample_and_score(problem, llm, cfg, score)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains import make_rollout, sample
-from pipeline_rl.rollouts.interface import Generator
+from pipeline_rl.rollouts.interface import Generator, continuable
 from pipeline_rl.rollouts.rewards import RewardPool
 from pipeline_rl.streams.records import RolloutGroup
 
@@ -117,6 +117,7 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+@continuable
 async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     ids = prompt_ids(llm.tokenizer, problem["prompt"])
     completions = await sample(llm, ids, cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains.arithmetic import sample_and_score
-from pipeline_rl.rollouts.interface import Generator
+from pipeline_rl.rollouts.interface import Generator, continuable
 from pipeline_rl.streams.records import RolloutGroup
 
 
@@ -15,5 +15,6 @@ def score(text: str, finish_reason: str, answer: str) -> float:
     return 1.0 if finish_reason == "stop" and lines and lines[-1].endswith(f"={answer}") else 0.0
 
 
+@continuable
 async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
     return await sample_and_score(problem, llm, cfg, score)

@@ -1,0 +1,74 @@
+"""Nothing generated is lost at a stop (actor/in_flight.py), end to end on the tiny model: a run
+stopped with Ctrl-C saves every rollout in flight, and the resumed run continues each of them:
+it lands once, as one group, its saved tokens kept with the versions they were generated with."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from fixtures.helpers import ROOT, TESTS
+from fixtures.launches import launch, stop, stream_records, trainer_steps, version, wait_until
+
+from pipeline_rl.actor.in_flight import InFlight
+from pipeline_rl.metrics import read_metrics
+from pipeline_rl.wire import ExitCode
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
+
+LONG = [
+    "actor.domain=fixtures.long_domain:rollout",
+    "actor.max_new_tokens=40",
+    "trainer.checkpoint_every=2",
+]
+"""Completions of 40 tokens each (EOS ignored): a stop finds them half-way."""
+ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+
+
+def test_a_run_stopped_with_ctrl_c_continues_its_rollouts_in_flight_when_resumed(tmp_path, tiny_model):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *LONG, "shared.max_steps=100000", env=ENV, wait=False)
+    try:
+        wait_until(lambda: version(run_dir) >= 4, proc, 300, "version 4", run_dir)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode == ExitCode.INTERRUPTED, out[-4000:]
+    saved = InFlight.load(run_dir / "in_flight" / "actor0.json")
+    assert saved is not None and saved.groups, "no rollout in flight was saved at the stop"
+    parts = {(g.group_id, i): p for g in saved.groups for (call,) in [g.calls] for i, p in enumerate(call.parts) if p}
+    assert any(not p.finish_reason for p in parts.values()), "no sequence was half-way at the stop"
+    stopped_at = version(run_dir)
+    before = {g["group_id"] for g in stream_records(run_dir, "actor")}
+
+    code, out = launch(run_dir, *LONG, f"shared.max_steps={stopped_at + 3}", env=ENV, timeout=300)
+    assert code == 0, out[-4000:]
+    landed: dict[str, list[dict]] = {}
+    for g in stream_records(run_dir, "actor"):
+        landed.setdefault(g["group_id"], []).append(g)
+    for group in saved.groups:
+        assert group.group_id not in before
+        # Every group in flight at the stop landed once, each sequence its saved tokens then more.
+        (record,) = landed.get(group.group_id, [None])
+        assert record is not None, f"group {group.group_id} in flight at the stop never landed"
+        for i, rollout in enumerate(record["rollouts"]):
+            part = parts.get((group.group_id, i))
+            k = len(part.token_ids) if part else 0
+            assert len(rollout["completion_ids"]) == 40
+            if part is not None:
+                assert rollout["completion_ids"][:k] == part.token_ids
+                assert rollout["logprobs"][:k] == part.logprobs
+                assert rollout["versions"][:k] == part.versions  # generated before the stop
+            assert all(v >= rollout["versions"][0] for v in rollout["versions"])
+    resumed = [
+        r["values"]
+        for r in read_metrics(run_dir)
+        if r["process"] == "actor0" and "groups_continued_total" in r["values"]
+    ]
+    last = resumed[-1]
+    assert last["groups_continued_total"] == len(saved.groups), last
+    assert last["tokens_continued_total"] == sum(g.tokens for g in saved.groups), last
+    assert last["groups_lost/stopped_total"] == 0 and last["groups_lost_total"] == 0, last
+    assert [s["values"]["version"] for s in trainer_steps(run_dir)][-1] == stopped_at + 3
