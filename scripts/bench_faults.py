@@ -1,16 +1,21 @@
-"""What a lost actor and a lost trainer cost a self-healing run: `launch.py conf=tiny` twice on
-the same seed and time budget, once without faults and once with actor0 killed (SIGKILL) at
-one point of the budget and trainer0 at a later one; held-out reward and policy version against
-time, side by side.
+"""What faults cost a self-healing run: `launch.py conf=CONF` twice on the same seed and time
+budget, once without faults and once with the faults of --faults, each at its share of the
+budget; held-out reward and policy version against time, side by side.
 
-    python scripts/bench_faults.py [--budget-s 300] [--actor-at 0.33] [--trainer-at 0.66]
-        [--out runs/bench_faults] [override ...]
+    python scripts/bench_faults.py [--conf tiny_long] [--budget-s 300]
+        [--faults actor:0.2,interrupt:0.4,scale_down:0.6,trainer:0.8] [--out runs/bench_faults]
+        [override ...]
 
-The faults are timed from the run's first trainer step. A fault's cost is the time its run
-lost: from the fault to the next one (or the run's end) the faulted run went from version a to
-version b; the clean run took t_clean(b) - t_clean(a) for that, and the rest of the interval is
-the cost (all of it when the run made no progress: a stall). Prints those costs, each restart's
-recovery time (RUN_DIR/restarts.jsonl) and both runs' final reward; writes OUT/faults.json and
+Faults: `actor` and `trainer` kill actor0 or trainer0 (SIGKILL); `interrupt` stops the run with
+Ctrl-C and launches it again at once (it resumes from its checkpoint and continues the rollouts
+in flight); `scale_down` asks the run for one actor fewer (`--actors`; both runs then start with
+world.actors=2). The faults are timed from the run's first trainer step. A fault's cost is the
+time its run lost: from the fault to the next one (or the run's end) the faulted run went from
+version a to version b; the clean run took t_clean(b) - t_clean(a) for that, and the rest of
+the interval is the cost (all of it when the run made no progress: a stall). With each fault,
+what became of the rollouts in flight (the actors' metrics): groups lost at a stop, groups and
+tokens continued, groups handed over. Prints the costs, each restart's recovery time
+(RUN_DIR/restarts.jsonl) and both runs' final reward; writes OUT/faults.json and
 OUT/reward_through_faults.png.
 """
 
@@ -53,17 +58,68 @@ def steps(run_dir: Path) -> list[dict]:
     ]
 
 
-def launch(run_dir: Path, budget_s: float, overrides: list[str]) -> subprocess.Popen:
-    argv = [sys.executable, "launch.py", "conf=tiny", f"run_dir={run_dir}", f"max_time_s={budget_s}", "--fresh"]
-    log = open(run_dir.parent / f"{run_dir.name}.log", "w")
-    return subprocess.Popen([*argv, *overrides], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+def launch(run_dir: Path, conf: str, budget_s: float, overrides: list[str], fresh: bool = True) -> subprocess.Popen:
+    argv = [sys.executable, "launch.py", f"conf={conf}", f"run_dir={run_dir}", f"max_time_s={budget_s}"]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "a")
+    return subprocess.Popen(
+        [*argv, *(["--fresh"] if fresh else []), *overrides], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
-def run(run_dir: Path, budget_s: float, overrides: list[str], faults: list[tuple[float, str]]) -> list[dict]:
-    """One run; `faults`: (seconds after the first step, pool module to kill). Returns the
-    faults as done: the time (since the first step) and the trainer version at each."""
+IN_FLIGHT_KEYS = (
+    "groups_lost/stopped_total",
+    "groups_continued_total",
+    "tokens_continued_total",
+    "groups_handed_over_total",
+)
+"""The actors' counters of what became of their rollouts in flight (actor/in_flight.py)."""
+
+
+def in_flight_growth(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
+    """How much each IN_FLIGHT_KEYS counter grew over the actors' reports between wall times t0
+    and t1, summed over actors; a counter that fell started again with a new process."""
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in read_metrics(run_dir):
+        if r["process"].startswith("actor"):
+            for k in IN_FLIGHT_KEYS:
+                if k in r["values"]:
+                    series.setdefault((r["process"], k), []).append((r["time"], r["values"][k]))
+    growth: dict[str, float] = dict.fromkeys(IN_FLIGHT_KEYS, 0.0)
+    for (_, k), points in series.items():
+        last = 0.0
+        for t, v in sorted(points):
+            if t0 <= t < t1:
+                growth[k] += v - last if v >= last else v
+            last = v
+    return {k.removesuffix("_total"): v for k, v in growth.items()}
+
+
+def fault(proc: subprocess.Popen, run_dir: Path, conf: str, what: str, left_s: float, overrides: list[str]):
+    """Cause fault `what`; returns the launcher process from then on."""
+    if what in ("actor", "trainer"):
+        pid = pid_of(run_dir, what)
+        if pid is None:
+            raise RuntimeError(f"no {what} process to kill")
+        os.kill(pid, signal.SIGKILL)
+    elif what == "interrupt":
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+        return launch(run_dir, conf, left_s, overrides, fresh=False)
+    elif what == "scale_down":
+        argv = [sys.executable, "launch.py", f"conf={conf}", f"run_dir={run_dir}", *overrides, "--actors", "1"]
+        subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=180)
+    else:
+        raise ValueError(f"unknown fault {what!r} (actor, trainer, interrupt, scale_down)")
+    return proc
+
+
+def run(run_dir: Path, conf: str, budget_s: float, overrides: list[str], faults: list[tuple[float, str]]) -> list[dict]:
+    """One run; `faults`: (seconds after the first step, fault). Returns the faults as done: the
+    time (since the first step) and the trainer version at each."""
     shutil.rmtree(run_dir, ignore_errors=True)  # no step of an earlier run may start the clock
-    proc = launch(run_dir, budget_s, overrides)
+    (run_dir.parent / f"{run_dir.name}.log").unlink(missing_ok=True)
+    proc = launch(run_dir, conf, budget_s, overrides)
+    started = time.time()
     done: list[dict] = []
     first: float | None = None
     pending = list(faults)
@@ -74,14 +130,12 @@ def run(run_dir: Path, budget_s: float, overrides: list[str], faults: list[tuple
             first = found[0]["time"] if found else None
             continue
         if pending and time.time() - first >= pending[0][0]:
-            at, module = pending.pop(0)
-            pid = pid_of(run_dir, module)
-            if pid is None:
-                raise RuntimeError(f"no {module} process to kill at {at:.0f} s")
+            _, what = pending.pop(0)
             version = steps(run_dir)[-1]["values"]["version"]
-            os.kill(pid, signal.SIGKILL)
-            done.append({"process": module, "at_s": round(time.time() - first, 1), "version": version})
-            print(f"  killed {module} at {done[-1]['at_s']:.0f} s (version {version})", flush=True)
+            at_s = round(time.time() - first, 1)
+            proc = fault(proc, run_dir, conf, what, budget_s - (time.time() - started), overrides)
+            done.append({"fault": what, "at_s": at_s, "at": time.time(), "version": version})
+            print(f"  {what} at {at_s:.0f} s (version {version})", flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir} ended with exit code {proc.returncode}: see {run_dir.parent / run_dir.name}.log")
     return done
@@ -109,25 +163,36 @@ def lost_s(faulted: list[tuple[float, int]], clean: list[tuple[float, int]], sta
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    parser.add_argument("--conf", default="tiny_long")
     parser.add_argument("--budget-s", type=float, default=300.0)
-    parser.add_argument("--actor-at", type=float, default=0.33, help="share of the budget")
-    parser.add_argument("--trainer-at", type=float, default=0.66, help="share of the budget")
+    parser.add_argument(
+        "--faults",
+        default="actor:0.2,interrupt:0.4,scale_down:0.6,trainer:0.8",
+        help="FAULT:SHARE,... (shares of the budget, in order)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_faults")
+    parser.add_argument("--skip-clean", action="store_true", help="keep OUT/clean from an earlier run")
     args, overrides = parser.parse_known_args()
     args.out.mkdir(parents=True, exist_ok=True)
     clean_dir, faults_dir = (args.out / "clean").resolve(), (args.out / "faults").resolve()
+    schedule = [(float(share) * args.budget_s, what) for what, share in (f.split(":") for f in args.faults.split(","))]
+    if any(what == "scale_down" for _, what in schedule):
+        overrides = ["world.actors=2", *overrides]
 
-    print(f"clean run ({args.budget_s:.0f} s) ...", flush=True)
-    run(clean_dir, args.budget_s, overrides, [])
+    if not args.skip_clean:
+        print(f"clean run ({args.budget_s:.0f} s) ...", flush=True)
+        run(clean_dir, args.conf, args.budget_s, overrides, [])
     print(f"faulted run ({args.budget_s:.0f} s) ...", flush=True)
-    schedule = [(args.actor_at * args.budget_s, "actor"), (args.trainer_at * args.budget_s, "trainer")]
-    done = run(faults_dir, args.budget_s, overrides, schedule)
+    done = run(faults_dir, args.conf, args.budget_s, overrides, schedule)
 
     clean, clean_t0 = curve(clean_dir)
     faulted, faulted_t0 = curve(faults_dir)
     run_end = max(r["time"] for r in read_metrics(faults_dir)) - faulted_t0
     ends = [f["at_s"] for f in done[1:]] + [run_end]
     costs = [{**f, "cost_s": round(lost_s(faulted, clean, f, end), 1)} for f, end in zip(done, ends)]
+    # What each fault did to the rollouts in flight: the counters' growth up to the next fault.
+    for c, end in zip(costs, [f["at"] for f in done[1:]] + [float("inf")]):
+        c["in_flight"] = in_flight_growth(faults_dir, c.pop("at"), end)
     lines = (faults_dir / "restarts.jsonl").read_bytes().splitlines()
     restarts = list({(r["what"], r["at"]): r for r in map(json.loads, lines)}.values())
     curves = {}
@@ -143,15 +208,18 @@ def main() -> None:
     }
     (args.out / "faults.json").write_text(json.dumps(result, indent=2))
     for c in costs:
-        print(f"{c['process']} killed at {c['at_s']:.0f} s (version {c['version']}): cost {c['cost_s']:.0f} s")
+        kept = ", ".join(f"{k} {v:g}" for k, v in c["in_flight"].items())
+        print(f"{c['fault']} at {c['at_s']:.0f} s (version {c['version']}): cost {c['cost_s']:.0f} s; {kept}")
     for r in result["restarts"]:
         print(f"restart of {r['what']} ({r['died']} lost): back after {r['recovered_s']} s")
     print(f"final reward: clean {result['final_reward']['clean']}, with faults {result['final_reward']['faults']}")
     print(f"final version: clean {clean[-1][1]}, with faults {faulted[-1][1]}")
-    plot(args.out / "reward_through_faults.png", curves, clean, faulted, costs)
+    faults = ", ".join(c["fault"] for c in costs)
+    title = f"conf={args.conf} with faults ({faults}), beside the same run without"
+    plot(args.out / "reward_through_faults.png", curves, clean, faulted, costs, title)
 
 
-def plot(path: Path, curves: dict, clean: list, faulted: list, costs: list[dict]) -> None:
+def plot(path: Path, curves: dict, clean: list, faulted: list, costs: list[dict], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,13 +234,13 @@ def plot(path: Path, curves: dict, clean: list, faulted: list, costs: list[dict]
     for c in costs:
         for ax in (top, bottom):
             ax.axvline(c["at_s"], color="grey", linestyle=":")
-        top.annotate(f"{c['process']} killed\ncost {c['cost_s']:.0f} s", (c["at_s"], 0.05), fontsize=8)
+        top.annotate(f"{c['fault']}\ncost {c['cost_s']:.0f} s", (c["at_s"], 0.05), fontsize=8)
     top.set_ylabel("held-out reward (moving average of 3 evaluations)")
     top.set_ylim(0, 1)
     bottom.set_ylabel("policy version")
     bottom.set_xlabel("seconds since the first trainer step")
     top.legend()
-    top.set_title("conf=tiny with an actor and a trainer killed, beside the same run without faults")
+    top.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
     print(f"plot: {path}")

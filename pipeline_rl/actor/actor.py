@@ -156,7 +156,7 @@ class Actor:
         # The share this actor's saved counts were made at; rebased to the job's below.
         actors = saved.actors or self.actor_count.count
         self.order = ProblemOrder(self.problems, cfg.seed, index, actors)
-        self.admission = Admission(cfg.shared.groups_per_step, actors, admission_lag(cfg))
+        self.admission = Admission(cfg.shared.groups_per_step, saved.present or actors, admission_lag(cfg))
         # Groups the preprocessors reported lost give their admission slots back (see admission.py).
         self.lost_reader = self.streams.reader(
             Topic.LOST, GroupsLost, partitions=(index,), position=saved.lost_position
@@ -182,8 +182,8 @@ class Actor:
         counts = resume(saved, first_group, unsaved, continued=len(self.to_continue))
         self.written, self.drawn, self.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
         self.admission.started, self.admission.offset = counts.admission_started, counts.admission_offset
-        if self.actor_count.count != actors and index < self.actor_count.count:
-            self._rescale(self.actor_count.count)
+        if index < self.actor_count.count:
+            self._rescale(self.actor_count.count, self.actor_count.present)
         self.incarnation = f"{int(time.time() * 1000):x}"
         self.metrics = MetricsLogger(cfg, self.name, self.streams)
 
@@ -228,8 +228,8 @@ class Actor:
                     # handling) goes on while the weight-update group re-forms without it.
                     await asyncio.to_thread(self._leave, count)
                     return
-                if not draining and count != self.admission.actors:
-                    self._rescale(count)
+                if not draining:
+                    self._rescale(count, self.actor_count.present)
                 while not draining and len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()
@@ -289,14 +289,16 @@ class Actor:
 
         return published_version(self.weight_sync_addr, self.cfg.world.collective_timeout_s)
 
-    def _rescale(self, actors: int) -> None:
-        """The job was scaled to `actors` actors: admission takes the new share from the next
-        group on, and the problems this actor's share of each epoch, from the next epoch on."""
-        log.info(
-            "the job now has %d actors (was %d): rebasing admission and problem order", actors, self.admission.actors
-        )
-        self.admission.rebase(actors, self.llm.version)
-        self.order, self.drawn = self.order.rescaled(actors, self.drawn)
+    def _rescale(self, actors: int, present: int) -> None:
+        """The job has `actors` actors, `present` of them running (core/actor_count.py): on a
+        change, admission takes the share of those present from the next group on, and the
+        problems this actor's share of each epoch of all of them, from the next epoch on."""
+        if present != self.admission.actors:
+            log.info("%d actors generate now (was %d): rebasing admission", present, self.admission.actors)
+            self.admission.rebase(present, self.llm.version)
+        if actors != self.order.actors:
+            log.info("the job now has %d actors (was %d): rebasing the problem order", actors, self.order.actors)
+            self.order, self.drawn = self.order.rescaled(actors, self.drawn)
 
     def _leave(self, count: int) -> None:
         """Drained (the job was scaled below this actor): every group it started has landed;
@@ -470,7 +472,8 @@ class Actor:
                     lost_position=self.lost_reader.position(),
                     lost_stopped=self.lost_stopped,
                     in_flight=in_flight,
-                    actors=self.admission.actors,
+                    actors=self.order.actors,
+                    present=self.admission.actors,
                     admission_offset=self.admission.offset,
                 ).to_file()
             )

@@ -44,7 +44,9 @@ class SavedCounts:
     in_flight: int = 0
     """Groups in flight at the save."""
     actors: int | None = None
-    """The job's actor count its counts were made at (None: no save yet)."""
+    """The job's actor count its problem order was made at (None: no save yet)."""
+    present: int | None = None
+    """The actors present that admission's share was made at (None: all of `actors`)."""
     admission_offset: int = 0
     """What admission's rebases added to its count."""
 

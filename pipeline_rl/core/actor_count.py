@@ -8,6 +8,10 @@ again runs world.actors of its own config). Actors 0..count-1 generate; an actor
 index drains (finishes its groups in flight, leaves the weight-update group, exits 0). The
 preprocessors read every actor partition up to the largest count seen, since a draining actor
 still writes; trainer rank 0 widens the weight-update group to the same bound.
+
+An actor of the job that is lost and cannot be started again at once (on Ray, no node has room
+for it) is *absent* until it is back: the actors present share each step among themselves
+(admission counts `present`), so the run goes on at the rate they support.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ class ActorCountWatch:
         self.largest = initial
         """The largest count since the launch: actors up to it may still write (draining)."""
         self.scaled = False
-        """Whether the job was scaled since the launch."""
+        """Whether the launcher wrote a count since the launch (the job was scaled, or an actor
+        is or was absent)."""
+        self.absent: frozenset[int] = frozenset()
+        """Actors of the job not running now (see the module's docstring)."""
         self._checked = 0.0
         self.read()
 
@@ -43,9 +50,14 @@ class ActorCountWatch:
             for entry in entries:
                 record: ActorCount = entry.record
                 if self.since is None or record.time >= self.since:
-                    self.count, self.scaled = record.count, True
+                    self.count, self.absent, self.scaled = record.count, frozenset(record.absent), True
                     self.largest = max(self.largest, record.count)
         return self.count
+
+    @property
+    def present(self) -> int:
+        """The job's actors that are running (at least 1: an actor that asks is one)."""
+        return max(1, self.count - sum(1 for i in self.absent if i < self.count))
 
     def poll(self) -> int:
         """`read`, at most every CHECK_EVERY_S; returns the current count."""

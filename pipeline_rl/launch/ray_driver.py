@@ -51,8 +51,8 @@ from pipeline_rl.launch.bundles import STRATEGY, Bundle, bundles
 from pipeline_rl.launch.placement import Node, ProcessSpec, child_env, plan
 from pipeline_rl.launch.process_host import ProcessHost
 from pipeline_rl.launch.ray_cluster import connect, reserve
-from pipeline_rl.launch.ray_health import NodeHealth
-from pipeline_rl.launch.ray_nodes import RayNode, bundle_nodes
+from pipeline_rl.launch.ray_health import NODE_PROBE_EVERY_S, NodeHealth
+from pipeline_rl.launch.ray_nodes import RayNode, bundle_nodes, node_alive
 from pipeline_rl.launch.restarts import TRAINER_POOL
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.supervisor import STOP_GRACE_S, describe_exit
@@ -95,6 +95,18 @@ class Hosted:
     cpus: float = 1.0
 
 
+@dataclass
+class Waiting:
+    """An actor of a frozen node that no node had room for when it was restarted: the run goes
+    on without it (the launcher counts it absent) until it can start again."""
+
+    old: Hosted
+    pg: PlacementGroup
+    """A placement group of its own, asked for on any node: Ray places it once one has room."""
+    probed_at: float = 0.0
+    """When its own bundle's node was last probed (it may wake, or Ray may place the bundle anew)."""
+
+
 def _kill(h: Hosted) -> None:
     """End `h`'s Ray actor for good. (Ray's stubs type what `ray.remote` makes an ActorProxy and
     what `ray.kill` takes an ActorHandle: the same object.)"""
@@ -113,6 +125,8 @@ class RayRun(RunLoop):
         self.redis: Hosted | None = None
         self.health = NodeHealth(self.nodes)
         """Which nodes are gone and which failures a restart heals (launch/ray_health.py)."""
+        self.waiting: dict[str, Waiting] = {}
+        """Actors of frozen nodes waiting for room, by name."""
 
     def _start(
         self,
@@ -234,6 +248,9 @@ class RayRun(RunLoop):
                 h.result = (None, f"its Ray worker is gone ({type(e).__name__}: {first})")
 
     def poll(self) -> tuple[Failure | None, bool]:
+        for waiting in list(self.waiting.values()):
+            if self._start_waiting(waiting):
+                del self.waiting[waiting.old.name]
         self._collect(timeout=0.0)
         failure = self.health.failure(self._everyone())
         if failure is not None:
@@ -243,6 +260,9 @@ class RayRun(RunLoop):
 
     def pool_processes(self) -> set[str]:
         return {h.name for h in self.hosted}
+
+    def absent_actors(self) -> set[int]:
+        return {int(name.removeprefix("actor")) for name in self.waiting}
 
     def restart(self, what: str) -> None:
         """Start `what` again in its bundle: on the same node, or where Ray placed the bundle
@@ -256,9 +276,15 @@ class RayRun(RunLoop):
                 # than a step or two (its groups carry its own incarnation: none is taken twice).
                 old.actor.signal.remote(signal.SIGKILL)
                 _kill(old)
-                new = self._start_elsewhere(old)
-                self.hosted[self.hosted.index(old)] = new
-                print(f"started {new.name} again on {new.node}", flush=True)
+                self.hosted.remove(old)
+                waiting = Waiting(old, self._ask_elsewhere(old))
+                if not self._start_waiting(waiting):
+                    self.waiting[old.name] = waiting
+                    print(
+                        f"no node has room for {old.name} now: the run goes on with the other actors, and "
+                        f"{old.name} starts again once its node is back or another has room",
+                        flush=True,
+                    )
                 continue
             _kill(old)
             node = old.node
@@ -271,23 +297,50 @@ class RayRun(RunLoop):
             self.hosted[self.hosted.index(old)] = new
             print(f"started {new.name} again on {new.node}", flush=True)
 
-    def _start_elsewhere(self, old: Hosted) -> Hosted:
-        """Start `old` (an actor whose node froze) in a placement group of its own, on any node
-        with room, waiting up to NODE_MOVE_S: Ray places the frozen node's bundle again only once
-        it marks the node dead, minutes later. An actor added to the job gives up its own
-        placement group; a bundle of the run's stays reserved on the frozen node."""
+    def _ask_elsewhere(self, old: Hosted) -> PlacementGroup:
+        """A placement group of its own for `old` (an actor whose node froze), on any node: Ray
+        places the frozen node's bundle again only once it marks the node dead, minutes later."""
         resources = self.found[old.bundle].resources if old.pg is None else {"CPU": old.cpus, "GPU": old.gpus}
-        pg = placement_group([{k: v for k, v in resources.items() if v}], strategy=STRATEGY)
-        if not pg.wait(timeout_seconds=NODE_MOVE_S):
-            remove_placement_group(pg)
-            raise RuntimeError(
-                f"the Ray cluster did not fit {old.name} ({resources}) within {NODE_MOVE_S:.0f} s; it has "
-                f"{ray.available_resources()} free (`ray status` says what is in use)"
-            )
-        if old.pg is not None:
-            remove_placement_group(old.pg)
-        node = bundle_nodes(pg, 1)[0]
-        return self._start(old.name, old.pool, 0, old.argv, old.env, old.gpus, (pg, resources["CPU"], node))
+        return placement_group([{k: v for k, v in resources.items() if v}], strategy=STRATEGY)
+
+    def _start_waiting(self, waiting: Waiting) -> bool:
+        """Start a waiting actor where there is room now: in its own placement group once Ray
+        placed it, or in its old bundle once that bundle's node answers again (the node woke,
+        or Ray placed the bundle on another node). False: no room yet."""
+        old = waiting.old
+        if placement_group_table(waiting.pg)["state"] == "CREATED":
+            if old.pg is not None:
+                remove_placement_group(old.pg)  # an added actor's own, on the frozen node
+            node = bundle_nodes(waiting.pg, 1)[0]
+            new = self._start(old.name, old.pool, 0, old.argv, old.env, old.gpus, (waiting.pg, old.cpus, node))
+        else:
+            node = self._bundle_back(waiting)
+            if node is None:
+                return False
+            remove_placement_group(waiting.pg)
+            self.health.frozen.discard(old.node.id)
+            if old.pg is None:
+                self.nodes[old.bundle] = node
+            added = (old.pg, old.cpus, node) if old.pg is not None else None
+            new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus, added)
+        self.hosted.append(new)
+        print(f"\nstarted {new.name} again on {new.node}", flush=True)  # off the status line
+        return True
+
+    def _bundle_back(self, waiting: Waiting) -> RayNode | None:
+        """The node of the waiting actor's old bundle, if it answers now (probed at most every
+        NODE_PROBE_EVERY_S: a frozen node takes RAYLET_PROBE_S to miss a probe)."""
+        if time.monotonic() - waiting.probed_at < NODE_PROBE_EVERY_S:
+            return None
+        waiting.probed_at = time.monotonic()
+        old = waiting.old
+        node_id = placement_group_table(old.pg or self.pg)["bundles_to_node_id"].get(old.bundle)
+        cluster = ray_nodes.cluster_nodes()
+        info = cluster.get(node_id or "")
+        if not node_id or info is None or not info["Alive"]:
+            return None
+        node = RayNode.of(node_id, info)
+        return node if node_alive(node, cluster) else None
 
     def _moved(self, pg: PlacementGroup, bundle: int) -> RayNode:
         """The live node Ray placed `bundle` of `pg` on after its node was lost (Ray places a dead
@@ -355,6 +408,9 @@ class RayRun(RunLoop):
             self._collect(timeout=min(0.5, max(0.0, deadline - time.time())))
 
     def stop_all(self, graceful: bool) -> None:
+        for waiting in self.waiting.values():
+            remove_placement_group(waiting.pg)
+        self.waiting.clear()
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         if graceful:
             self._signal(trainers, signal.SIGTERM)

@@ -122,8 +122,9 @@ class RestartPolicy:
         if self.max_restarts == 0:
             return "restarts: none (world.max_restarts=0): any lost process stops the run"
         where = (
-            "its Ray bundle (where Ray places it again when its node is lost; a lost node 0 or a frozen "
-            "node stops the run)"
+            "its Ray bundle (where Ray places it again when its node is lost; the actors of a frozen node "
+            "that held only actors start on any node with room, and while none has, the other actors "
+            "carry the run; a lost node 0 or another frozen node stops the run)"
             if on_ray
             else "its slot"
         )

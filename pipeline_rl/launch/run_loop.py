@@ -128,6 +128,8 @@ class RunLoop:
         self.drained = 0
         """Actors that drained and left (the launcher's metric "actors_drained_total")."""
         self.scale_requests = ScaleRequests(Path(cfg.run_dir))
+        self.absent: set[int] = set()
+        """The absent actors the pools were last told of (core/actor_count.py)."""
 
     def start(self) -> None:
         """Start the run's services (Redis) and every process of the plan."""
@@ -146,8 +148,13 @@ class RunLoop:
         return set()
 
     def restart(self, what: str) -> None:
-        """Start `what` again (a process's name, or restarts.TRAINER_POOL: every trainer rank)."""
+        """Start `what` again (a process's name, or restarts.TRAINER_POOL: every trainer rank),
+        or, for an actor that nowhere has room for now, start it once there is (`absent_actors`)."""
         raise NotImplementedError
+
+    def absent_actors(self) -> set[int]:
+        """The job's actors that are lost and waiting for room to start again (on Ray)."""
+        return set()
 
     def prepare_actors(self, actors: int) -> object:
         """Place actors self.actors..actors-1 (a run of `actors` actors would have them there);
@@ -218,6 +225,8 @@ class RunLoop:
                 request = self.scale_requests.take()
                 if request is not None:
                     self.scale(request, streams)
+                if self.absent_actors() != self.absent:
+                    self._write_count(streams)
                 for record in feed.drain(timeout=0.5):
                     watchdog.observe(record)
                     if self.restarts.pending:
@@ -275,10 +284,8 @@ class RunLoop:
             self.scale_requests.answer(request, False, f"cannot add actors {old}..{new - 1}: {e}")
             return
         # The count first: an actor started below reads it to know it belongs to the job.
-        writer = streams.writer(Topic.ACTOR_COUNT)
-        writer.write(ActorCount(new, time.time()))
-        writer.close()
         self.actors = new
+        self._write_count(streams)
         self.draining -= running
         what = f"added actors {old}..{new - 1}" if new > old else f"actors {new}..{old - 1} drain and leave"
         print(f"\nscaled the job from {old} to {new} actors: {what}", flush=True)  # off the status line
@@ -287,6 +294,17 @@ class RunLoop:
         self.draining |= {f"actor{i}" for i in range(new, old)}
         self._log(streams, {"actors": new})
         self.scale_requests.answer(request, True, f"the job has {new} actors ({what})")
+
+    def _write_count(self, streams: Streams) -> None:
+        """Tell the pools the job's actors and which of them are absent."""
+        absent = self.absent_actors()
+        if absent - self.absent:
+            print(f"\nactors absent, the others share each step: {sorted(absent)}", flush=True)
+        writer = streams.writer(Topic.ACTOR_COUNT)
+        writer.write(ActorCount(self.actors, time.time(), sorted(absent)))
+        writer.close()
+        self.absent = absent
+        self._log(streams, {"actors_absent": len(absent)})
 
     def note_recovery(self, record: Metrics) -> None:
         step = record.process == "trainer0" and "version" in record.values and "waiting_on" not in record.values

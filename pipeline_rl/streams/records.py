@@ -176,6 +176,9 @@ class ActorCount:
     count: int
     time: float
     """When the launcher wrote it (time.time(), the launcher's clock, as wire.LAUNCHED_AT_ENV)."""
+    absent: list[int] = field(default_factory=list)
+    """Actors of the job that are not running (lost, waiting for a node with room): the others
+    share each step among themselves until they are back."""
     kind: str = Kind.ACTOR_COUNT
 
 

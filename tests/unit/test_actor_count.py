@@ -55,3 +55,26 @@ def test_poll_reads_at_most_every_check_interval(tmp_path, monkeypatch, every):
         watch._checked = float("inf")  # just read
         assert watch.poll() == 1 and watch.read() == 2
     streams.close()
+
+
+def test_absent_actors_leave_the_step_to_those_present(tmp_path, monkeypatch):
+    """An actor lost with no room to start again is absent: the count stays, the actors present
+    share the steps (admission's count), at least the one asking; back, it counts again."""
+    monkeypatch.delenv(LAUNCHED_AT_ENV, raising=False)
+    streams = JsonlStreams(tmp_path)
+    watch = ActorCountWatch(streams, initial=3)
+    assert watch.present == 3 and watch.absent == frozenset()
+    writer = streams.writer(Topic.ACTOR_COUNT)
+    writer.write(ActorCount(3, 1.0, absent=[0]))
+    writer.flush()
+    assert watch.read() == 3 and watch.present == 2 and watch.absent == {0}
+    writer.write(ActorCount(2, 2.0, absent=[0, 2]))  # scaled below an absent actor: it no longer counts
+    writer.flush()
+    assert watch.read() == 2 and watch.present == 1
+    writer.write(ActorCount(1, 3.0, absent=[0]))
+    writer.flush()
+    assert watch.read() == 1 and watch.present == 1  # the actor asking is there
+    writer.write(ActorCount(3, 4.0))
+    writer.close()
+    assert watch.read() == 3 and watch.present == 3 and watch.largest == 3
+    streams.close()
