@@ -553,7 +553,8 @@ class Actor:
         """Save the groups in flight, and the counts that go with them."""
         groups = await self._snapshot(tasks, hold)
         self.writer.flush()  # a group written before the snapshot is behind its stream_end
-        InFlight(groups, self._stream_end()).save(self.in_flight_path)
+        # Off the event loop: a large model's groups in flight are tens of MB to write.
+        await asyncio.to_thread(InFlight(groups, self._stream_end()).save, self.in_flight_path)
         self._save(force=True, in_flight=len(tasks))
         self._in_flight_saved_at = time.monotonic()
 

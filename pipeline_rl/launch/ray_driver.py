@@ -18,7 +18,9 @@ process is restarted in its bundle (launch/restarts.py) until world.max_restarts
 its node, or, when its node is lost (Ray marked it dead, or its raylet refuses connections),
 where Ray places the bundle again (a node with room). The actors of a node that stopped
 answering (frozen, or cut off) and held nothing else start again at once, each in a placement
-group of its own, the old ones fenced (`restart`). A lost node 0 (trainer rank 0 and Redis), or
+group of its own, the old ones fenced (`restart`). An actor no node has room for yet is absent
+(`Waiting`): the run goes on with the other actors, and the actor starts again once its old
+bundle's node answers or a node has room. A lost node 0 (trainer rank 0 and Redis), or
 any other node that stopped answering, stops the run; the report names the process, its node
 (Ray node id and address) and every process the node held. The start, watch and stop sequence is the one-node launcher's
 (run_loop.py); this module supplies how processes start, are polled and stop, and where actors
@@ -101,8 +103,9 @@ class Waiting:
     on without it (the launcher counts it absent) until it can start again."""
 
     old: Hosted
-    pg: PlacementGroup
-    """A placement group of its own, asked for on any node: Ray places it once one has room."""
+    pg: PlacementGroup | None
+    """For a frozen node's actor, a placement group of its own, asked for on any node: Ray places
+    it once one has room. None for a lost node's: Ray places its bundle again once one has."""
     probed_at: float = 0.0
     """When its own bundle's node was last probed (it may wake, or Ray may place the bundle anew)."""
 
@@ -277,17 +280,14 @@ class RayRun(RunLoop):
                 old.actor.signal.remote(signal.SIGKILL)
                 _kill(old)
                 self.hosted.remove(old)
-                waiting = Waiting(old, self._ask_elsewhere(old))
-                if not self._start_waiting(waiting):
-                    self.waiting[old.name] = waiting
-                    print(
-                        f"no node has room for {old.name} now: the run goes on with the other actors, and "
-                        f"{old.name} starts again once its node is back or another has room",
-                        flush=True,
-                    )
+                self._wait_for_room(Waiting(old, self._ask_elsewhere(old)))
                 continue
             _kill(old)
             node = old.node
+            if node.id in self.health.lost and old.pool == "actor":
+                self.hosted.remove(old)
+                self._wait_for_room(Waiting(old, None))
+                continue
             if node.id in self.health.lost:
                 node = self._moved(old.pg or self.pg, old.bundle)
                 if old.pg is None:
@@ -296,6 +296,19 @@ class RayRun(RunLoop):
             new = self._start(old.name, old.pool, old.bundle, old.argv, old.env, old.gpus, added)
             self.hosted[self.hosted.index(old)] = new
             print(f"started {new.name} again on {new.node}", flush=True)
+
+    def _wait_for_room(self, waiting: Waiting) -> None:
+        """Start a lost actor now if there is room, else once there is (`poll`): the run goes on
+        without it meanwhile."""
+        if self._start_waiting(waiting):
+            return
+        name = waiting.old.name
+        self.waiting[name] = waiting
+        print(
+            f"\nno node has room for {name} now: the run goes on with the other actors, and {name} "
+            "starts again once its node is back or another has room",
+            flush=True,
+        )
 
     def _ask_elsewhere(self, old: Hosted) -> PlacementGroup:
         """A placement group of its own for `old` (an actor whose node froze), on any node: Ray
@@ -308,7 +321,7 @@ class RayRun(RunLoop):
         placed it, or in its old bundle once that bundle's node answers again (the node woke,
         or Ray placed the bundle on another node). False: no room yet."""
         old = waiting.old
-        if placement_group_table(waiting.pg)["state"] == "CREATED":
+        if waiting.pg is not None and placement_group_table(waiting.pg)["state"] == "CREATED":
             if old.pg is not None:
                 remove_placement_group(old.pg)  # an added actor's own, on the frozen node
             node = bundle_nodes(waiting.pg, 1)[0]
@@ -317,7 +330,8 @@ class RayRun(RunLoop):
             node = self._bundle_back(waiting)
             if node is None:
                 return False
-            remove_placement_group(waiting.pg)
+            if waiting.pg is not None:
+                remove_placement_group(waiting.pg)
             self.health.frozen.discard(old.node.id)
             if old.pg is None:
                 self.nodes[old.bundle] = node
@@ -337,7 +351,7 @@ class RayRun(RunLoop):
         node_id = placement_group_table(old.pg or self.pg)["bundles_to_node_id"].get(old.bundle)
         cluster = ray_nodes.cluster_nodes()
         info = cluster.get(node_id or "")
-        if not node_id or info is None or not info["Alive"]:
+        if not node_id or node_id in self.health.lost or info is None or not info["Alive"]:
             return None
         node = RayNode.of(node_id, info)
         return node if node_alive(node, cluster) else None
@@ -409,7 +423,8 @@ class RayRun(RunLoop):
 
     def stop_all(self, graceful: bool) -> None:
         for waiting in self.waiting.values():
-            remove_placement_group(waiting.pg)
+            if waiting.pg is not None:
+                remove_placement_group(waiting.pg)
         self.waiting.clear()
         trainers = [h for h in self.hosted if h.pool == "trainer"]
         if graceful:

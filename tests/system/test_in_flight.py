@@ -1,15 +1,17 @@
 """Nothing generated is lost at a stop (actor/in_flight.py), end to end on the tiny model: a run
 stopped with Ctrl-C saves every rollout in flight, and the resumed run continues each of them:
-it lands once, as one group, its saved tokens kept with the versions they were generated with."""
+it lands once, as one group, its saved tokens kept with the versions they were generated with.
+An actor scaled away hands its rollouts in flight over to the one that stays."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from fixtures.helpers import ROOT, TESTS
-from fixtures.launches import launch, stop, stream_records, trainer_steps, version, wait_until
+from fixtures.launches import launch, scale_actors, stop, stream_records, trainer_steps, version, wait_until
 
 from pipeline_rl.actor.in_flight import InFlight
 from pipeline_rl.metrics import read_metrics
@@ -72,3 +74,44 @@ def test_a_run_stopped_with_ctrl_c_continues_its_rollouts_in_flight_when_resumed
     assert last["tokens_continued_total"] == sum(g.tokens for g in saved.groups), last
     assert last["groups_lost/stopped_total"] == 0 and last["groups_lost_total"] == 0, last
     assert [s["values"]["version"] for s in trainer_steps(run_dir)][-1] == stopped_at + 3
+
+
+def test_an_actor_scaled_away_hands_its_rollouts_in_flight_over_and_leaves_at_once(tmp_path, tiny_model):
+    """Two actors of long completions, scaled to one: actor1 hands its groups in flight over
+    (it does not finish them) and leaves; actor0 claims them, continues each and writes it once;
+    the run goes on."""
+    run_dir = tmp_path / "run"
+    # Admission far ahead of the trainer: each actor always has its 8 groups in flight.
+    ahead = "actor.admission_lag=20"
+    proc = launch(run_dir, *LONG, ahead, "world.actors=2", "shared.max_steps=100000", env=ENV, wait=False)
+    try:
+        wait_until(lambda: version(run_dir) >= 3, proc, 300, "version 3", run_dir)
+        asked_at = time.time()
+        down = scale_actors(run_dir, 1)
+        assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
+
+        def left() -> bool:
+            launcher = [r["values"] for r in read_metrics(run_dir) if r["process"] == "launcher"]
+            return any(r.get("actors_drained_total") == 1 for r in launcher)
+
+        wait_until(left, proc, 120, "actor1 leaving", run_dir)
+        left_in = time.time() - asked_at
+        handed = max(
+            r["values"].get("groups_handed_over_total", 0) for r in read_metrics(run_dir) if r["process"] == "actor1"
+        )
+        at_left = version(run_dir)
+        wait_until(lambda: version(run_dir) >= at_left + 5, proc, 120, "5 versions after actor1 left", run_dir)
+    finally:
+        stop(proc)
+    assert proc.returncode == ExitCode.INTERRUPTED
+    assert handed > 0, "actor1 had no group in flight to hand over"
+    adopted = [g for g in stream_records(run_dir, "actor") if g["actor"] == 0 and g["group_id"].startswith("actor1-")]
+    assert len(adopted) == len({g["group_id"] for g in adopted}) == handed, (len(adopted), handed)
+    for g in adopted:
+        for r in g["rollouts"]:
+            assert len(r["completion_ids"]) == 40 and r["versions"] == sorted(r["versions"])
+    actor0 = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0"]
+    assert max(r["groups_continued_total"] for r in actor0) == handed
+    # A liveness bound: leaving waits for the weight transfer in progress, not for the groups.
+    print(f"\nactor1 handed {handed} groups over and left {left_in:.1f} s after the request")
+    assert left_in < 60, left_in
