@@ -87,11 +87,12 @@ class NodeHealth:
 
     def held(self, everyone: list[Hosted]) -> list[RayNode]:
         """The run's nodes: its bundles' and those of the actors placed since; a node that froze
-        drops out once its actors have all moved away (Ray may mark it dead later: that explains
-        no other failure)."""
+        or was lost drops out once it holds none of the run's processes (its actors moved away
+        or wait for room elsewhere; Ray may mark it dead later: that explains no other failure)."""
         holding = {h.node.id for h in everyone}
         nodes = {n.id: n for n in [*self.nodes, *(h.node for h in everyone)]}
-        return [n for n in nodes.values() if n.id not in self.frozen or n.id in holding]
+        gone = self.frozen | self.lost
+        return [n for n in nodes.values() if n.id not in gone or n.id in holding]
 
     def dead(self, everyone: list[Hosted]) -> list[RayNode]:
         cluster = ray_nodes.cluster_nodes()
