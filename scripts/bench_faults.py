@@ -3,7 +3,7 @@ budget, once without faults and once with the faults of --faults, each at its sh
 budget; held-out reward and policy version against time, side by side.
 
     python scripts/bench_faults.py [--conf tiny_long] [--budget-s 300]
-        [--faults actor:0.2,interrupt:0.4,scale_down:0.6,trainer:0.8] [--out runs/bench_faults]
+        [--faults actor:0.15,interrupt:0.35,scale_down:0.5,trainer:0.65] [--out runs/bench_faults]
         [override ...]
 
 Faults: `actor` and `trainer` kill actor0 or trainer0 (SIGKILL); `interrupt` stops the run with
@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=300.0)
     parser.add_argument(
         "--faults",
-        default="actor:0.2,interrupt:0.4,scale_down:0.6,trainer:0.8",
+        default="actor:0.15,interrupt:0.35,scale_down:0.5,trainer:0.65",
         help="FAULT:SHARE,... (shares of the budget, in order)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_faults")

@@ -81,6 +81,10 @@ class WeightPublisher:
                 transfer_timeout_s(cfg.world.collective_timeout_s),
                 member_names(actors, self.tp),
             )
+            # A trainer started again after the job shrank (actors scaled away, or absent on
+            # Ray) waits for the actors there, not for every rank the job ever had.
+            there = [i for i in range(self.actor_count.count) if i not in self.actor_count.absent]
+            self.sender.expect([r for i in there for r in group_ranks(i, actors, self.tp)[0]])
             self.writer = streams.writer(Topic.WEIGHTS)
 
     def _follow_actor_count(self) -> None:

@@ -45,6 +45,8 @@ class WeightSender(Endpoint):
         self._formed = False
         """Whether a group was formed before (the first waits for every receiver)."""
         self.members: list[int] = []
+        self.awaited: list[int] | None = None
+        """The receiver ranks the first update waits for (`expect`); None: every rank."""
         """The weight-update ranks of the current group (0 first), for logs and tests."""
         self._tokens: dict[int, str] = {}
         """Rank -> registration token of each receiver in the current group: a rank registered
@@ -157,15 +159,22 @@ class WeightSender(Endpoint):
         if len(members) > 1:
             self._group = self._build_group(0, len(members))
 
+    def expect(self, ranks: list[int]) -> None:
+        """The first update waits for these receiver ranks only: the actors of the job that are
+        there (one scaled away or absent would hold it up for the whole timeout). The others
+        join at a later version if they register."""
+        self.awaited = sorted(ranks)
+
     def _wait_for_receivers(self) -> None:
-        """Wait up to the timeout for every receiver to register; say which did not."""
+        """Wait up to the timeout for every awaited receiver to register; say which did not."""
         assert self._store is not None
-        keys = [ready_key(r) for r in range(1, self.world_size)]
+        awaited = self.awaited if self.awaited is not None else list(range(1, self.world_size))
+        keys = [ready_key(r) for r in awaited]
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while not self._store.check(keys):
+        while keys and not self._store.check(keys):
             if time.monotonic() >= deadline:
                 names = json.loads(self._store.get("members"))
-                missing = [r for r in range(1, self.world_size) if not self._store.check([ready_key(r)])]
+                missing = [r for r in awaited if not self._store.check([ready_key(r)])]
                 log.warning(
                     "the first weight update goes without %s: not registered within %g s; they join at the next version",
                     named(names, missing),

@@ -298,6 +298,26 @@ def _two_receivers(timeout_s: float, sender_timeout_s: float | None = None):
     return sender, procs, results, announce
 
 
+def test_the_first_update_waits_only_for_the_actors_there():
+    """A trainer started again after actor1 left the job (or while it is absent): its first
+    update waits for actor0 alone, not for the whole timeout for a rank nobody will take."""
+    timeout_s = 60.0
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, 3, "gloo", timeout_s, member_names(2, 1))
+    sender.expect([1])
+    queues, results = {1: _SPAWN.Queue()}, {1: _SPAWN.Queue()}
+    proc = _start_receiver(addr, 1, 3, queues, results)
+    try:
+        started = time.monotonic()
+        sender.send(1, _weights(1), lambda update: queues[1].put(update), bucket_mb=1)
+        assert _report(results[1], 1) == "ok"
+        assert sender.members == [0, 1]
+        assert time.monotonic() - started < timeout_s / 2
+    finally:
+        proc.kill()
+        sender.close()
+
+
 def test_a_leaving_receiver_that_registers_again_is_still_left_out():
     """An actor scaled away leaves the group (leave_group: its registration deleted, then the
     wait for a group formed without it). A registration made again meanwhile, as a receiver

@@ -10,12 +10,10 @@ import asyncio
 import time
 
 import pytest
-from fixtures.helpers import perturbed
+from fixtures.helpers import perturbed, small_engine
 from safetensors.torch import load_file
 
 from pipeline_rl.actor.in_flight import ContinuationMismatch, RecordingGenerator, SavedCall
-from pipeline_rl.config import load_config
-from pipeline_rl.engine.llm_client import LLMClient
 
 pytestmark = pytest.mark.vllm
 
@@ -25,17 +23,7 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def client(tiny_model, tmp_path_factory):
-    cfg = load_config(
-        "base",
-        [
-            f"run_dir={tmp_path_factory.mktemp('run')}",
-            "model.dtype=float32",
-            "actor.llm.kv_cache_gib=0.25",
-            "actor.llm.max_model_len=128",
-            "actor.llm.max_num_seqs=16",
-        ],
-    )
-    llm = LLMClient.create(cfg, str(tiny_model), version=0)
+    llm = small_engine(tiny_model, tmp_path_factory.mktemp("run"), max_model_len=128, max_num_seqs=16)
     # A perturbed model: the trained one answers and then repeats EOS; this one gives varied tokens.
     llm.hook.swap(perturbed(load_file(str(tiny_model / "model.safetensors")), seed=3).items(), 1)
     yield llm

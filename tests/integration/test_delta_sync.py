@@ -11,11 +11,9 @@ import threading
 import pytest
 import torch
 from fixtures.delta_publisher import Publisher, nudge
-from fixtures.helpers import free_port
+from fixtures.helpers import free_port, small_engine
 from safetensors.torch import load_file
 
-from pipeline_rl.config import load_config
-from pipeline_rl.engine.llm_client import LLMClient
 from pipeline_rl.weight_sync import WeightReceiver, WeightSender, delta
 
 TIMEOUT_S = 10.0
@@ -102,17 +100,7 @@ def test_newcomers_and_restarted_receivers_get_a_full_update_then_deltas():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
-    cfg = load_config(
-        "base",
-        [
-            f"run_dir={tmp_path_factory.mktemp('run')}",
-            "model.dtype=bfloat16",
-            "actor.llm.kv_cache_gib=0.25",
-            "actor.llm.max_model_len=128",
-            "actor.llm.max_num_seqs=8",
-        ],
-    )
-    client = LLMClient.create(cfg, str(tiny_model), version=0)
+    client = small_engine(tiny_model, tmp_path_factory.mktemp("run"), "bfloat16", max_model_len=128, max_num_seqs=8)
     yield client
     client.close()
 

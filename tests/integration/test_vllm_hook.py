@@ -14,29 +14,16 @@ import time
 
 import pytest
 import torch
-from fixtures.helpers import hf_model, perturbed
+from fixtures.helpers import hf_model, perturbed, small_engine
 from fixtures.swap_checks import swap_during_generation, worst_logprob_error
 from safetensors.torch import load_file
-
-from pipeline_rl.config import load_config
-from pipeline_rl.engine.llm_client import LLMClient
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model, tmp_path_factory):
-    cfg = load_config(
-        "base",
-        [
-            f"run_dir={tmp_path_factory.mktemp('run')}",
-            "model.dtype=float32",
-            "actor.llm.kv_cache_gib=0.25",
-            "actor.llm.max_model_len=256",
-            "actor.llm.max_num_seqs=64",
-        ],
-    )
-    llm = LLMClient.create(cfg, str(tiny_model), version=0)
+    llm = small_engine(tiny_model, tmp_path_factory.mktemp("run"))
     yield llm
     llm.close()
 

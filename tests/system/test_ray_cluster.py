@@ -59,33 +59,32 @@ QUICK = [
 ]
 
 
-@pytest.fixture
-def cluster():
-    """A head without CPUs (no process of the run lands on it) and three 1-CPU nodes."""
+def simulated_cluster(nodes: int, **system_config):
+    """A head without CPUs (no process of the run lands on it) and `nodes` 1-CPU nodes."""
     head = {"num_cpus": 0, "include_dashboard": False, "object_store_memory": OBJECT_STORE}
+    if system_config:
+        head["_system_config"] = system_config
     c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(3):
+    for _ in range(nodes):
         c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
     c.wait_for_nodes()
+    return c
+
+
+@pytest.fixture
+def cluster():
+    """Three nodes: one for each process of a run of one actor."""
+    c = simulated_cluster(3)
     yield c
     c.shutdown()
 
 
 @pytest.fixture
 def full_cluster():
-    """A head without CPUs and four 1-CPU nodes, one for each process of a run of two actors: no
-    node has room for anything more. Ray's GCS gives up on a node only after minutes (a frozen
-    node here wakes up before it would be marked dead)."""
-    head = {
-        "num_cpus": 0,
-        "include_dashboard": False,
-        "object_store_memory": OBJECT_STORE,
-        "_system_config": {"health_check_failure_threshold": 100},
-    }
-    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(4):
-        c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-    c.wait_for_nodes()
+    """Four nodes, one for each process of a run of two actors: no node has room for anything
+    more. Ray's GCS gives up on a node only after minutes (a frozen node here wakes up before it
+    would be marked dead)."""
+    c = simulated_cluster(4, health_check_failure_threshold=100)
     yield c
     c.shutdown()
 
