@@ -61,18 +61,11 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
-from pipeline_rl.actor.in_flight import (
-    HANDOVER_PREFIX,
-    ContinuationMismatch,
-    InFlight,
-    RecordingGenerator,
-    SavedGroup,
-    claim_handovers,
-)
+from pipeline_rl.actor.in_flight import ContinuationMismatch, RecordingGenerator
+from pipeline_rl.actor.in_flight_keeper import GroupRun, InFlightKeeper
 from pipeline_rl.actor.problems import ProblemOrder
 from pipeline_rl.actor.resume import SavedCounts, resume
 from pipeline_rl.actor.window import Window
@@ -97,16 +90,6 @@ POLL_S = 0.01
 mode every step waits here for the new version)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
-
-
-@dataclass
-class GroupRun:
-    """A group in flight: its id (unique over the run, kept when it is continued elsewhere), its
-    problem and what its rollout samples through."""
-
-    group_id: str
-    problem: dict
-    generator: RecordingGenerator
 
 
 class Actor:
@@ -173,12 +156,10 @@ class Actor:
         unsaved = len(landed)
         if unsaved:
             log.info("%d groups reached the stream after the last position save: counted as written", unsaved)
-        self.continuable = is_continuable(self.rollout) and not cfg.shared.routing_replay
-        """Whether groups in flight are saved and continued (routing replay would need each saved
-        token's experts)."""
-        self.in_flight_dir = run_dir / "in_flight"
-        self.in_flight_path = self.in_flight_dir / f"{self.name}.json"
-        self.to_continue = self._saved_in_flight()
+        # Routing replay would need each saved token's experts to continue a group.
+        continuable = is_continuable(self.rollout) and not cfg.shared.routing_replay
+        self.keeper = InFlightKeeper(run_dir, self.name, self.llm, continuable, cfg.actor.in_flight_save_s)
+        self.to_continue = self.keeper.saved(self._landed_since)
         counts = resume(saved, first_group, unsaved, continued=len(self.to_continue))
         self.written, self.drawn, self.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
         self.admission.started, self.admission.offset = counts.admission_started, counts.admission_offset
@@ -195,10 +176,8 @@ class Actor:
         self.idle_total_s = 0.0
         """Time with no group in flight: the engine had nothing to generate."""
         self.swaps_seen = 0
-        self.continued_total = self.handed_over_total = self.lost_continuation = 0
-        self.tokens_continued_total = 0
-        """Generated tokens that continued groups did not have to generate again."""
-        self._saved_at = self._in_flight_saved_at = 0.0
+        self.lost_continuation = 0
+        self._saved_at = 0.0
         self.drained = False
         """Whether the actor ended because the job was scaled below it."""
 
@@ -207,8 +186,8 @@ class Actor:
     async def run(self, stop: Callable[[], bool]) -> None:
         tasks: dict[asyncio.Task, GroupRun] = {}
         eval_task: asyncio.Task | None = None
-        self._continue(tasks, self.to_continue, counted=True)
-        self._in_flight_saved_at = time.monotonic()  # the file holds the continued groups already
+        for run in self.keeper.runs(self.to_continue):  # resume's counts hold them
+            self._start(tasks, run)
         stopping = False
         next_eval = time.monotonic() if self.eval_problems else float("inf")
         next_metrics = time.monotonic() + self.cfg.actor.metrics_every_s
@@ -221,7 +200,7 @@ class Actor:
                     raise RuntimeError(f"the vLLM engine failed: {self.llm.failure}")
                 count = self.actor_count.poll()
                 draining = self.index >= count
-                if draining and tasks and self.continuable:
+                if draining and tasks and self.keeper.continuable:
                     await self._hand_over(tasks)
                 if draining and not tasks:
                     # Off the event loop: the engine (an evaluation in flight, its output
@@ -236,12 +215,8 @@ class Actor:
                         break
                     blocked_since = self._unblock(blocked_since)
                     self.admission.start()
-                    group = GroupRun(
-                        f"{self.name}-{self.incarnation}-{self.drawn}",
-                        self.order[self.drawn],
-                        RecordingGenerator(self.llm),
-                    )
-                    tasks[asyncio.create_task(self.rollout(group.problem, group.generator, self.cfg))] = group
+                    group_id = f"{self.name}-{self.incarnation}-{self.drawn}"
+                    self._start(tasks, GroupRun(group_id, self.order[self.drawn], RecordingGenerator(self.llm)))
                     self.drawn += 1
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
@@ -261,15 +236,15 @@ class Actor:
                     blocked_since = self._unblock(blocked_since, reopen=True)
                     self._log_metrics(len(tasks))
                     next_metrics = now + self.cfg.actor.metrics_every_s
-                if self.continuable and not draining:
-                    if now - self._in_flight_saved_at >= self.cfg.actor.in_flight_save_s > 0:
+                if self.keeper.continuable and not draining:
+                    if self.keeper.due():
                         await self._save_in_flight(tasks, hold=False)
                     if now - self._saved_at >= SAVE_EVERY_S:
                         await self._adopt(tasks)
                 self._save(force=False, in_flight=len(tasks))
             stopping = True
         finally:
-            if stopping and self.continuable and tasks and self.llm.failure is None:
+            if stopping and self.keeper.continuable and tasks and self.llm.failure is None:
                 # Held: the engine generates nothing after this, so nothing is thrown away.
                 await self._save_in_flight(tasks, hold=True)
             for task in list(tasks) + ([eval_task] if eval_task else []):
@@ -440,9 +415,9 @@ class Actor:
             "groups_lost/continuation_total": self.lost_continuation,
             # Groups in flight at a stop continued here, their tokens not generated again; and
             # groups this actor handed over when the job was scaled below it.
-            "groups_continued_total": self.continued_total,
-            "tokens_continued_total": self.tokens_continued_total,
-            "groups_handed_over_total": self.handed_over_total,
+            "groups_continued_total": self.keeper.continued_total,
+            "tokens_continued_total": self.keeper.tokens_continued_total,
+            "groups_handed_over_total": self.keeper.handed_over_total,
             **{f"groups_lost/{cause}_total": n for cause, n in sorted(self.lost_by_cause.items())},
             "last_rollout_error": self.last_rollout_error,
             **self.agent_stats.take(),  # turns, tool calls and errors of agent episodes
@@ -497,83 +472,40 @@ class Actor:
         """The end of this actor's partition after its last group that landed."""
         return self.writer.ends.get(self.index, self.stream_end)
 
-    def _saved_in_flight(self) -> list[SavedGroup]:
-        """The groups of this actor's last in-flight save that did not land after it."""
-        saved = InFlight.load(self.in_flight_path)
-        if saved is None or not saved.groups:
-            return []
-        if not self.continuable:
-            log.warning(
-                "%d saved groups in flight not continued: the domain's rollouts are not continuable", len(saved.groups)
-            )
-            return []
-        landed = set(self._landed_since(saved.stream_end))
-        groups = [g for g in saved.groups if g.group_id not in landed]
-        log.info(
-            "continuing %d groups in flight at the last stop (%d tokens)", len(groups), sum(g.tokens for g in groups)
-        )
-        return groups
+    def _start(self, tasks: dict[asyncio.Task, GroupRun], run: GroupRun) -> None:
+        tasks[asyncio.create_task(self.rollout(run.problem, run.generator, self.cfg))] = run
 
-    def _continue(self, tasks: dict[asyncio.Task, GroupRun], groups: list[SavedGroup], counted: bool) -> None:
-        """Start saved `groups` again (`counted`: admission already counts them, as resume's
-        counts do this actor's own)."""
-        for saved in groups:
-            if not counted:
-                self.admission.start()
-            run = GroupRun(saved.group_id, saved.problem, RecordingGenerator(self.llm, saved.calls))
-            tasks[asyncio.create_task(self.rollout(run.problem, run.generator, self.cfg))] = run
-            self.continued_total += 1
-            self.tokens_continued_total += saved.tokens
+    def _flushed_end(self) -> str | None:
+        """The partition's end once every group written so far is in the stream."""
+        self.writer.flush()
+        return self._stream_end()
+
+    async def _save_in_flight(self, tasks: dict[asyncio.Task, GroupRun], hold: bool) -> None:
+        """Save the groups in flight, and the counts that go with them."""
+        await self.keeper.save(list(tasks.values()), hold, self._flushed_end)
+        self._save(force=True, in_flight=len(tasks))
 
     async def _adopt(self, tasks: dict[asyncio.Task, GroupRun]) -> None:
-        """Continue the groups of hand-over files this actor claims (actor/in_flight.py)."""
-        groups, files = claim_handovers(self.in_flight_dir, self.name)
-        ids = {run.group_id for run in tasks.values()}
-        groups = [g for g in groups if g.group_id not in ids]
-        if groups:
-            log.info("continuing %d groups handed over by a leaving actor", len(groups))
-            self._continue(tasks, groups, counted=False)
+        """Continue the groups of the hand-over files this actor claims."""
+        groups, files = self.keeper.claim({run.group_id for run in tasks.values()})
+        for run in self.keeper.runs(groups):
+            self.admission.start()
+            self._start(tasks, run)
         if files:
             await self._save_in_flight(tasks, hold=False)  # in this actor's file before the claimed go
             for path in files:
                 path.unlink()
 
-    async def _snapshot(self, tasks: dict[asyncio.Task, GroupRun], hold: bool) -> list[SavedGroup]:
-        """Every group in flight as far as it has got (one engine snapshot, between two steps)."""
-        runs = list(tasks.values())
-        parts = await self.llm.snapshot([h for r in runs for h in r.generator.handles], hold)
-        groups, i = [], 0
-        for run in runs:
-            k = len(run.generator.handles)
-            groups.append(SavedGroup(run.group_id, run.problem, run.generator.calls(parts[i : i + k])))
-            i += k
-        return groups
-
-    async def _save_in_flight(self, tasks: dict[asyncio.Task, GroupRun], hold: bool) -> None:
-        """Save the groups in flight, and the counts that go with them."""
-        groups = await self._snapshot(tasks, hold)
-        self.writer.flush()  # a group written before the snapshot is behind its stream_end
-        # Off the event loop: a large model's groups in flight are tens of MB to write.
-        await asyncio.to_thread(InFlight(groups, self._stream_end()).save, self.in_flight_path)
-        self._save(force=True, in_flight=len(tasks))
-        self._in_flight_saved_at = time.monotonic()
-
     async def _hand_over(self, tasks: dict[asyncio.Task, GroupRun]) -> None:
-        """Drained with groups in flight: save them for the actors that stay (the first to claim
-        the file continues them) and stop generating them here, so the actor leaves at once."""
-        groups = await self._snapshot(tasks, hold=True)
-        # This actor's own file first: a group is in one file at a time (else an actor started
-        # again at this index would continue it too); a kill in between loses them, counted.
-        InFlight([], None).save(self.in_flight_path)
-        InFlight(groups).save(self.in_flight_dir / f"{HANDOVER_PREFIX}{self.name}-{self.incarnation}.json")
+        """Drained with groups in flight: hand them over to the actors that stay and stop
+        generating them here, so the actor leaves at once."""
+        await self.keeper.hand_over(list(tasks.values()), self.incarnation)
         for task in tasks:
             task.cancel()
             self.admission.abandon()
         await asyncio.gather(*tasks, return_exceptions=True)
         tasks.clear()
-        self.handed_over_total += len(groups)
         self._save(force=True, in_flight=0)
-        log.info("handed %d groups in flight over to the actors that stay", len(groups))
 
     def close(self) -> None:
         self.llm.close()

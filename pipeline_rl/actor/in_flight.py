@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from pipeline_rl.engine.llm_client import Completion
+from pipeline_rl.engine.sequences import Completion
 
 HANDOVER_PREFIX = "handover-"
 

@@ -21,9 +21,9 @@ Async scheduling is off: with it, a step's outputs would come from the previous 
 pass and the version tags would be one step off.
 
 Rollouts in flight (actor/in_flight.py): `snapshot()` returns, between two engine steps, every
-sequence of the calls it is asked about as far as it has got (its tokens, logprobs and versions;
-finish_reason "" while unfinished), and with `hold` steps no more, so that nothing generated
-after the snapshot is thrown away at a stop. `generate(..., resume=...)` takes such a snapshot
+sequence of the calls it is asked about as far as it has got (engine/sequences.py: its tokens,
+logprobs and versions; finish_reason "" while unfinished), and with `hold` steps no more, so
+that nothing generated after the snapshot is thrown away at a stop. `generate(..., resume=...)` takes such a snapshot
 back: a finished sequence is returned as it was, an unfinished one is continued, its tokens
 re-entered after the prompt and its completion the saved part followed by what the engine
 generates now, under its current weights and version.
@@ -38,15 +38,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.engine.adapter_slot import POLICY_LORA_ID, lora_request
 from pipeline_rl.engine.engine_config import engine_args, set_engine_environment
 from pipeline_rl.engine.routes import RouteRecorder
+from pipeline_rl.engine.sequences import CallGroup, Completion, SequenceRequest, parts_so_far, post
 from pipeline_rl.engine.tp_swap import TensorParallelSwapHook
 from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
 from pipeline_rl.streams.api import Reader
@@ -59,79 +57,6 @@ if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this m
     from vllm.tokenizers import TokenizerLike
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    """Logprob of each sampled token at the sampling temperature."""
-    versions: list[int]
-    """Policy version of the forward pass that produced each token."""
-    finish_reason: str
-    """stop, length, or abort."""
-    text: str
-    routes: np.ndarray | None = None
-    """With routing replay: the experts each token was routed to, uint8 (tokens, MoE layers,
-    top_k), NO_ROUTE for the last token (engine/routes.py)."""
-
-
-@dataclass
-class _Request:
-    """One sequence being generated (owned by the engine thread)."""
-
-    group: _Group
-    index: int
-    segments: list[tuple[int, int]]
-    """(index of the first token, version): the version from that token on."""
-    engine_id: str = ""
-    """vLLM's internal request id (the scheduler's key)."""
-    prompt_len: int = 0
-    prefix: Completion | None = None
-    """A continued sequence's saved part, re-entered after the prompt (`generate(resume=...)`)."""
-
-    def versions(self, n: int) -> list[int]:
-        versions = [self.segments[0][1]] * n
-        for start, version in self.segments[1:]:
-            versions[start:] = [version] * max(0, n - start)
-        return versions
-
-    def completion(self, token_ids: list[int], logprobs: list[float], finish_reason: str, text: str) -> Completion:
-        """The sequence with the engine's `token_ids` so far, after the saved prefix if any."""
-        versions = self.versions(len(token_ids))
-        if self.prefix is None:
-            return Completion(token_ids, logprobs, versions, finish_reason, text)
-        p = self.prefix
-        return Completion(p.token_ids + token_ids, p.logprobs + logprobs, p.versions + versions, finish_reason, text)
-
-
-@dataclass
-class _Group:
-    """The n sequences of one `generate` call and the future they resolve."""
-
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    completions: list[Completion | None]
-    remaining: int
-    requests: list[_Request] = field(default_factory=list)
-    """Its sequences still in the engine (engine thread)."""
-
-
-def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _post(group: _Group, result: Any = None, error: BaseException | None = None) -> None:
-    """Resolve a group's future from the engine thread (a closed loop has no one waiting)."""
-    try:
-        group.loop.call_soon_threadsafe(_resolve, group.future, result, error)
-    except RuntimeError:
-        pass
 
 
 def _percentiles(values: list[float]) -> tuple[float, float, float]:
@@ -166,10 +91,10 @@ class LLMClient:
         """Full updates this engine asked for (a failed checksum, a delta it could not apply)."""
         self.step_times: deque[float] = deque(maxlen=10000)
         self._ids = itertools.count()
-        self._requests: dict[str, _Request] = {}
-        self._incoming: list[tuple[str, list[int], Any, _Request]] = []
+        self._requests: dict[str, SequenceRequest] = {}
+        self._incoming: list[tuple[str, list[int], Any, SequenceRequest]] = []
         self._aborts: list[str] = []
-        self._snapshots: list[tuple[list[_Group], bool, _Group]] = []
+        self._snapshots: list[tuple[list[CallGroup], bool, CallGroup]] = []
         self._held = False
         """Set by a holding snapshot: the engine takes no more steps."""
         self._cv = threading.Condition()
@@ -255,7 +180,7 @@ class LLMClient:
         *,
         ignore_eos: bool = False,
         resume: Sequence[Completion | None] | None = None,
-        handle: list[_Group] | None = None,
+        handle: list[CallGroup] | None = None,
     ) -> list[Completion]:
         """Sample `n` completions of `prompt_ids`; each token carries its logprob and version.
         `resume`: per completion, a finished one to return as it is, a part to continue
@@ -293,7 +218,7 @@ class LLMClient:
             )
 
         loop = asyncio.get_running_loop()
-        group = _Group(loop.create_future(), loop, [None] * n, n)
+        group = CallGroup(loop.create_future(), loop, [None] * n, n)
         if handle is not None:
             handle.append(group)
         ids = []
@@ -310,7 +235,7 @@ class LLMClient:
                     )
                 ids.append(rid := str(next(self._ids)))
                 ids_in = list(prompt_ids) + (prefix.token_ids if prefix else [])
-                request = _Request(group, i, [], prompt_len=len(ids_in), prefix=prefix)
+                request = SequenceRequest(group, i, [], prompt_len=len(ids_in), prefix=prefix)
                 self._incoming.append((rid, ids_in, params(prefix), request))
             self._cv.notify()
         if group.remaining == 0:
@@ -353,7 +278,7 @@ class LLMClient:
                     try:
                         request.engine_id = self.engine.add_request(rid, prompt, params, lora_request=self.lora)
                     except Exception as e:
-                        _post(request.group, None, e)
+                        post(request.group, None, e)
                         continue
                     self._requests[rid] = request
                     request.group.requests.append(request)
@@ -368,7 +293,7 @@ class LLMClient:
                     self.engine.abort_request(aborts)
                 for groups, hold, done in snapshots:
                     self._held = self._held or hold
-                    _post(done, [self._parts(g) for g in groups])
+                    post(done, [parts_so_far(g, self.engine.output_processor.request_states) for g in groups])
                 if self._requests and not self._held:
                     self._step()
         except BaseException as e:
@@ -388,38 +313,20 @@ class LLMClient:
             self._requests.clear()
             self._incoming.clear()
         for request in pending:
-            _post(request.group, None, error)
+            post(request.group, None, error)
 
-    async def snapshot(self, groups: Sequence[_Group], hold: bool = False) -> list[list[Completion | None]]:
+    async def snapshot(self, groups: Sequence[CallGroup], hold: bool = False) -> list[list[Completion | None]]:
         """Each of `groups` (the handles of `generate` calls) as far as it has got, taken between
         two engine steps: per sequence, the finished completion, its part so far (finish_reason
         "", text ""), or None before its first token. With `hold` the engine steps no more until
         the next generate call (the actor is stopping: what it generated after this would be
         lost)."""
         loop = asyncio.get_running_loop()
-        done = _Group(loop.create_future(), loop, [], 0)
+        done = CallGroup(loop.create_future(), loop, [], 0)
         with self._cv:
             self._snapshots.append((list(groups), hold, done))
             self._cv.notify()
         return await done.future
-
-    def _parts(self, group: _Group) -> list[Completion | None]:
-        """A group's sequences as far as they have got (engine thread, between steps)."""
-        parts: list[Completion | None] = list(group.completions)
-        states = self.engine.output_processor.request_states
-        for request in group.requests:
-            token_ids: list[int] = []
-            logprobs: list[float] = []
-            state = states.get(request.engine_id)
-            if state is not None and state.detokenizer is not None:
-                token_ids = list(state.detokenizer.output_token_ids)
-                # FlatLogprobs (flat_logprobs=True): one sampled logprob per position.
-                flat: Any = state.logprobs_processor.logprobs if state.logprobs_processor is not None else None
-                logprobs = list(flat.logprobs[: len(token_ids)]) if flat is not None else []
-                token_ids = token_ids[: len(logprobs)]
-            part = request.completion(token_ids, logprobs, "", "")
-            parts[request.index] = part if part.token_ids else None
-        return parts
 
     def _mark_new_version(self, version: int) -> None:
         for request in self._requests.values():
@@ -454,7 +361,7 @@ class LLMClient:
             group.completions[request.index] = completion
             group.remaining -= 1
             if group.remaining == 0:
-                _post(group, group.completions)
+                post(group, group.completions)
 
     def start_receiver(self, receiver: Receiver, updates_reader: Reader) -> threading.Thread:
         """Start a daemon thread that takes part in every announced weight broadcast (no lock

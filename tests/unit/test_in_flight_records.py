@@ -9,7 +9,7 @@ import pytest
 
 from pipeline_rl.actor.in_flight import InFlight, SavedCall, SavedGroup, claim_handovers
 from pipeline_rl.config import LagGateMode
-from pipeline_rl.engine.llm_client import Completion, _Request
+from pipeline_rl.engine.sequences import Completion, SequenceRequest
 from pipeline_rl.preprocess.packing import pack_step, rollout_sequence
 from pipeline_rl.rollouts.domains import make_rollout
 from pipeline_rl.trainer.lag_gate import apply_lag_gate
@@ -23,7 +23,7 @@ SEQ_LENGTH = 64
 def uninterrupted() -> Completion:
     """Six tokens generated in one go, weights swapped from version 3 to 5 after the third
     (the engine's segments: version 3 from token 0, version 5 from token 3)."""
-    request = _Request(group=None, index=0, segments=[(0, 3), (3, 5)])  # pyright: ignore[reportArgumentType]
+    request = SequenceRequest(group=None, index=0, segments=[(0, 3), (3, 5)])  # pyright: ignore[reportArgumentType]
     return request.completion(TOKENS, LOGPROBS, "stop", "")
 
 
@@ -31,7 +31,7 @@ def continued() -> Completion:
     """The same tokens, stopped after the third (saved at version 3) and continued by an engine
     at version 5: the saved part is re-entered after the prompt, the rest is generated now."""
     saved = Completion(TOKENS[:3], LOGPROBS[:3], [3, 3, 3], "", "")
-    request = _Request(group=None, index=0, segments=[(0, 5)], prefix=saved)  # pyright: ignore[reportArgumentType]
+    request = SequenceRequest(group=None, index=0, segments=[(0, 5)], prefix=saved)  # pyright: ignore[reportArgumentType]
     return request.completion(TOKENS[3:], LOGPROBS[3:], "stop", "")
 
 
