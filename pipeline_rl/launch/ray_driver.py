@@ -332,7 +332,10 @@ class RayRun(RunLoop):
                 return False
             if waiting.pg is not None:
                 remove_placement_group(waiting.pg)
-            self.health.frozen.discard(old.node.id)
+            if node.id in self.health.frozen:  # it woke: its processes are signalled and waited for again
+                self.health.frozen.discard(node.id)
+                self.health.lost.discard(node.id)
+                self.health.misses.pop(node.id, None)
             if old.pg is None:
                 self.nodes[old.bundle] = node
             added = (old.pg, old.cpus, node) if old.pg is not None else None
@@ -351,7 +354,9 @@ class RayRun(RunLoop):
         node_id = placement_group_table(old.pg or self.pg)["bundles_to_node_id"].get(old.bundle)
         cluster = ray_nodes.cluster_nodes()
         info = cluster.get(node_id or "")
-        if not node_id or node_id in self.health.lost or info is None or not info["Alive"]:
+        # A frozen node counts as lost too (nothing on it is signalled) until it answers again.
+        lost = node_id in self.health.lost and node_id not in self.health.frozen
+        if not node_id or lost or info is None or not info["Alive"]:
             return None
         node = RayNode.of(node_id, info)
         return node if node_alive(node, cluster) else None

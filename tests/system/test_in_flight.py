@@ -30,9 +30,11 @@ ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
 
 def test_a_run_stopped_with_ctrl_c_continues_its_rollouts_in_flight_when_resumed(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, *LONG, "shared.max_steps=100000", env=ENV, wait=False)
+    # No periodic save (actor.in_flight_save_s=0): what the resumed run continues is the stop's.
+    proc = launch(run_dir, *LONG, "shared.max_steps=100000", "actor.in_flight_save_s=0", env=ENV, wait=False)
     try:
         wait_until(lambda: version(run_dir) >= 4, proc, 300, "version 4", run_dir)
+        assert not (run_dir / "in_flight" / "actor0.json").exists(), "saved with actor.in_flight_save_s=0"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:

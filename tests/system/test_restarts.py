@@ -133,7 +133,12 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     final = 100  # far more groups after the kill than an actor gets ahead of the trainer by
     proc = launch(
-        run_dir, f"shared.max_steps={final}", "trainer.checkpoint_every=0", "world.max_restarts=2", wait=False
+        run_dir,
+        f"shared.max_steps={final}",
+        "trainer.checkpoint_every=0",
+        "world.max_restarts=2",
+        "actor.in_flight_save_s=1",
+        wait=False,
     )
     try:
         pid = pool_process_once_running(proc, run_dir, "actor", 240)
@@ -144,11 +149,11 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
         # Groups that reached the stream after the last save: written, not lost.
         unsaved = stream[int(saved["stream_end"] or 0) :].count(b"\n")
         # Groups of the last in-flight save that did not land after it: continued, not lost.
+        # Saved every second (actor.in_flight_save_s): by version 2 the actor has saved.
         in_flight = InFlight.load(run_dir / "in_flight" / "actor0.json")
-        continued = 0
-        if in_flight is not None:
-            after = {orjson.loads(line)["group_id"] for line in stream[int(in_flight.stream_end or 0) :].splitlines()}
-            continued = sum(g.group_id not in after for g in in_flight.groups)
+        assert in_flight is not None, "the actor never saved its groups in flight"
+        after = {orjson.loads(line)["group_id"] for line in stream[int(in_flight.stream_end or 0) :].splitlines()}
+        continued = sum(g.group_id not in after for g in in_flight.groups)
         at_kill = version(run_dir)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()

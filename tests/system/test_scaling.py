@@ -28,8 +28,9 @@ from pipeline_rl.wire import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
-ADDED_WITHIN_S = 60.0
-"""As for a replaced actor (test_restarts.py): an added one generates on the current version within this."""
+ADDED_WITHIN_S = 120.0
+"""A liveness bound: an added actor generates on the current version within this (it starts a
+vLLM engine; CI runs another lane of tests beside this one)."""
 
 
 def actor_records(run_dir: Path, name: str) -> list[dict]:
@@ -52,7 +53,7 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
                 r["version"] >= at_scale and r["groups_written_total"] > 0 for r in actor_records(run_dir, "actor1")
             )
 
-        wait_until(generating, proc, ADDED_WITHIN_S + 60, "group from actor1", run_dir)
+        wait_until(generating, proc, ADDED_WITHIN_S, "group from actor1", run_dir)
         first = next(
             r for r in read_metrics(run_dir) if r["process"] == "actor1" and r["values"]["groups_written_total"] > 0
         )
@@ -74,7 +75,8 @@ def test_an_actor_added_to_a_running_job_generates_and_drains_when_scaled_back(t
         stop(proc)
     out = proc.stdout.read() if proc.stdout else ""
     assert proc.returncode == ExitCode.INTERRUPTED, out[-4000:]  # stopped by the test's Ctrl-C, not by a failure
-    assert first["time"] - scaled_at < ADDED_WITHIN_S and first["values"]["version"] >= at_scale, first
+    assert first["time"] - scaled_at < ADDED_WITHIN_S, (first["time"] - scaled_at, first)
+    assert first["values"]["version"] >= at_scale, (at_scale, first)
     assert "scaled the job from 1 to 2 actors" in out and "scaled the job from 2 to 1 actors" in out, out[-4000:]
     assert "actor1 drained and left the job" in out and "restarting" not in out, out[-4000:]
     versions = [s["values"]["version"] for s in trainer_steps(run_dir)]

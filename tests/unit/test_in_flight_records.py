@@ -1,13 +1,17 @@
 """Rollouts in flight kept across a stop (actor/in_flight.py), without an engine: a continued
 completion trains as the uninterrupted one would, its saved form round-trips, bad files are
-named, and of two actors claiming a hand-over one gets it."""
+named, of two actors claiming a hand-over one gets it, and the actor's keeper saves as often as
+actor.in_flight_save_s says and continues what did not land."""
 
 from __future__ import annotations
+
+import time
 
 import orjson
 import pytest
 
 from pipeline_rl.actor.in_flight import InFlight, SavedCall, SavedGroup, claim_handovers
+from pipeline_rl.actor.in_flight_keeper import InFlightKeeper
 from pipeline_rl.config import LagGateMode
 from pipeline_rl.engine.sequences import Completion, SequenceRequest
 from pipeline_rl.preprocess.packing import pack_step, rollout_sequence
@@ -110,3 +114,33 @@ def test_of_two_actors_claiming_a_hand_over_one_gets_it_and_a_killed_claimant_ta
     for f in files:
         f.unlink()
     assert claim_handovers(tmp_path, "actor0") == ([], [])
+
+
+def test_the_keeper_saves_every_in_flight_save_s_and_never_with_0(tmp_path):
+    """actor.in_flight_save_s: the actor's loop saves when `due()`, which is never with 0 (only
+    at graceful stops) and never for a domain that is not continuable."""
+    llm = None  # due() and saved() never touch the engine
+    every = InFlightKeeper(tmp_path, "actor0", llm, continuable=True, save_every_s=0.2)
+    never = InFlightKeeper(tmp_path, "actor1", llm, continuable=True, save_every_s=0.0)
+    not_continuable = InFlightKeeper(tmp_path, "actor2", llm, continuable=False, save_every_s=0.2)
+    assert not every.due()  # 0.2 s after it was made (it starts as saved: the continued groups are on file)
+    time.sleep(0.25)
+    assert every.due() and not never.due() and not not_continuable.due()
+    every.saved_at = time.monotonic()  # what a save does
+    assert not every.due()
+
+
+def test_a_restarted_actor_continues_the_saved_groups_that_did_not_land_after_the_save(tmp_path):
+    groups = [SavedGroup(f"g{i}", {"q": i}, [SavedCall(PROMPT, 1, [None])]) for i in range(3)]
+    keeper = InFlightKeeper(tmp_path, "actor0", None, continuable=True, save_every_s=10)
+    keeper.path.parent.mkdir()
+    InFlight(groups, "41").save(keeper.path)
+    asked: list[str | None] = []
+
+    def landed_since(end: str | None) -> list[str]:
+        asked.append(end)
+        return ["g1"]
+
+    assert [g.group_id for g in keeper.saved(landed_since)] == ["g0", "g2"] and asked == ["41"]
+    # A domain that is not continuable continues none (they are counted lost by resume's arithmetic).
+    assert InFlightKeeper(tmp_path, "actor0", None, continuable=False, save_every_s=10).saved(landed_since) == []
