@@ -88,6 +88,8 @@ MAX_CONSECUTIVE_FAILURES = 50
 POLL_S = 0.01
 """How often the loop looks for finished groups, a new version and the stop flag (short: in sync
 mode every step waits here for the new version)."""
+TRAINER_VERSION_WAIT_S = 5.0
+"""Longest wait for the sender's latest version at a rebase (a restarting trainer has none)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
 
@@ -264,13 +266,27 @@ class Actor:
 
         return published_version(self.weight_sync_addr, self.cfg.world.collective_timeout_s)
 
+    def _trainer_version(self) -> int:
+        """The trainer's latest version as far as this actor can tell: the sender's, else its own."""
+        if self.weight_sync_addr:
+            from pipeline_rl.weight_sync import published_version
+
+            try:
+                return max(self.llm.version, published_version(self.weight_sync_addr, TRAINER_VERSION_WAIT_S))
+            except (RuntimeError, TimeoutError, OSError) as e:  # the trainer restarting: own version
+                log.warning(
+                    "the trainer's latest version is not known (%s): rebasing on version %d", e, self.llm.version
+                )
+        return self.llm.version
+
     def _rescale(self, actors: int, present: int) -> None:
         """The job has `actors` actors, `present` of them running (core/actor_count.py): on a
         change, admission takes the share of those present from the next group on, and the
         problems this actor's share of each epoch of all of them, from the next epoch on."""
         if present != self.admission.actors:
             log.info("%d actors generate now (was %d): rebasing admission", present, self.admission.actors)
-            self.admission.rebase(present, self.llm.version)
+            trainer_version = self._trainer_version() if present < self.admission.actors else None
+            self.admission.rebase(present, self.llm.version, trainer_version)
         if actors != self.order.actors:
             log.info("the job now has %d actors (was %d): rebasing the problem order", actors, self.order.actors)
             self.order, self.drawn = self.order.rescaled(actors, self.drawn)

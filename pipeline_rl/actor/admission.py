@@ -36,7 +36,17 @@ step at the new share; but never past the bound of the actor's version, so that 
 a share at once. An actor that made more than its share (another was slower, or started late)
 predicts its groups later than they land, which is harmless while the others fill the steps it
 waits for; once they are drained it would wait for versions that wait for its groups. Each
-actor starting a share at once makes a step, and each step opens the next share. `offset`
+actor starting a share at once makes a step, and each step opens the next share.
+
+An actor that made less than its share (the others were faster) predicts its groups earlier
+than they land, and that lasts: once it is the only one, every group it starts at the bound
+lands a step late and the trainer's gate drops it. So when the job has fewer actors (scaled
+down, or one absent), the next group's step is the bound of the trainer's latest version V:
+V + max_lag. No group lands before the groups already written and in flight, which fill steps
+from V on: at most (max_lag + 1) shares of each actor that stays, which is less than max_lag
+steps' worth when at most max_lag / (max_lag + 1) of the actors stay (a group landing earlier
+than predicted is harmless); and it lands no earlier than step V, so the actor still starts a
+share at once when its policy is V. `offset`
 keeps the sum of those moves, so that a resumed actor can tell its count from the groups it
 wrote.
 """
@@ -93,13 +103,16 @@ class Admission:
         """A started group will not land in any step (its rollout failed): it no longer counts."""
         self.started -= 1
 
-    def rebase(self, actors: int, version: int) -> None:
+    def rebase(self, actors: int, version: int, trainer_version: int | None = None) -> None:
         """The job now has `actors` actors and this actor's policy is `version`: keep the next
         group's step, but within the bound of `version` (see the module's docstring), and take
-        the new share after it."""
+        the new share after it. With fewer actors and the trainer's latest `trainer_version`
+        known, the next group's step is that version's bound instead (see the docstring)."""
         if actors < 1:
             raise ValueError(f"bad actor count {actors}")
         step = min(self.step_of(self.started), version + self.max_lag)
+        if trainer_version is not None and actors < self.actors:
+            step = trainer_version + self.max_lag
         self.actors = actors
         moved = self.first_group_of(step) - self.started
         self.started += moved

@@ -511,6 +511,16 @@ def test_with_no_node_free_the_run_goes_on_without_a_frozen_actor_and_takes_it_b
     # A liveness bound: the one actor left makes steps of 4 groups of 4 samples, on a 2-core
     # machine that also runs the trainer, the preprocessor and Ray.
     assert carried >= 5, carried
+    # Rebased on the trainer's version (actor/admission.py), actor1 alone lands its groups within
+    # max_lag: the trainer's gate drops at most the samples of the groups it had started before.
+    dropped = [
+        (r["time"], r["values"]["dropped_total"])
+        for r in read_metrics(run_dir)
+        if r["process"] == "trainer0" and "dropped_total" in r["values"]
+    ]
+    during = [d for t, d in dropped if absent_at <= t <= woke_at]
+    started_before = 8 + (2 + 1) * 4 // 2  # actor.max_groups_in_flight + (max_lag + 1) x its share
+    assert during and during[-1] - during[0] <= started_before * 4, (during[0], during[-1])
     launcher = [
         r["values"] for r in read_metrics(run_dir) if r["process"] == "launcher" and "actors_absent" in r["values"]
     ]

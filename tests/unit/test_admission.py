@@ -184,3 +184,28 @@ def test_a_rescaled_actor_predicting_past_its_version_starts_at_its_version():
     assert adm.step_of(adm.started) == 7
     for version in range(5, 10):
         assert len(admit_all(adm, version)) == 4
+
+
+@pytest.mark.parametrize("trainer_version_known", [True, False])
+def test_an_actor_left_alone_after_making_less_than_its_share_lands_no_group_late(trainer_version_known):
+    """Actor 1 of 2 started 8 groups (it predicts its next in step 4), but actor 0 made more:
+    steps 0..4 are full, 6 of actor 1's groups are still to land, the trainer is at version 5.
+    Actor 0 goes (absent, or scaled away). Rebased on the trainer's version, actor 1 alone lands
+    every group within max_lag of the version it started at, and never waits for a step that
+    waits for it; rebased on its own prediction, its groups land steps late (the trainer's gate
+    would drop them)."""
+    gps, max_lag = 4, 2
+    adm = Admission(gps, actors=2, max_lag=max_lag, started=8)
+    assert adm.step_of(adm.started) == 4
+    queue = 5 * gps + 6  # groups ahead of the next one in the order the preprocessor takes them
+    version = queue // gps  # the trainer trains every full step
+    adm.rebase(1, version=version, trainer_version=version if trainer_version_known else None)
+    lags = []
+    for _ in range(10):
+        admitted = admit_all(adm, version)
+        for _ in admitted:
+            lags.append(queue // gps - version)  # the step it lands in, less the version it started at
+            queue += 1
+        assert admitted or queue // gps > version, "the actor waits for a version that waits for it"
+        version = queue // gps
+    assert (max(lags) <= max_lag) == trainer_version_known, lags
