@@ -69,15 +69,17 @@ def load_domain(name: str) -> RolloutFn:
     return cast(RolloutFn, found)
 
 
-async def sample(llm: Generator, prompt_ids: list[int], cfg: RunConfig) -> list[Sample]:
+async def sample(llm: Generator, prompt_ids: list[int], cfg: RunConfig, ignore_eos: bool = False) -> list[Sample]:
     """The group's completions of one prompt: cfg.actor.attempts samples with the actor's
-    max_new_tokens, temperature and top_p (LLMClient Completions)."""
+    max_new_tokens, temperature and top_p (LLMClient Completions); `ignore_eos`: each runs to
+    max_new_tokens."""
     completions = await llm.generate(
         prompt_ids,
         n=cfg.actor.attempts,
         max_tokens=cfg.actor.max_new_tokens,
         temperature=cfg.shared.temperature,
         top_p=cfg.actor.top_p,
+        ignore_eos=ignore_eos,
     )
     return list(completions)
 
