@@ -23,8 +23,10 @@ LONG = [
     "actor.domain=fixtures.long_domain:rollout",
     "actor.max_new_tokens=40",
     "trainer.checkpoint_every=2",
+    "actor.admission_lag=20",
 ]
-"""Completions of 40 tokens each (EOS ignored): a stop finds them half-way."""
+"""Completions of 40 tokens each (EOS ignored): a stop finds them half-way. Admission far ahead
+of the trainer: an actor always has its groups in flight (never waits for a version with none)."""
 ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
 
 
@@ -83,9 +85,7 @@ def test_an_actor_scaled_away_hands_its_rollouts_in_flight_over_and_leaves_at_on
     (it does not finish them) and leaves; actor0 claims them, continues each and writes it once;
     the run goes on."""
     run_dir = tmp_path / "run"
-    # Admission far ahead of the trainer: each actor always has its 8 groups in flight.
-    ahead = "actor.admission_lag=20"
-    proc = launch(run_dir, *LONG, ahead, "world.actors=2", "shared.max_steps=100000", env=ENV, wait=False)
+    proc = launch(run_dir, *LONG, "world.actors=2", "shared.max_steps=100000", env=ENV, wait=False)
     try:
         wait_until(lambda: version(run_dir) >= 3, proc, 300, "version 3", run_dir)
         asked_at = time.time()
