@@ -309,11 +309,13 @@ class LLMClient:
 
     def _fail_pending(self, error: BaseException) -> None:
         with self._cv:
-            pending = list(self._requests.values()) + [r for *_, r in self._incoming]
+            pending = [r.group for r in self._requests.values()] + [r.group for *_, r in self._incoming]
+            pending += [done for *_, done in self._snapshots]  # else an actor's save waits forever
             self._requests.clear()
             self._incoming.clear()
-        for request in pending:
-            post(request.group, None, error)
+            self._snapshots.clear()
+        for group in pending:
+            post(group, None, error)
 
     async def snapshot(self, groups: Sequence[CallGroup], hold: bool = False) -> list[list[Completion | None]]:
         """Each of `groups` (the handles of `generate` calls) as far as it has got, taken between
@@ -324,6 +326,9 @@ class LLMClient:
         loop = asyncio.get_running_loop()
         done = CallGroup(loop.create_future(), loop, [], 0)
         with self._cv:
+            # Checked under the lock: an engine failing after this fails the snapshot (_fail_pending).
+            if self._error is not None or self._closed.is_set():
+                raise RuntimeError(f"the vLLM engine failed: {self._error!r}" if self._error else "LLMClient is closed")
             self._snapshots.append((list(groups), hold, done))
             self._cv.notify()
         return await done.future

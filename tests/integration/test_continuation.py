@@ -112,3 +112,27 @@ def test_finished_sequences_are_given_back_and_a_different_call_is_refused(clien
             await other.generate(prompt, 1, MAX_TOKENS, 0.0)
 
     asyncio.run(go())
+
+
+def test_a_snapshot_fails_at_once_when_the_engine_has_failed(tiny_model, tmp_path):
+    """An actor's in-flight save must not wait on a dead engine: once the engine has failed (here
+    through the callback vLLM's worker monitor calls when a TP worker dies), the call in flight
+    fails and a snapshot raises instead of waiting for an engine thread that is gone."""
+    llm = small_engine(tiny_model, tmp_path, max_model_len=128, max_num_seqs=4)
+    try:
+
+        async def go():
+            prompt = llm.tokenizer.encode(PROMPT_TEXT)
+            handles: list = []
+            task = asyncio.create_task(greedy(llm, prompt, handle=handles))
+            while not handles:
+                await asyncio.sleep(0.001)
+            llm._executor_failed()
+            with pytest.raises(RuntimeError, match="engine failed"):
+                await asyncio.wait_for(task, timeout=10)
+            with pytest.raises(RuntimeError, match="engine failed"):
+                await asyncio.wait_for(llm.snapshot(handles), timeout=10)
+
+        asyncio.run(go())
+    finally:
+        llm.close()
