@@ -20,12 +20,19 @@ sys.path.insert(0, str(ROOT))
 from pipeline_rl.config.bounds import Bounds  # noqa: E402
 
 SCHEMA = [ROOT / "pipeline_rl" / "config" / name for name in ("schema.py", "pool_sections.py")]
+PLUGINS = [
+    ROOT / "pipeline_rl" / "rollouts" / name
+    for name in ("domains/math.py", "domains/agent.py", "domains/verifiers_env.py", "agent/settings.py")
+]
+PLUGIN_SETTINGS = [("MathReward", "math"), ("AgentSettings", "agent"), ("VerifiersSettings", "verifiers")]
+"""The built-in domains' own settings (actor.domain_settings): their class and the domain's name."""
 PAGE = ROOT / "docs" / "config.md"
 
 
-def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str, str]]:
-    """(name, type, default, valid range, docstring) of each annotated field, in order."""
-    out = []
+def _fields(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[tuple[str, str, str, str, str]]:
+    """(name, type, default, valid range, docstring) of each annotated field, in order (a base
+    class's first)."""
+    out = [f for base in cls.bases if isinstance(base, ast.Name) for f in _fields(classes[base.id], classes)]
     body = cls.body
     for i, node in enumerate(body):
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
@@ -50,14 +57,14 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str, str]]:
 
 
 def reference() -> str:
-    trees = [ast.parse(path.read_text()) for path in SCHEMA]
+    trees = [ast.parse(path.read_text()) for path in SCHEMA + PLUGINS]
     classes = {n.name: n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)}
     sections: list[str] = []
 
-    def section(cls_name: str, prefix: str) -> None:
+    def section(cls_name: str, prefix: str, title: str = "") -> None:
         cls = classes[cls_name]
         rows, nested = [], []
-        for name, annotation, default, valid, doc in _fields(cls):
+        for name, annotation, default, valid, doc in _fields(cls, classes):
             key = f"{prefix}{name}"
             inner = [c for c in re.findall(r"\w+", annotation) if c in classes]
             if inner:
@@ -66,25 +73,28 @@ def reference() -> str:
                 rows.append(f"| `{key}` | section `{inner[0]}` | {_cell(default)} | | {_cell(doc)} |")
             else:
                 rows.append(f"| `{key}` | `{annotation}` | {_cell(default)} | {_cell(valid)} | {_cell(doc)} |")
-        title = prefix.rstrip(".") or "(top level)"
+        title = title or f"`{prefix.rstrip('.')}`" if prefix else "(top level)"
         what = " ".join((ast.get_docstring(cls) or "").split())
         intro = f"{what}\n\n" if what else ""
         sections.append(
-            f"## `{title}`\n\n{intro}| key | type | default | valid | meaning |\n| --- | --- | --- | --- | --- |\n"
+            f"## {title}\n\n{intro}| key | type | default | valid | meaning |\n| --- | --- | --- | --- | --- |\n"
             + "\n".join(rows)
         )
         for inner_cls, inner_prefix in nested:
             section(inner_cls, inner_prefix)
 
     section("RunConfig", "")
+    for cls_name, domain in PLUGIN_SETTINGS:
+        section(cls_name, "actor.domain_settings.", f"`actor.domain_settings` of domain `{domain}`")
     head = (
         "# Every config key\n\n"
-        "Generated from `pipeline_rl/config/schema.py` and `pool_sections.py` by `python scripts/config_reference.py`; edit the\n"
+        "Generated from `pipeline_rl/config/schema.py`, `pool_sections.py` and the built-in domains by `python scripts/config_reference.py`; edit the\n"
         "schema's docstrings, not this page. A config is `base.yaml`, then the named config (which may\n"
         "`extends:` another), then the dotted overrides of the command line; unknown keys are rejected\n"
         "with a suggestion, and a value outside its key's valid range (declared on the field,\n"
         "`pipeline_rl/config/bounds.py`) is refused naming the key. Choice-valued keys list their\n"
-        "choices in `pipeline_rl/config/choices.py`.\n"
+        "choices in `pipeline_rl/config/choices.py`. The built-in domains' own settings\n"
+        "(`actor.domain_settings`, declared by each domain) close the page.\n"
     )
     return head + "\n" + "\n\n".join(sections) + "\n"
 

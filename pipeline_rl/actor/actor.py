@@ -55,7 +55,6 @@ slot continues those that did not land. Groups started after the last save are c
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import time
@@ -106,9 +105,10 @@ class Actor:
         self.eval_problems: list[dict] = []
         if index == 0 and cfg.actor.eval_every_s > 0:
             self.eval_problems = load_problems(data.loader, data.test)[: cfg.actor.eval_problems]
-        self.eval_cfg = copy.deepcopy(cfg)
-        self.eval_cfg.actor.attempts = 1
-        self.rollout = load_domain(cfg.actor.domain)
+        domain = load_domain(cfg.actor)
+        self.rollout = domain.rollout
+        self.train_ctx = domain.context(cfg, cfg.actor.attempts)
+        self.eval_ctx = domain.context(cfg, 1)  # one sample per held-out problem
 
         # Before the engine: its TP workers inherit the NCCL settings with the environment.
         prepare_collectives(cfg.world.collective_timeout_s, cfg.world.socket_ifname)
@@ -366,7 +366,7 @@ class Actor:
     async def _evaluate(self) -> None:
         version, start = self.llm.version, time.monotonic()
         results = await asyncio.gather(
-            *(self.rollout(p, self.llm, self.eval_cfg) for p in self.eval_problems), return_exceptions=True
+            *(self.rollout(p, self.llm, self.eval_ctx) for p in self.eval_problems), return_exceptions=True
         )
         rewards = [r.reward for g in results if isinstance(g, RolloutGroup) for r in g.rollouts]
         errors = [g for g in results if not isinstance(g, RolloutGroup)]
@@ -489,7 +489,7 @@ class Actor:
         return self.writer.ends.get(self.index, self.stream_end)
 
     def _start(self, tasks: dict[asyncio.Task, GroupRun], run: GroupRun) -> None:
-        tasks[asyncio.create_task(self.rollout(run.problem, run.generator, self.cfg))] = run
+        tasks[asyncio.create_task(self.rollout(run.problem, run.generator, self.train_ctx))] = run
 
     def _flushed_end(self) -> str | None:
         """The partition's end once every group written so far is in the stream."""

@@ -10,6 +10,7 @@ from pipeline_rl.config.loader import (
     parse_overrides,
     save_config,
 )
+from pipeline_rl.config.plugin_settings import read_settings, takes_settings
 from pipeline_rl.config.pool_sections import *  # noqa: F403  (the pools' sections)
 from pipeline_rl.config.resolve import MASK_FREE_ATTENTION, attention_kernel, logprob_kernel, on_ray
 from pipeline_rl.config.schema import *  # noqa: F403  (the schema's dataclasses)
@@ -29,6 +30,8 @@ __all__ = [
     "logprob_kernel",
     "on_ray",
     "parse_overrides",
+    "read_settings",
     "save_config",
+    "takes_settings",
     "validate",
 ]

@@ -52,28 +52,43 @@ _RENAMED = {
     "preprocess.share_prompts": "shared.share_prompts",
 }
 """Keys of earlier releases and their names now."""
+_MOVED = {
+    "actor.math_reward.": "actor.domain_settings.",
+    "actor.agent.": "actor.domain_settings.",
+    "actor.verifiers.": "actor.domain_settings.",
+}
+"""Sections of earlier releases that are now a plug-in's own settings."""
 
 
-def _suggest(key: str) -> str:
-    if key in _RENAMED:
-        return f" (renamed '{_RENAMED[key]}')"
-    keys = _all_keys(RunConfig)
+def _suggest(key: str, schema: type = RunConfig, prefix: str = "") -> str:
+    renamed = _RENAMED if schema is RunConfig else {}
+    if key in renamed:
+        return f" (renamed '{renamed[key]}')"
+    moved = [
+        (new + (key + ".").removeprefix(old)).rstrip(".") for old, new in _MOVED.items() if (key + ".").startswith(old)
+    ]
+    if moved and schema is RunConfig:
+        return f" (the domain's own settings moved to '{moved[0]}')"
+    keys = _all_keys(schema, prefix)
     leaf = key.rsplit(".", 1)[-1]
     # A right name at the wrong depth (trainer.lr) is the commonest slip: match the last part first.
     close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     # Near a key's old name (trainer.max_stepz): its name now.
-    close = close or difflib.get_close_matches(key, keys + list(_RENAMED), n=1, cutoff=0.6)
-    return f" (did you mean '{_RENAMED.get(close[0], close[0])}'?)" if close else ""
+    close = close or difflib.get_close_matches(key, keys + list(renamed), n=1, cutoff=0.6)
+    return f" (did you mean '{renamed.get(close[0], close[0])}'?)" if close else ""
 
 
-def _merge(base: DictConfig, layer: Any, source: str) -> DictConfig:
+def merge_layer(base: DictConfig, layer: Any, source: str, schema: type = RunConfig, prefix: str = "") -> DictConfig:
+    """`layer` merged into `base` (a structured config of `schema`, whose keys sit under
+    `prefix` in the run's config); an unknown key or a bad value is a ConfigError naming the
+    key and `source`."""
     try:
         merged = OmegaConf.merge(base, layer)
     except OmegaConfBaseException as e:
-        key = e.full_key or ""
+        key = prefix + (e.full_key or "")
         what = type(e).__name__
         if what == "ConfigKeyError":
-            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}") from None
+            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key, schema, prefix)}") from None
         raise ConfigError(f"{source}: bad value for '{key}': {(e.msg or what).splitlines()[0]}") from None
     assert isinstance(merged, DictConfig)
     return merged
@@ -137,9 +152,9 @@ def load_config(
     dirs = conf_dirs() if dirs is None else dirs
     cfg = OmegaConf.structured(RunConfig)
     base_path = SHIPPED_CONF_DIR / "base.yaml"
-    cfg = _merge(cfg, _read_yaml(base_path), str(base_path))
+    cfg = merge_layer(cfg, _read_yaml(base_path), str(base_path))
     for path, data in _layers(name, dirs):
-        cfg = _merge(cfg, data, str(path))
+        cfg = merge_layer(cfg, data, str(path))
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq:
@@ -148,7 +163,7 @@ def load_config(
             layer = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as e:
             raise ConfigError(f"override '{item}': {e}") from None
-        cfg = _merge(cfg, layer, f"override '{key}'")
+        cfg = merge_layer(cfg, layer, f"override '{key}'")
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -166,6 +181,6 @@ def save_config(cfg: RunConfig, path: Path) -> None:
 
 def load_saved_config(path: Path) -> RunConfig:
     """Read back the resolved config a launcher wrote into a run directory."""
-    run = OmegaConf.to_object(_merge(OmegaConf.structured(RunConfig), _read_yaml(path), str(path)))
+    run = OmegaConf.to_object(merge_layer(OmegaConf.structured(RunConfig), _read_yaml(path), str(path)))
     assert isinstance(run, RunConfig)
     return run

@@ -51,88 +51,16 @@ class LLMConfig:
 
 
 @dataclass
-class MathRewardConfig:
-    """Reward of a math rollout (domain `math`) by what its final \\boxed{} answer is."""
-
-    correct: float = 1.0
-    """The last \\boxed{} answer equals the reference answer (checked with math-verify)."""
-    wrong: float = 0.0
-    """A readable last \\boxed{} answer that differs from the reference."""
-    no_answer: float = 0.0
-    """The completion finished without any \\boxed{} answer."""
-    unparsable: float = 0.0
-    """A \\boxed{} answer math-verify cannot read, or a check that failed or ran past actor.reward_timeout_s."""
-    truncated: float = 0.0
-    """The completion was cut off at actor.max_new_tokens (or the model length), whatever it contains."""
-
-
-@dataclass
-class McpServerConfig:
-    """One MCP tool server the agent domain starts over stdio (actor.agent.mcp_servers)."""
-
-    command: str = ""
-    """The program that runs the server, e.g. python or npx."""
-    args: list[str] = field(default_factory=list)
-    """Its arguments, e.g. the server script's path."""
-    env: dict[str, str] | None = None
-    """Its environment variables; null: the mcp package's default (a safe subset of the actor's)."""
-
-
-@dataclass
-class AgentConfig:
-    """Agent environments: `actor.domain: agent` runs `environment` against an OpenAI-style
-    client of the actor's engine (pipeline_rl/rollouts/agent/, docs/agents.md)."""
-
-    environment: str = ""
-    """The environment as `module:function`: `async def run(client, problem) -> float`, one
-    episode of one problem, returning its reward."""
-    tools: list[str] = field(default_factory=list)
-    """Tools the model may call, each a documented function `module:function`
-    (pipeline_rl/rollouts/agent/tools.py); `client.tools` are their OpenAI schemas."""
-    mcp_servers: list[McpServerConfig] = field(default_factory=list)
-    """MCP tool servers (stdio) whose tools the model may call too; each actor starts its own
-    at its first episode and stops them at exit."""
-    tool_timeout_s: float = bounded(10.0, gt=0)
-    """Time limit of one tool call; past it the tool's worker is killed (an MCP call is
-    abandoned) and the episode ends with an error."""
-    tool_workers: int = bounded(2, ge=1)
-    """Worker processes per actor that run tool calls."""
-    max_turns: int = bounded(8, ge=1)
-    """Most model turns of one episode; one more ends it with an error."""
-    chat_template: str | None = None
-    """Path to a Jinja chat template; null: the tokenizer's own."""
-    error_reward: float = 0.0
-    """Reward of an episode that ended with an error (a failed tool, too many turns, a full context)."""
-    http: bool = False
-    """Also serve each episode's client over HTTP (`client.base_url`, OpenAI's
-    POST .../v1/chat/completions), for environments in another process."""
-    http_host: str = "127.0.0.1"
-    """Address the HTTP endpoint listens on (0.0.0.0 for environments on other machines)."""
-    http_port: int = bounded(0, ge=0, le=65535)
-    """Its port; 0: any free one (a fixed port serves only one actor per node)."""
-
-
-@dataclass
-class VerifiersConfig:
-    """Environments of the verifiers library (the `verifiers` extra): `actor.domain: verifiers`
-    runs `environment`'s own rollout and rubric on the actor's engine
-    (pipeline_rl/rollouts/domains/verifiers_env.py). Its chat client is the agent domain's, so
-    actor.agent.chat_template, max_turns and error_reward apply to it too."""
-
-    environment: str = ""
-    """`module:function` returning a verifiers Environment, called with `args`; or the id of an
-    installed verifiers environment package, loaded with `verifiers.load_environment(id, **args)`."""
-    args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of that function."""
-
-
-@dataclass
 class ActorConfig:
     mode: ActorMode = ActorMode["async"]
     """async: PipelineRL (generate while training, swap weights in flight); sync: conventional RL
     (generate one batch with the current policy, wait for the update, repeat)."""
     domain: str = "arithmetic"
     """Rollout plug-in: a built-in name (arithmetic, math, multistep, agent, verifiers) or `module:function`."""
+    domain_settings: dict[str, Any] = field(default_factory=dict)
+    """The domain's own settings, read into the type it declares (`@takes_settings`,
+    docs/extending.md) when it is loaded: unknown keys are refused as here. The built-in math,
+    agent and verifiers domains' are listed below; a domain that declares none takes none."""
     attempts: int = bounded(8, ge=1)
     """Completions sampled per problem (the group size)."""
     top_p: float = bounded(1.0, gt=0, le=1)
@@ -154,8 +82,6 @@ class ActorConfig:
     """Time limit of one reward call; past it the rollout gets reward 0 and is counted."""
     reward_workers: int = bounded(2, ge=1)
     """Worker processes per actor that run reward checks under the time limit (pipeline_rl/rollouts/rewards.py)."""
-    math_reward: MathRewardConfig = field(default_factory=MathRewardConfig)
-    """Reward table of the math domain."""
     eval_every_s: float = bounded(30.0, ge=0)
     """Actor 0 evaluates on held-out problems this often (0: never)."""
     eval_problems: int = bounded(200, ge=1)
@@ -166,10 +92,6 @@ class ActorConfig:
     """vLLM engine settings."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Where problems come from."""
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    """Agent environments (actor.domain: agent)."""
-    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
-    """Environments of the verifiers library (actor.domain: verifiers)."""
 
 
 @dataclass
@@ -229,6 +151,10 @@ class LossConfig:
     function: str = "pipeline_rl.trainer.loss:policy_loss"
     """The loss as `module:function`, called like `pipeline_rl.trainer.loss.policy_loss(inputs, cfg)` (the
     contract is `pipeline_rl.trainer.loss.LossFn`); the options of this section reach it as `cfg`."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The own settings of a loss `function` that declares them (`@takes_settings`,
+    docs/extending.md), read into its type at load and passed to it as `settings=`; the built-in
+    loss takes none (its options are this section's other keys)."""
     normalize: LossNormalize = LossNormalize.token
     """token: average over all tokens of the step; sequence: average per sequence, then over sequences."""
 

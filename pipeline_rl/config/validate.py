@@ -60,10 +60,6 @@ def validate(cfg: RunConfig) -> None:
             f"'trainer.attention' {cfg.trainer.attention} cannot run 'shared.share_prompts' rows (they need an "
             "explicit [T, T] mask): use sdpa or auto"
         )
-    if cfg.actor.domain == "agent" and not cfg.actor.agent.environment:
-        raise ConfigError("'actor.domain' agent needs 'actor.agent.environment' (module:function)")
-    if cfg.actor.domain == "verifiers" and not cfg.actor.verifiers.environment:
-        raise ConfigError("'actor.domain' verifiers needs 'actor.verifiers.environment' (module:function or an id)")
     for i, scorer in enumerate(cfg.preprocess.scorers):
         if ":" not in scorer.cls:
             raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")

@@ -12,8 +12,8 @@ template (TEMPLATE, saved with its tokenizer): the model either works the sum ou
     [102]102<EOS>
 
 Reward 1 when the last turn stops by EOS and its text after the last "=" (the whole text when
-it has none) is the answer, else 0. Without tools (actor.agent.tools: []) a call ends the episode
-with an error (the session's), which scores actor.agent.error_reward and is counted.
+it has none) is the answer, else 0. Without tools (actor.domain_settings.tools: []) a call ends the episode
+with an error (the session's), which scores the domain settings' error_reward and is counted.
 
 This module is imported by the tool workers: it needs nothing heavier than the standard library.
 """
@@ -64,8 +64,8 @@ def final_number(text: str) -> str:
 
 
 async def solve(client: Any, problem: dict) -> float:
-    """One episode of `problem` (actor.agent.environment): the model's turns, each tool call run
-    and its result shown, until a turn calls no tool; actor.agent.max_turns bounds the loop."""
+    """One episode of `problem` (the agent domain's environment): the model's turns, each tool call run
+    and its result shown, until a turn calls no tool; its max_turns setting bounds the loop."""
     messages: list[Any] = [{"role": "user", "content": problem["prompt"]}]
     while True:
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=client.tools)

@@ -30,6 +30,7 @@ from pipeline_rl.launch.restarts import TRAINER_POOL, RestartPolicy
 from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.scaling import request_actors
 from pipeline_rl.launch.supervisor import Supervisor, describe_exit, last_lines
+from pipeline_rl.rollouts.domains import load_domain
 from pipeline_rl.scorers import check_scorers
 from pipeline_rl.trainer.loss import load_loss
 from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV, ExitCode
@@ -131,20 +132,13 @@ class Launcher(RunLoop):
 
 
 def check_plugins(cfg: RunConfig) -> None:
-    """Import the scorers, the loss and an agent or verifiers environment that the config names
-    and check them, so that a bad one fails here, at launch, rather than in a pool minutes later
-    (raises ConfigError)."""
+    """Import the domain, the scorers and the loss that the config names and read their own
+    settings (a domain's settings check what they name, e.g. an agent environment), so that a bad
+    one fails here, at launch, rather than in a pool minutes later (raises ConfigError)."""
     check_scorers(cfg)
     check_model_fit(cfg)
     load_loss(cfg.trainer.loss)
-    if cfg.actor.domain == "agent":
-        from pipeline_rl.rollouts.domains.agent import load_agent
-
-        load_agent(cfg.actor.agent)
-    if cfg.actor.domain == "verifiers":
-        from pipeline_rl.rollouts.domains.verifiers_env import load_environment
-
-        load_environment(cfg.actor.verifiers)
+    load_domain(cfg.actor)
 
 
 def main(argv: list[str]) -> int:

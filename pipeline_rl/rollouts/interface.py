@@ -1,7 +1,7 @@
 """The one interface an environment author writes against: a rollout function, and the
 generator it samples from (the actor's engine; pipeline_rl/engine/llm_client.py implements it).
 
-    async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup
+    async def rollout(problem: dict, llm: Generator, ctx: RolloutContext) -> RolloutGroup
 
 How rollouts are built (single- and multi-turn, masks, per-turn rewards) is described in
 pipeline_rl/rollouts/domains/__init__.py; the agent and verifiers domains build them from an
@@ -11,6 +11,7 @@ OpenAI-style client instead (pipeline_rl/rollouts/agent/).
 from __future__ import annotations
 
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline_rl.config import RunConfig
@@ -56,11 +57,29 @@ class Generator(Protocol):
         ...
 
 
+DOMAIN_SETTINGS = "actor.domain_settings"
+"""The config key of a domain's own settings."""
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What a rollout gets besides its problem and the engine."""
+
+    cfg: RunConfig
+    """The run's configuration (read it, never change it: every rollout of the actor shares it)."""
+    attempts: int
+    """Completions (or episodes) of this group: actor.attempts when training, 1 when the actor
+    evaluates."""
+    settings: Any = None
+    """The domain's own settings: actor.domain_settings read into the type the domain declares
+    with `@takes_settings` (pipeline_rl/config/plugin_settings.py); None when it declares none."""
+
+
 class RolloutFn(Protocol):
     """A domain: one problem (a row of the data set) to one group of scored rollouts."""
 
     def __call__(
-        self, problem: dict[str, Any], llm: Generator, cfg: RunConfig
+        self, problem: dict[str, Any], llm: Generator, ctx: RolloutContext
     ) -> Coroutine[Any, Any, RolloutGroup]: ...
 
 

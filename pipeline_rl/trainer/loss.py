@@ -28,11 +28,13 @@ and ranks and divided at the end (see `summarize`).
 
 The loss is a plug-in (`trainer.loss.function`, default `policy_loss` here): a replacement
 takes the same two arguments (a `LossInputs` and the `trainer.loss` section) and returns the
-same (loss, stats) pair; see `LossFn`.
+same (loss, stats) pair; see `LossFn`. One that declares settings of its own
+(`@takes_settings(Settings)`) also gets them, from `trainer.loss.settings`, as `settings=`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +42,7 @@ from typing import Protocol
 import torch
 
 from pipeline_rl.config import LossConfig, RatioLevel
+from pipeline_rl.config.plugin_settings import read_settings, settings_type
 from pipeline_rl.core.plugins import load_plugin
 
 STAT_KEYS = ("tokens", "loss", "pg_loss", "kl", "entropy", "w", "w_sq", "clipped", "masked", "adv", "adv_sq")
@@ -77,8 +80,11 @@ class LossFn(Protocol):
 
 
 def load_loss(cfg: LossConfig) -> LossFn:
-    """The loss named by `trainer.loss.function`."""
-    return load_plugin(cfg.function, "trainer.loss.function", "a function", check=callable)
+    """The loss named by `trainer.loss.function`, with its own settings (`trainer.loss.settings`,
+    read into the type it declares with `@takes_settings`) bound as `settings=`."""
+    loss = load_plugin(cfg.function, "trainer.loss.function", "a function", check=callable)
+    own = read_settings(loss, cfg.settings, "trainer.loss.settings", f"loss {cfg.function!r}")
+    return functools.partial(loss, settings=own) if settings_type(loss) is not None else loss
 
 
 def token_weights(

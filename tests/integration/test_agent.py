@@ -34,8 +34,8 @@ def agent_cfg(run_dir, tiny_model, environment: str, *extra: str):
             "actor.attempts=2",
             "actor.llm.kv_cache_gib=0.25",
             "actor.domain=agent",
-            f"actor.agent.environment={environment}",
-            f"actor.agent.chat_template={TESTS / 'fixtures' / 'agent_tiny.jinja'}",
+            f"actor.domain_settings.environment={environment}",
+            f"actor.domain_settings.chat_template={TESTS / 'fixtures' / 'agent_tiny.jinja'}",
             *extra,
         ],
     )
@@ -76,8 +76,20 @@ def test_multiturn_environment_is_token_exact(llm, problems, tmp_path, tiny_mode
             assert r.metadata["tool_calls"] == 0 and "agent_error" not in r.metadata
 
 
+def test_an_environments_own_settings_reach_it(llm, problems, tmp_path, tiny_model):
+    env = "actor.domain_settings.environment_settings"
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:asked_again", f"{env}.times=3")
+    chosen = problems[:2]
+    groups, recording = run_groups(llm, cfg, chosen)
+    for problem, group in zip(chosen, groups):
+        for r in group.rollouts:
+            turns = check_engine_exact(r, recording)
+            assert len(turns) == 3  # the environment's default is 2
+            assert r.reward == float(all(t.text.strip() == problem["answer"] for t in turns))
+
+
 def test_tool_environment_is_token_exact(llm, problems, tmp_path, tiny_model):
-    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:checked_by_tool", f"actor.agent.tools={TOOLS}")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:checked_by_tool", f"actor.domain_settings.tools={TOOLS}")
     chosen = problems[4:8]
     groups, recording = run_groups(llm, cfg, chosen)
     for problem, group in zip(chosen, groups):
@@ -114,7 +126,7 @@ def test_a_conversation_across_a_swap_carries_both_versions(llm, problems, tmp_p
 def test_http_endpoint_serves_the_openai_client(llm, problems, tmp_path, tiny_model):
     from openai.types.chat import ChatCompletion
 
-    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:over_openai_http", "actor.agent.http=true")
+    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:over_openai_http", "actor.domain_settings.http=true")
     chosen = [dict(p) for p in problems[10:12]]
     groups, recording = run_groups(llm, cfg, chosen)
     for problem, group in zip(chosen, groups):
@@ -130,7 +142,9 @@ def test_http_endpoint_serves_the_openai_client(llm, problems, tmp_path, tiny_mo
 
 
 def test_http_endpoint_answers_raw_json(llm, problems, tmp_path, tiny_model):
-    cfg = agent_cfg(tmp_path, tiny_model, "fixtures.agent_envs:raw_http", "actor.agent.http=true", "actor.attempts=1")
+    cfg = agent_cfg(
+        tmp_path, tiny_model, "fixtures.agent_envs:raw_http", "actor.domain_settings.http=true", "actor.attempts=1"
+    )
     problem = dict(problems[12])
     [group], recording = run_groups(llm, cfg, [problem])
     [(ok, refused, nowhere)] = problem["raw"]
@@ -161,9 +175,9 @@ def test_actor_loop_counts_tool_failures_and_goes_on(llm, tmp_path, tiny_model, 
         tmp_path,
         tiny_model,
         "fixtures.agent_envs:cycling_tools",
-        f"actor.agent.tools={TOOLS}",
-        "actor.agent.tool_timeout_s=1",
-        "actor.agent.error_reward=-1",
+        f"actor.domain_settings.tools={TOOLS}",
+        "actor.domain_settings.tool_timeout_s=1",
+        "actor.domain_settings.error_reward=-1",
         f"actor.dataset.train={CACHE / 'arithmetic' / 'train.jsonl'}",
         "actor.eval_every_s=0",
         "actor.metrics_every_s=0.5",

@@ -79,8 +79,8 @@ def test_a_hanging_tool_is_killed_at_the_limit(tools):
 @pytest.mark.parametrize(
     "spec, error",
     [
-        ("fixtures.agent_tools:nothing", "bad value for 'actor.agent.tools.0': cannot import"),
-        ("json:dumps", "bad value for 'actor.agent.tools.0': no tool schema"),
+        ("fixtures.agent_tools:nothing", "bad value for 'actor.domain_settings.tools.0': cannot import"),
+        ("json:dumps", "bad value for 'actor.domain_settings.tools.0': no tool schema"),
     ],
 )
 def test_bad_tools_are_refused_naming_the_key(spec, error):
@@ -89,5 +89,5 @@ def test_bad_tools_are_refused_naming_the_key(spec, error):
 
 
 def test_two_tools_of_one_name_are_refused():
-    with pytest.raises(ConfigError, match=r"actor\.agent\.tools\.1': a second tool named 'add'"):
+    with pytest.raises(ConfigError, match=r"actor\.domain_settings\.tools\.1': a second tool named 'add'"):
         Tools(["fixtures.agent_tools:add", "fixtures.agent_tools:add"], 1.0, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 from fixtures.helpers import CACHE
@@ -41,9 +42,13 @@ def test_problems(tiny_model):
     return load_problems("jsonl", str(CACHE / "arithmetic" / "test.jsonl"))
 
 
-def run_all(rollout, problems, llm, cfg, timeout_s):
+def run_all(cfg, problems, llm, timeout_s):
+    """One group per problem of the domain `cfg` names, with its settings."""
+    domain = load_domain(cfg.actor)
+    ctx = domain.context(cfg, cfg.actor.attempts)
+
     async def main():
-        return await asyncio.wait_for(asyncio.gather(*(rollout(p, llm, cfg) for p in problems)), timeout_s)
+        return await asyncio.wait_for(asyncio.gather(*(domain.rollout(p, llm, ctx) for p in problems)), timeout_s)
 
     return asyncio.run(main())
 
@@ -60,8 +65,7 @@ def check_group(group: RolloutGroup, problem: dict, llm, attempts: int) -> None:
 
 def test_arithmetic_rollout(llm_and_cfg, test_problems):
     llm, cfg = llm_and_cfg
-    rollout = load_domain("arithmetic")
-    groups = run_all(rollout, test_problems[:8], llm, cfg, 60)
+    groups = run_all(cfg, test_problems[:8], llm, 60)
     for problem, group in zip(test_problems, groups):
         check_group(group, problem, llm, cfg.actor.attempts)
         for r in group.rollouts:
@@ -72,11 +76,14 @@ def test_arithmetic_rollout(llm_and_cfg, test_problems):
             assert r.reward == float(stopped and text == problem["answer"])
 
 
-def test_multiturn_domain(llm_and_cfg, test_problems):
+def test_multiturn_domain_with_settings_of_its_own(llm_and_cfg, test_problems):
     llm, cfg = llm_and_cfg
-    rollout = load_domain("fixtures.multiturn_domain:rollout")
+    cfg = replace(
+        cfg,
+        actor=replace(cfg.actor, domain="fixtures.multiturn_domain:rollout", domain_settings={"turn_reward": 0.25}),
+    )
     problems = test_problems[:4]
-    groups = run_all(rollout, problems, llm, cfg, 60)
+    groups = run_all(cfg, problems, llm, 60)
     for problem, group in zip(problems, groups):
         check_group(group, problem, llm, cfg.actor.attempts)
         a, b = problem["prompt"][3:-1].split("+")
@@ -88,16 +95,16 @@ def test_multiturn_domain(llm_and_cfg, test_problems):
             env_slice = slice(first, first + len(env))
             assert r.versions[env_slice] == [-1] * len(env) and r.logprobs[env_slice] == [0.0] * len(env)
             r1, r2 = r.metadata["turn_rewards"]
-            assert r.token_rewards[first - 1] == r1 - 0.5 and r.token_rewards[-1] == r2 - 0.5
-            assert sum(r.token_rewards) == pytest.approx(r1 + r2 - 1.0)
+            # The setting's +-0.25 for a right / wrong turn (the domain's default is +-0.5).
+            assert r.token_rewards[first - 1] == (r1 - 0.5) / 2 and r.token_rewards[-1] == (r2 - 0.5) / 2
+            assert sum(r.token_rewards) == pytest.approx((r1 + r2 - 1.0) / 2)
             assert r.reward == r1 * r2
 
 
 def test_tiny_model_sampled_accuracy_leaves_room_for_rl(llm_and_cfg, test_problems, tiny_model):
     llm, cfg = llm_and_cfg
     cfg = load_config("tiny", [f"run_dir={cfg.run_dir}", f"model.path={tiny_model}", "actor.attempts=1"])
-    rollout = load_domain("arithmetic")
-    groups = run_all(rollout, test_problems, llm, cfg, 120)
+    groups = run_all(cfg, test_problems, llm, 120)
     accuracy = sum(g.rollouts[0].reward for g in groups) / len(groups)
     report = json.loads((tiny_model / "pretrain_report.json").read_text())
     assert 0.2 <= accuracy <= 0.5, accuracy

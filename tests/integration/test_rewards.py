@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pipeline_rl.config import load_config
-from pipeline_rl.rollouts.domains import arithmetic
+from pipeline_rl.rollouts.domains import arithmetic, load_domain
 from pipeline_rl.rollouts.domains import math as math_domain
 from pipeline_rl.rollouts.domains.math import last_boxed
 from pipeline_rl.rollouts.rewards import RewardPool
@@ -103,10 +103,11 @@ def math_cfg():
         [
             f"actor.reward_timeout_s={LIMIT_S}",
             "actor.reward_workers=2",
-            "actor.math_reward.wrong=-0.5",
-            "actor.math_reward.no_answer=-1",
-            "actor.math_reward.unparsable=-0.75",
-            "actor.math_reward.truncated=-0.25",
+            "actor.domain=math",
+            "actor.domain_settings.wrong=-0.5",
+            "actor.domain_settings.no_answer=-1",
+            "actor.domain_settings.unparsable=-0.75",
+            "actor.domain_settings.truncated=-0.25",
         ],
     )
     math_domain.pool(cfg)
@@ -138,7 +139,7 @@ def test_math_outcomes(math_cfg, text, answer, expected):
     kind, error = outcome(text, answer, math_cfg)
     assert (kind, error) == (expected, None)
     assert (
-        getattr(math_cfg.actor.math_reward, kind)
+        getattr(load_domain(math_cfg.actor).settings, kind)
         == {"correct": 1.0, "wrong": -0.5, "no_answer": -1.0, "unparsable": -0.75}[kind]
     )
 

@@ -2,7 +2,7 @@
 agent domain with the shipped config and its real tool workers is, token for token, the
 conversation tools_policy was fine-tuned on (pipeline_rl/demo/tools_policy.py), with the loss
 on exactly the model's turns; and the reward is the final number's. The same holds with `add`
-served by a real MCP server process (actor.agent.mcp_servers), whose failing and hanging tools
+served by a real MCP server process (actor.domain_settings.mcp_servers), whose failing and hanging tools
 end the episode with a recorded error. The model's turns are scripted (the engine's part is
 test_agent.py's), so the demo's contract holds whatever the built policy happens to sample."""
 
@@ -23,7 +23,7 @@ from pipeline_rl.rollouts.agent.template import ChatTemplate
 
 EOS = tiny_model.EOS_TOKEN
 MCP_SERVER = [
-    f"actor.agent.mcp_servers=[{{command: {sys.executable}, args: [{TESTS / 'fixtures' / 'mcp_tools_server.py'}]}}]"
+    f"actor.domain_settings.mcp_servers=[{{command: {sys.executable}, args: [{TESTS / 'fixtures' / 'mcp_tools_server.py'}]}}]"
 ]
 
 
@@ -61,7 +61,7 @@ def mcp_call(name: str, arguments: dict) -> str:
 
 @pytest.mark.parametrize(
     "with_tool,overrides",
-    [(True, []), (False, []), (True, ["actor.agent.tools=[]", *MCP_SERVER])],
+    [(True, []), (False, []), (True, ["actor.domain_settings.tools=[]", *MCP_SERVER])],
     ids=["tool", "worked", "mcp-tool"],
 )
 def test_an_episode_is_the_conversation_the_policy_was_trained_on(tokenizer, problems, with_tool, overrides):
@@ -91,22 +91,22 @@ def test_the_reward_is_the_final_numbers(tokenizer, problems):
 
 
 def test_without_the_tool_a_call_ends_the_episode_with_the_error_reward(tokenizer, problems):
-    cfg = config("actor.agent.tools=[]", "actor.agent.error_reward=-0.5")
+    cfg = config("actor.domain_settings.tools=[]", "actor.domain_settings.error_reward=-0.5")
     r = episode(tokenizer, cfg, problems[0], tool_turns(problems[0])[:1])
     assert r.reward == -0.5 and r.metadata["tool_calls"] == r.metadata["tool_errors"] == 1
-    assert "actor.agent.tools and mcp_servers are empty" in r.metadata["agent_error"]
+    assert "actor.domain_settings.tools and mcp_servers are empty" in r.metadata["agent_error"]
 
 
 def test_too_many_calls_end_the_episode(tokenizer, problems):
     problem = problems[0]
     a, b, _ = multistep.operands(problem)
-    cfg = config("actor.agent.max_turns=2")
+    cfg = config("actor.domain_settings.max_turns=2")
     r = episode(tokenizer, cfg, problem, [(call_text(a, b), "stop")] * 2)
     assert r.reward == 0.0 and "max_turns=2" in r.metadata["agent_error"]
 
 
 def test_failing_and_hanging_mcp_tools_end_the_episode_with_a_recorded_error(tokenizer, problems):
-    cfg = config("actor.agent.tools=[]", "actor.agent.tool_timeout_s=2", *MCP_SERVER)
+    cfg = config("actor.domain_settings.tools=[]", "actor.domain_settings.tool_timeout_s=2", *MCP_SERVER)
     problem = problems[0]
     failed = episode(tokenizer, cfg, problem, [(mcp_call("fails", {"a": 1}), "stop")])
     assert failed.reward == 0.0 and failed.metadata["tool_errors"] == 1

@@ -308,7 +308,13 @@ def test_non_finite_gradients_stop_the_trainer_before_publishing(tiny_model, tmp
     """DeepSpeed does not check gradients before an update (its per-tensor check costs a device
     wait each update): the trainer reads the update's gradient norm and stops, naming the cause,
     with nothing published or checkpointed after the bad update."""
-    cfg = trainer_config(tmp_path, tiny_model, "shared.max_steps=2", "trainer.loss.function=fixtures.nan_loss:loss")
+    cfg = trainer_config(
+        tmp_path,
+        tiny_model,
+        "shared.max_steps=2",
+        "trainer.loss.function=fixtures.scaled_loss:loss",
+        "trainer.loss.settings.factor=nan",
+    )
     write_steps(cfg, make_steps(tiny_model, steps=2, groups=2, seed=3), ranks=1)
     wait_all(start_ranks(Path(cfg.run_dir), 1), Path(cfg.run_dir), 120, expect=1)
     log = (Path(cfg.run_dir) / "trainer0.log").read_text()

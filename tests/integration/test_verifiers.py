@@ -32,9 +32,9 @@ def vf_cfg(run_dir, tiny_model, environment: str, *extra: str):
             "actor.attempts=2",
             "actor.llm.kv_cache_gib=0.25",
             "actor.domain=verifiers",
-            f"actor.verifiers.environment={environment}",
-            f"actor.agent.chat_template={TESTS / 'fixtures' / 'agent_tiny.jinja'}",
-            "actor.agent.error_reward=-1",
+            f"actor.domain_settings.environment={environment}",
+            f"actor.domain_settings.chat_template={TESTS / 'fixtures' / 'agent_tiny.jinja'}",
+            "actor.domain_settings.error_reward=-1",
             *extra,
         ],
     )
@@ -239,7 +239,7 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
 def test_bad_environments_fail_at_launch_naming_the_key(tmp_path):
     from pipeline_rl.launch.launcher import check_plugins
 
-    key = "'actor.verifiers.environment'"
+    key = "'actor.domain_settings.environment'"
     for spec, error in [
         ("fixtures.verifiers_envs:nothing", "cannot import"),
         ("fixtures.agent_envs:swapped", "raised TypeError"),  # needs an argument
@@ -249,10 +249,14 @@ def test_bad_environments_fail_at_launch_naming_the_key(tmp_path):
         cfg = vf_cfg(tmp_path, tmp_path, spec)
         with pytest.raises(ConfigError, match=f"bad value for {key}.*{error}"):
             check_plugins(cfg)
-    cfg = vf_cfg(tmp_path, tmp_path, "fixtures.verifiers_envs:two_questions", "actor.verifiers.args={max_turns: 3}")
+    cfg = vf_cfg(
+        tmp_path, tmp_path, "fixtures.verifiers_envs:two_questions", "actor.domain_settings.args={max_turns: 3}"
+    )
     with pytest.raises(ConfigError, match=f"bad value for {key}.*unexpected keyword"):
         check_plugins(cfg)
-    with pytest.raises(ConfigError, match=r"needs 'actor\.verifiers\.environment'"):
-        vf_cfg(tmp_path, tmp_path, "''")
-    with pytest.raises(ConfigError, match=r"verifiers\.nope"):
-        vf_cfg(tmp_path, tmp_path, "fixtures.verifiers_envs:two_questions", "actor.verifiers.nope=1")
+    with pytest.raises(ConfigError, match=r"needs 'actor\.domain_settings\.environment'"):
+        check_plugins(vf_cfg(tmp_path, tmp_path, "''"))
+    with pytest.raises(ConfigError, match=r"unknown key 'actor\.domain_settings\.nope'"):
+        check_plugins(
+            vf_cfg(tmp_path, tmp_path, "fixtures.verifiers_envs:two_questions", "actor.domain_settings.nope=1")
+        )

@@ -30,11 +30,8 @@ def tokenizer():
     return tok
 
 
-def actor(**agent) -> ActorConfig:
-    cfg = ActorConfig(max_new_tokens=64)
-    for key, value in agent.items():
-        setattr(cfg.agent, key, value)
-    return cfg
+def actor() -> ActorConfig:
+    return ActorConfig(max_new_tokens=64)
 
 
 def run(coro):
@@ -45,7 +42,7 @@ def test_tool_conversation_is_token_exact(tokenizer):
     engine = ScriptedEngine(tokenizer, [(CALL, "stop"), ("The sum is 3.", "stop")])
 
     async def episode():
-        session = ChatSession(engine, actor(), 1.0, TEMPLATE, None)
+        session = ChatSession(engine, actor(), 1.0, 8, TEMPLATE, None)
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"}]
         first = await session.chat.completions.create(messages=messages, tools=TOOLS, temperature=0.3)
         message = first.choices[0].message
@@ -89,7 +86,7 @@ def test_a_turn_cut_off_gets_the_whole_closing(tokenizer):
     engine = ScriptedEngine(tokenizer, [("12", "length"), ("3", "stop")])
 
     async def episode():
-        session = ChatSession(engine, actor(), 1.0, TEMPLATE, None)
+        session = ChatSession(engine, actor(), 1.0, 8, TEMPLATE, None)
         messages = [{"role": "user", "content": "q"}]
         reply = await session.chat.completions.create(messages=messages)
         assert reply.choices[0].finish_reason == "length"
@@ -121,7 +118,7 @@ def test_messages_that_do_not_continue_the_conversation_are_refused(tokenizer, c
     engine = ScriptedEngine(tokenizer, [("1", "stop")])
 
     async def episode():
-        session = ChatSession(engine, actor(), 1.0, TEMPLATE, None)
+        session = ChatSession(engine, actor(), 1.0, 8, TEMPLATE, None)
         messages = [{"role": "user", "content": "q"}]
         reply = await session.chat.completions.create(messages=messages)
         with pytest.raises(ValueError, match=error):
@@ -133,9 +130,9 @@ def test_messages_that_do_not_continue_the_conversation_are_refused(tokenizer, c
 def test_refusals_and_limits(tokenizer):
     async def episode():
         engine = ScriptedEngine(tokenizer, [("1", "stop")] * 3)
-        session = ChatSession(engine, actor(max_turns=2), 1.0, TEMPLATE, None)
+        session = ChatSession(engine, actor(), 1.0, 2, TEMPLATE, None)
         messages = [{"role": "user", "content": "q"}]
-        with pytest.raises(RuntimeError, match=r"actor\.agent\.http: true"):
+        with pytest.raises(RuntimeError, match=r"actor\.domain_settings\.http: true"):
             _ = session.base_url
         with pytest.raises(ValueError, match="n=2"):
             await session.chat.completions.create(messages=messages, n=2)
@@ -156,11 +153,11 @@ def test_refusals_and_limits(tokenizer):
         # The refused turn's messages never joined the transcript: it ends with the model's tokens.
         assert r.mask is not None and r.mask[-1] == 1 and r.metadata["turns"] == 2
 
-        full = ChatSession(ScriptedEngine(tokenizer, [], max_model_len=8), actor(), 1.0, TEMPLATE, None)
+        full = ChatSession(ScriptedEngine(tokenizer, [], max_model_len=8), actor(), 1.0, 8, TEMPLATE, None)
         with pytest.raises(AgentError, match="fills the context"):
             await full.chat.completions.create(messages=[{"role": "user", "content": "a long question"}])
         with pytest.raises(RuntimeError, match="before its first"):
-            ChatSession(engine, actor(), 1.0, TEMPLATE, None).rollout(1.0, 0.0)
+            ChatSession(engine, actor(), 1.0, 8, TEMPLATE, None).rollout(1.0, 0.0)
 
     run(episode())
 
@@ -169,7 +166,7 @@ def test_a_template_that_drops_assistant_content_is_refused(tokenizer):
     engine = ScriptedEngine(tokenizer, [])
 
     async def episode():
-        session = ChatSession(engine, actor(), 1.0, "{% for m in messages %}{{ m.role }}{% endfor %}", None)
+        session = ChatSession(engine, actor(), 1.0, 8, "{% for m in messages %}{{ m.role }}{% endfor %}", None)
         with pytest.raises(ValueError, match="does not render an assistant message's content"):
             await session.chat.completions.create(messages=[{"role": "user", "content": "q"}])
 

@@ -90,24 +90,24 @@ def test_bad_overrides_name_the_key(overrides, expected):
         (["trainer.loss.kl_coef=0.1"], "needs a scorer in 'preprocess.scorers' that produces ref_logprobs"),
         (["preprocess.scorers=[{cls: 'nowhere:Scorer'}]"], "bad value for 'preprocess.scorers.0.cls': cannot import"),
         (
-            ["actor.domain=agent", "actor.agent.environment=nowhere:run"],
-            "bad value for 'actor.agent.environment': cannot import",
+            ["actor.domain=agent", "actor.domain_settings.environment=nowhere:run"],
+            "bad value for 'actor.domain_settings.environment': cannot import",
         ),
         (
             [
                 "actor.domain=agent",
-                "actor.agent.environment=fixtures.agent_envs:two_questions",
-                "actor.agent.tools=[nowhere:add]",
+                "actor.domain_settings.environment=fixtures.agent_envs:two_questions",
+                "actor.domain_settings.tools=[nowhere:add]",
             ],
-            "bad value for 'actor.agent.tools.0': cannot import",
+            "bad value for 'actor.domain_settings.tools.0': cannot import",
         ),
         (
             [
                 "actor.domain=agent",
-                "actor.agent.environment=fixtures.agent_envs:two_questions",
-                "actor.agent.mcp_servers=[{command: no-such-mcp-server}]",
+                "actor.domain_settings.environment=fixtures.agent_envs:two_questions",
+                "actor.domain_settings.mcp_servers=[{command: no-such-mcp-server}]",
             ],
-            "bad value for 'actor.agent.mcp_servers.0.command': 'no-such-mcp-server' is not a program",
+            "bad value for 'actor.domain_settings.mcp_servers.0.command': 'no-such-mcp-server' is not a program",
         ),
     ],
 )

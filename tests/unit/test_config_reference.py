@@ -7,6 +7,9 @@ import typing
 from fixtures.helpers import ROOT, load_script
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.rollouts.domains.agent import AgentSettings
+from pipeline_rl.rollouts.domains.math import MathReward
+from pipeline_rl.rollouts.domains.verifiers_env import VerifiersSettings
 
 
 def _script():
@@ -30,6 +33,8 @@ def test_every_key_is_on_the_page_with_its_meaning():
     rows = {line.split("`")[1]: line for line in page.splitlines() if line.startswith("| `")}
     keys = list(_keys(RunConfig))
     assert len(keys) > 100
+    for settings in (MathReward, AgentSettings, VerifiersSettings):  # the built-in domains' own
+        keys += _keys(settings, "actor.domain_settings.")
     assert set(keys) == set(rows)
     undocumented = [k for k, row in rows.items() if row.rstrip().endswith("|  |")]
     assert not undocumented, f"keys without a docstring in pipeline_rl/config/schema.py: {undocumented}"

@@ -1,4 +1,4 @@
-"""The HTTP endpoint of the sessions (actor.agent.http): OpenAI's chat-completions route for
+"""The HTTP endpoint of the sessions (actor.domain_settings.http): OpenAI's chat-completions route for
 environments in another process, e.g. `openai.AsyncOpenAI(base_url=client.base_url, api_key="-")`.
 
 `POST /sessions/ID/v1/chat/completions` takes OpenAI's request body and answers with a

@@ -24,13 +24,14 @@ from pipeline_rl.rollouts.agent.template import ChatTemplate
 from pipeline_rl.rollouts.agent.tool_calls import parse_reply
 from pipeline_rl.rollouts.agent.tools import ToolError, Tools
 from pipeline_rl.rollouts.agent.transcript import Transcript
+from pipeline_rl.rollouts.interface import DOMAIN_SETTINGS
 from pipeline_rl.streams.records import Rollout
 
 _sessions = itertools.count()
 
 
 class AgentError(RuntimeError):
-    """Ends the episode: the rollout keeps its tokens and gets actor.agent.error_reward."""
+    """Ends the episode: the rollout keeps its tokens and gets the domain's error_reward."""
 
 
 class _Completions:
@@ -49,9 +50,17 @@ def _same_turn(sent: dict, known: dict) -> bool:
 
 
 class ChatSession:
-    def __init__(self, llm: Any, actor: ActorConfig, temperature: float, template: str | None, tools: Tools | None):
+    def __init__(
+        self,
+        llm: Any,
+        actor: ActorConfig,
+        temperature: float,
+        max_turns: int,
+        template: str | None,
+        tools: Tools | None,
+    ):
         self.llm, self.actor, self.template_text, self.tool_box = llm, actor, template, tools
-        self.temperature = temperature
+        self.temperature, self.max_turns = temperature, max_turns
         self.id = f"s{next(_sessions)}"
         self.loop = asyncio.get_running_loop()
         """The loop the engine requests run on (the HTTP endpoint's threads submit to it)."""
@@ -73,12 +82,12 @@ class ChatSession:
     def base_url(self) -> str:
         """This session's OpenAI base URL (.../v1), for an environment in another process."""
         if self.served_at is None:  # never None into an OpenAI client: it would call api.openai.com
-            raise RuntimeError("client.base_url needs actor.agent.http: true")
+            raise RuntimeError(f"client.base_url needs {DOMAIN_SETTINGS}.http: true")
         return self.served_at
 
     @property
     def tools(self) -> list[dict]:
-        """OpenAI schemas of actor.agent.tools, to pass as `tools=`."""
+        """OpenAI schemas of the agent domain's tools, to pass as `tools=`."""
         return list(self.tool_box.schemas) if self.tool_box else []
 
     def _end(self, error: AgentError) -> AgentError:
@@ -120,8 +129,8 @@ class ChatSession:
         transcript = self.transcript
         assert transcript is not None
         prompt = transcript.tokens + between
-        if transcript.turns >= self.actor.agent.max_turns:
-            raise self._end(AgentError(f"more than actor.agent.max_turns={self.actor.agent.max_turns} model turns"))
+        if transcript.turns >= self.max_turns:
+            raise self._end(AgentError(f"more than {DOMAIN_SETTINGS}.max_turns={self.max_turns} model turns"))
         room = self.llm.max_model_len - len(prompt)
         limit = min(max_tokens or self.actor.max_new_tokens, self.actor.max_new_tokens, room)
         if limit < 1:
@@ -189,7 +198,9 @@ class ChatSession:
         self.tool_calls += 1
         if self.tool_box is None:  # counted as a failed call, as one naming an unknown tool is
             self.tool_errors += 1
-            raise self._end(AgentError("the model called a tool, but actor.agent.tools and mcp_servers are empty"))
+            raise self._end(
+                AgentError(f"the model called a tool, but {DOMAIN_SETTINGS}.tools and mcp_servers are empty")
+            )
         start = time.monotonic()
         try:
             text = await self.tool_box.call(function.get("name", ""), function.get("arguments", "{}"))

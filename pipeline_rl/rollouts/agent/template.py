@@ -27,7 +27,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any, template: str | None, tools: list[dict] | None):
         self.tokenizer, self.template, self.tools = tokenizer, template, tools or None
         if template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: set actor.agent.chat_template")
+            raise ValueError("the tokenizer has no chat template: set actor.domain_settings.chat_template")
         self.stand_in = self.render(STAND_IN, generation_prompt=False)
         at = self.stand_in.rfind(MARK)
         if at < 0:

@@ -1,7 +1,7 @@
-"""Tools the model may call (actor.agent.tools): Python functions named `module:function`, run
-in RewardPool workers (pipeline_rl/rollouts/rewards.py) under actor.agent.tool_timeout_s, so a tool
+"""Tools the model may call (the agent domain's `tools`): Python functions named `module:function`, run
+in RewardPool workers (pipeline_rl/rollouts/rewards.py) under its `tool_timeout_s`, so a tool
 that hangs, even inside C code, is killed and replaced without stopping the actor; and the tools
-of MCP servers (actor.agent.mcp_servers, mcp_server.py), started by `start_mcp` in the actor,
+of MCP servers (its `mcp_servers`, mcp_server.py), started by `start_mcp` in the actor,
 each call under the same limit.
 
 A tool is a plain function of JSON-valued keyword arguments, documented Google-style (a summary
@@ -19,9 +19,10 @@ import shutil
 from typing import Any
 
 from pipeline_rl.config import ConfigError
-from pipeline_rl.config.pool_sections import McpServerConfig
 from pipeline_rl.core.plugins import import_attr, load_plugin
 from pipeline_rl.rollouts.agent.mcp_server import McpServer, McpToolError
+from pipeline_rl.rollouts.agent.settings import McpServerConfig
+from pipeline_rl.rollouts.interface import DOMAIN_SETTINGS
 from pipeline_rl.rollouts.rewards import RewardPool
 
 INVOKE = f"{__name__}:invoke"
@@ -66,12 +67,12 @@ class Tools:
         for i, server in enumerate(self.mcp_specs):
             if not shutil.which(server.command):
                 raise ConfigError(
-                    f"bad value for 'actor.agent.mcp_servers.{i}.command': {server.command!r} is not a program"
+                    f"bad value for '{DOMAIN_SETTINGS}.mcp_servers.{i}.command': {server.command!r} is not a program"
                 )
         self.mcp_servers: list[McpServer] = []
         self.mcp_routes: dict[str, McpServer] = {}
         for i, spec in enumerate(specs):
-            key = f"actor.agent.tools.{i}"
+            key = f"{DOMAIN_SETTINGS}.tools.{i}"
             schema = tool_schema(load_plugin(spec, key, "a function", check=callable), key)
             name = schema["function"]["name"]
             if name in self.paths:
@@ -85,7 +86,7 @@ class Tools:
         tools; a server that does not start, or a tool name given twice, raises naming the key."""
         try:
             for i, spec in enumerate(self.mcp_specs):
-                key = f"actor.agent.mcp_servers.{i}"
+                key = f"{DOMAIN_SETTINGS}.mcp_servers.{i}"
                 try:
                     server = McpServer(spec.command, spec.args, spec.env, self.timeout_s)
                 except RuntimeError as e:

@@ -2,13 +2,16 @@
 
 A domain is an async function
 
-    async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup
+    async def rollout(problem: dict, llm: Generator, ctx: RolloutContext) -> RolloutGroup
 
-(the types are in pipeline_rl/rollouts/interface.py).
+(the types are in pipeline_rl/rollouts/interface.py). `ctx` holds the run's config, the group's
+number of attempts (1 when the actor evaluates) and the domain's own settings: a domain declares
+their type with `@takes_settings(Settings)` (a dataclass; pipeline_rl/config/plugin_settings.py)
+and the config gives them under `actor.domain_settings`, checked when the domain is loaded.
 
 `problem` is one row of the data set (pipeline_rl/rollouts/datasets.py: "id", "prompt", "answer" and
 any extra keys). The function samples with `llm.generate(...)` (`sample` below: the group's
-cfg.actor.attempts completions with the actor's sampling settings) and returns a RolloutGroup whose rollouts have their rewards filled in.
+ctx.attempts completions with the actor's sampling settings) and returns a RolloutGroup whose rollouts have their rewards filled in.
 Each Rollout carries the prompt's token ids and, per completion token, the id, the sampled
 logprob and the policy version as returned in the Completion. The actor then sets the group's
 `group_id` and `actor` fields, so a domain may leave them at their defaults.
@@ -34,18 +37,21 @@ Rollouts in flight at a stop are continued by the next actor (pipeline_rl/actor/
 for domains whose rollout is marked `@continuable` (rollouts/interface.py): the built-in
 arithmetic, math and multistep are; the others' are counted lost.
 
-`load_domain(name)` accepts a built-in name ("arithmetic", "math", "multistep", "agent", "verifiers") or "module:function".
+`load_domain(actor)` loads `actor.domain`, a built-in name ("arithmetic", "math", "multistep",
+"agent", "verifiers") or "module:function", with its settings.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, cast
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import ActorConfig, RunConfig
+from pipeline_rl.config.plugin_settings import read_settings
 from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.core.routes import encode_routes
-from pipeline_rl.rollouts.interface import Generator, RolloutFn, Sample
+from pipeline_rl.rollouts.interface import DOMAIN_SETTINGS, Generator, RolloutContext, RolloutFn, Sample
 from pipeline_rl.streams.records import Rollout
 
 BUILTIN = {
@@ -57,25 +63,39 @@ BUILTIN = {
 }
 
 
-def load_domain(name: str) -> RolloutFn:
-    """The rollout function of a built-in domain or of an import path `module:function`."""
+@dataclass(frozen=True)
+class Domain:
+    """A loaded domain: its rollout function and its own settings (read and checked)."""
+
+    rollout: RolloutFn
+    settings: Any
+
+    def context(self, cfg: RunConfig, attempts: int) -> RolloutContext:
+        return RolloutContext(cfg, attempts, self.settings)
+
+
+def load_domain(actor: ActorConfig) -> Domain:
+    """The domain `actor.domain` names (built-in or `module:function`) with
+    `actor.domain_settings` read into its settings type; raises ConfigError naming the key."""
     found = load_plugin(
-        name,
+        actor.domain,
         "actor.domain",
-        "an async function (async def rollout(problem, llm, cfg))",
+        "an async function (async def rollout(problem, llm, ctx))",
         builtins=BUILTIN,
         check=inspect.iscoroutinefunction,
     )
-    return cast(RolloutFn, found)
+    settings = read_settings(found, actor.domain_settings, DOMAIN_SETTINGS, f"domain {actor.domain!r}")
+    return Domain(cast(RolloutFn, found), settings)
 
 
-async def sample(llm: Generator, prompt_ids: list[int], cfg: RunConfig, ignore_eos: bool = False) -> list[Sample]:
-    """The group's completions of one prompt: cfg.actor.attempts samples with the actor's
+async def sample(llm: Generator, prompt_ids: list[int], ctx: RolloutContext, ignore_eos: bool = False) -> list[Sample]:
+    """The group's completions of one prompt: ctx.attempts samples with the actor's
     max_new_tokens, temperature and top_p (LLMClient Completions); `ignore_eos`: each runs to
     max_new_tokens."""
+    cfg = ctx.cfg
     completions = await llm.generate(
         prompt_ids,
-        n=cfg.actor.attempts,
+        n=ctx.attempts,
         max_tokens=cfg.actor.max_new_tokens,
         temperature=cfg.shared.temperature,
         top_p=cfg.actor.top_p,

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains import make_rollout, sample
-from pipeline_rl.rollouts.interface import Generator, continuable
+from pipeline_rl.rollouts.interface import Generator, RolloutContext, continuable
 from pipeline_rl.rollouts.rewards import call_checked
 from pipeline_rl.streams.records import RolloutGroup
 
@@ -18,17 +17,17 @@ def score(text: str, finish_reason: str, answer: str) -> float:
 
 
 @continuable
-async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
-    return await sample_and_score(problem, llm, cfg, score)
+async def rollout(problem: dict, llm: Generator, ctx: RolloutContext) -> RolloutGroup:
+    return await sample_and_score(problem, llm, ctx, score)
 
 
 async def sample_and_score(
-    problem: dict, llm, cfg: RunConfig, score_fn: Callable[[str, str, str], float]
+    problem: dict, llm, ctx: RolloutContext, score_fn: Callable[[str, str, str], float]
 ) -> RolloutGroup:
-    """cfg.actor.attempts completions of the problem's prompt, each scored by
+    """ctx.attempts completions of the problem's prompt, each scored by
     score_fn(text, finish_reason, answer) (a failure of it is reported, not raised)."""
     prompt_ids = llm.tokenizer.encode(problem["prompt"])
-    completions = await sample(llm, prompt_ids, cfg)
+    completions = await sample(llm, prompt_ids, ctx)
     rollouts = []
     for completion in completions:
         result = call_checked(score_fn, completion.text, completion.finish_reason, problem["answer"])

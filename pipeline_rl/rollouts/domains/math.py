@@ -1,7 +1,8 @@
 """Math word problems: the last \\boxed{...} of the completion is compared with the reference
 answer by math-verify, in a RewardPool worker under actor.reward_timeout_s.
 
-Each completion gets one outcome and its reward from cfg.actor.math_reward:
+Each completion gets one outcome and its reward from the domain's settings (`MathReward`, under
+actor.domain_settings):
 truncated (cut off at the token limit; checked first), no_answer (no complete \\boxed{}),
 unparsable (math-verify reads nothing in it, or the check raised or timed out: the error text
 goes into metadata["reward_error"]), correct or wrong. The outcome is in metadata["outcome"].
@@ -16,15 +17,35 @@ import asyncio
 import atexit
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.config.plugin_settings import takes_settings
 from pipeline_rl.rollouts.domains import make_rollout, sample
-from pipeline_rl.rollouts.interface import Generator, continuable
+from pipeline_rl.rollouts.interface import Generator, RolloutContext, continuable
 from pipeline_rl.rollouts.rewards import RewardPool
 from pipeline_rl.streams.records import RolloutGroup
 
 CHECK = "pipeline_rl.rollouts.domains.math:check"
+
+
+@dataclass
+class MathReward:
+    """Reward of a math rollout by what its final \\boxed{} answer is."""
+
+    correct: float = 1.0
+    """The last \\boxed{} answer equals the reference answer (checked with math-verify)."""
+    wrong: float = 0.0
+    """A readable last \\boxed{} answer that differs from the reference."""
+    no_answer: float = 0.0
+    """The completion finished without any \\boxed{} answer."""
+    unparsable: float = 0.0
+    """A \\boxed{} answer math-verify cannot read, or a check that failed or ran past actor.reward_timeout_s."""
+    truncated: float = 0.0
+    """The completion was cut off at actor.max_new_tokens (or the model length), whatever it contains."""
+
+
 _pool: RewardPool | None = None
 
 
@@ -118,11 +139,14 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @continuable
-async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
+@takes_settings(MathReward)
+async def rollout(problem: dict, llm: Generator, ctx: RolloutContext) -> RolloutGroup:
     ids = prompt_ids(llm.tokenizer, problem["prompt"])
-    completions = await sample(llm, ids, cfg)
-    table = cfg.actor.math_reward
-    outcomes = await asyncio.gather(*(outcome(c.text, c.finish_reason, problem["answer"], cfg) for c in completions))
+    completions = await sample(llm, ids, ctx)
+    table: MathReward = ctx.settings
+    outcomes = await asyncio.gather(
+        *(outcome(c.text, c.finish_reason, problem["answer"], ctx.cfg) for c in completions)
+    )
     rollouts = [
         make_rollout(ids, c, getattr(table, kind), error, outcome=kind)
         for c, (kind, error) in zip(completions, outcomes)

@@ -4,9 +4,8 @@ in "=<answer>", else 0: only the outcome counts here, the steps are for a PRM to
 
 from __future__ import annotations
 
-from pipeline_rl.config import RunConfig
 from pipeline_rl.rollouts.domains.arithmetic import sample_and_score
-from pipeline_rl.rollouts.interface import Generator, continuable
+from pipeline_rl.rollouts.interface import Generator, RolloutContext, continuable
 from pipeline_rl.streams.records import RolloutGroup
 
 
@@ -16,5 +15,5 @@ def score(text: str, finish_reason: str, answer: str) -> float:
 
 
 @continuable
-async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
-    return await sample_and_score(problem, llm, cfg, score)
+async def rollout(problem: dict, llm: Generator, ctx: RolloutContext) -> RolloutGroup:
+    return await sample_and_score(problem, llm, ctx, score)

@@ -1,7 +1,7 @@
 """The verifiers domain (`actor.domain: verifiers`): an environment of the verifiers library
 (`vf.SingleTurnEnv`, `MultiTurnEnv`, `ToolEnv` or any `vf.Environment`; the `verifiers` extra)
-named by actor.verifiers runs its own rollout logic for each of a problem's actor.attempts
-episodes, its model calls going to the actor's engine through a ChatSession each
+named by its settings' `environment` runs its own rollout logic for each of a group's attempts
+(episodes), its model calls going to the actor's engine through a ChatSession each
 (pipeline_rl/rollouts/agent/vf_client.py), and its rubric scores the group (`score_group`, so group
 reward functions see the whole group) into the rollouts' rewards.
 
@@ -14,35 +14,52 @@ The sample's tokens, logprobs, versions and mask are the session's transcript (t
 output tokens, environment messages rendered once with mask 0), never verifiers' view of the
 conversation. An episode that ends with an error (one verifiers records in its state, such as
 an empty reply or a failed tool with `stop_errors`; a session error such as
-actor.agent.max_turns or a full context; or an exception out of the environment's own code)
-keeps its tokens, gets actor.agent.error_reward and the error text in metadata["agent_error"],
+the settings' max_turns or a full context; or an exception out of the environment's own code)
+keeps its tokens, gets the settings' error_reward and the error text in metadata["agent_error"],
 and is counted with the agent metrics. An episode that raised before its first model turn, or a
 rubric that raises, fails the group (a counted lost group).
 
 verifiers runs a ToolEnv's tools in the actor's event loop: a slow synchronous tool holds up the
-actor's other rollouts (actor.agent.tools run tools in time-limited workers instead).
+actor's other rollouts (the agent domain's tools run in time-limited workers instead).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline_rl.config import ConfigError, RunConfig
-from pipeline_rl.config.pool_sections import VerifiersConfig
+from pipeline_rl.config import ConfigError
+from pipeline_rl.config.plugin_settings import takes_settings
 from pipeline_rl.core.plugins import load_plugin
 from pipeline_rl.rollouts.agent.session import ChatSession
-from pipeline_rl.rollouts.domains.agent import chat_template
-from pipeline_rl.rollouts.interface import Generator
+from pipeline_rl.rollouts.agent.settings import ChatSettings
+from pipeline_rl.rollouts.interface import DOMAIN_SETTINGS, Generator, RolloutContext
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
-KEY = "actor.verifiers.environment"
+KEY = f"{DOMAIN_SETTINGS}.environment"
 
 
-def load_environment(config: VerifiersConfig) -> Any:
-    """The environment actor.verifiers names, built; raises ConfigError naming the key. The
-    launcher calls it too, so a bad one fails at launch."""
+@dataclass
+class VerifiersSettings(ChatSettings):
+    """Environments of the verifiers library (the `verifiers` extra): runs `environment`'s own
+    rollout and rubric on the actor's engine through the agent domain's chat client, whose
+    settings (chat_template, max_turns, error_reward) apply here too."""
+
+    environment: str = ""
+    """`module:function` returning a verifiers Environment, called with `args`; or the id of an
+    installed verifiers environment package, loaded with `verifiers.load_environment(id, **args)`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of that function: the environment's own settings."""
+
+    def check(self, key: str) -> None:
+        """The environment builds (at launch too)."""
+        load_environment(self)
+
+
+def load_environment(config: VerifiersSettings) -> Any:
+    """The environment the settings name, built; raises ConfigError naming the key."""
     try:
         import verifiers as vf  # pyright: ignore[reportMissingImports]  (the optional `verifiers` extra)
     except ImportError as e:
@@ -50,6 +67,8 @@ def load_environment(config: VerifiersConfig) -> Any:
             f"bad value for 'actor.domain': verifiers needs the verifiers package ({e}); "
             "install it with `bash scripts/setup_cpu.sh --verifiers`"
         ) from None
+    if not config.environment:
+        raise ConfigError(f"'actor.domain' verifiers needs '{KEY}' (module:function or an id)")
     spec, args = config.environment, dict(config.args)
     if ":" in spec:
         make = load_plugin(spec, KEY, "a function returning a verifiers Environment", check=callable)
@@ -67,11 +86,11 @@ def load_environment(config: VerifiersConfig) -> Any:
 _environments: dict[str, tuple[Any, str | None]] = {}
 
 
-def runtime(cfg: RunConfig) -> tuple[Any, str | None]:
-    """The environment and the chat template text, built once per config in this process."""
-    key = repr((cfg.actor.verifiers, cfg.actor.agent.chat_template))
+def runtime(settings: VerifiersSettings) -> tuple[Any, str | None]:
+    """The environment and the chat template text, built once per settings in this process."""
+    key = repr(settings)
     if key not in _environments:
-        _environments[key] = (load_environment(cfg.actor.verifiers), chat_template(cfg.actor.agent))
+        _environments[key] = (load_environment(settings), settings.template_text())
     return _environments[key]
 
 
@@ -126,14 +145,20 @@ def sample(session: ChatSession, state: Any, error_reward: float) -> Rollout:
     return rollout
 
 
-async def rollout(problem: dict, llm: Generator, cfg: RunConfig) -> RolloutGroup:
-    env, template = runtime(cfg)
-    sessions = [ChatSession(llm, cfg.actor, cfg.shared.temperature, template, None) for _ in range(cfg.actor.attempts)]
+@takes_settings(VerifiersSettings)
+async def rollout(problem: dict, llm: Generator, ctx: RolloutContext) -> RolloutGroup:
+    settings: VerifiersSettings = ctx.settings
+    env, template = runtime(settings)
+    cfg = ctx.cfg
+    sessions = [
+        ChatSession(llm, cfg.actor, cfg.shared.temperature, settings.max_turns, template, None)
+        for _ in range(ctx.attempts)
+    ]
     states = await asyncio.gather(*(episode(env, s, problem) for s in sessions))
     scored = [s for s in states if s is not None]
     if scored:
         await env.rubric.score_group(scored)
         for state in scored:
             await env.rubric.cleanup(state)
-    rollouts = [sample(s, state, cfg.actor.agent.error_reward) for s, state in zip(sessions, states)]
+    rollouts = [sample(s, state, settings.error_reward) for s, state in zip(sessions, states)]
     return RolloutGroup(problem_id=problem["id"], group_id="", rollouts=rollouts)
