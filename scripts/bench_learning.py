@@ -478,6 +478,38 @@ def goals(pipe: dict, trl: dict) -> None:
     )
 
 
+def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> list[dict]:
+    """One row per model and pipeline_rl run, against TRL's run on that model: the figures
+    docs/learning.md's family table is made of (scripts/bench_tables.py), written as JSON."""
+    rows = []
+    for model, results in per_model:
+        by = {r["mode"]: r for r in results}
+        trl = by.get("trl")
+        for mode, r in by.items():
+            if mode == "trl":
+                continue
+            g = against_trl(r, trl) if trl else {}
+            rows.append(
+                {
+                    "model": model,
+                    "mode": mode,
+                    "budget_s": budget_s,
+                    "start": r["start_eval"],
+                    "final": r["final_eval"],
+                    "worst_drop": r["worst_drop"],
+                    "early_fall": r["early_fall"],
+                    "versions_per_s": r["versions_per_s"],
+                    "completions_per_s": r["completions_per_s"],
+                    "trl_final": trl["final_eval"] if trl else None,
+                    "trl_span_s": trl["eval_span_s"] if trl else None,
+                    "trl_completions_per_s": trl["completions_per_s"] if trl else None,
+                    "time_to_trl_s": g.get("time_to_trl"),
+                    "gain": g.get("gain"),
+                }
+            )
+    return rows
+
+
 def table(per_model: list[tuple[str, list[dict]]]) -> str:
     """Per model, TRL's final reward, and for each pipeline_rl run the time to TRL's final reward,
     its own final reward, its worst drop and its first-minute fall below the start."""
@@ -614,6 +646,9 @@ def main() -> None:
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
     parser.add_argument(
+        "--json", type=Path, help="also write the per-model results here (OUT/results.json is always written)"
+    )
+    parser.add_argument(
         "--reuse", action="store_true", help="keep finished runs of the same model, data, budget, seed and settings"
     )
     parser.add_argument("--models", default="", help="comma-separated model directories or names to run on, in turn")
@@ -658,6 +693,10 @@ def main() -> None:
             results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse))
         report(results, out, args.conf)
         per_model.append((model.name, results))
+    rows = json.dumps(result_rows(per_model, args.budget_s), indent=1)
+    for path in [args.out / "results.json", *([args.json] if args.json else [])]:
+        path.write_text(rows + "\n")
+        print(f"results: {path}")
     if len(per_model) > 1:
         text = table(per_model)
         (args.out / "table.md").write_text(text)

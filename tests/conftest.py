@@ -6,22 +6,18 @@ import os
 from pathlib import Path
 
 import pytest
-from fixtures.helpers import RedisServer, build_tiny_model
+from fixtures.helpers import RedisServer, kept_model
 
 # One compute thread per process: two OpenMP threads on these VMs are much slower than one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `models` every test that needs a built model (the `tiny_model` fixture, directly or
-    through another fixture): CI runs the others while the models build. Skip the `gpu` tier
-    where no CUDA device is."""
+    """Skip the `gpu` tier where no CUDA device is."""
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA device (the gpu tier)")
     for item in items:
-        if "tiny_model" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.models)
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_gpu)
 
@@ -48,4 +44,4 @@ def transformers_left_intact():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    return build_tiny_model()
+    return kept_model("tiny_model")

@@ -10,41 +10,33 @@ from __future__ import annotations
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
-from fixtures.helpers import CACHE
+from fixtures.helpers import kept_model
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.demo import build_named, outcome_rm, prm
+from pipeline_rl.demo import outcome_rm, prm
 from pipeline_rl.demo.multistep import make_problems
 from pipeline_rl.demo.tiny_model import make_tokenizer
 from pipeline_rl.scorers import ProcessRewardScorer, RewardModelScorer
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
-# The quick PRM (prm.QUICK) and outcome RM (outcome_rm.QUICK, from the quick PRM): built by
-# .ci/run, or here when missing (a few minutes).
+# The quick PRM (prm.QUICK) and outcome RM (outcome_rm.QUICK, from the quick PRM), kept in
+# tests/models (fixtures.helpers.kept_model).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 COPIES = 2
 """Solutions drawn per held-out problem (the build's evaluation draws as many, from another seed)."""
 
 
-def built(name: str) -> Path:
-    path = CACHE / name
-    if not (path / "config.json").exists():
-        build_named(CACHE, name)
-    return path
-
-
 @pytest.fixture(scope="module")
 def prm_dir(tiny_model):
-    return built(prm.QUICK.name)
+    return kept_model(prm.QUICK.name)
 
 
 @pytest.fixture(scope="module")
 def rm_dir(prm_dir):
-    return built(outcome_rm.QUICK.name)
+    return kept_model(outcome_rm.QUICK.name)
 
 
 def policy_config(tiny_model) -> RunConfig:

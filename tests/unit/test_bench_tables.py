@@ -74,6 +74,32 @@ def test_the_comparison_names_what_moved_beyond_the_kept_band():
     found = bench_tables.moved([ROW | {"publish_s_delta": 0.5, "lock_hold_s_full": 0.031}], kept, 0.25)
     assert len(found) == 1 and "publish_s_delta: 0.5, kept 0.25" in found[0]
     assert bench_tables.moved([ROW | {"lr": 1e-6}], kept, 0.25) == [
-        "('1 rank(s), ZeRO-2', 1e-06, None, None): no such row in the kept run",
-        "('1 rank(s), ZeRO-2', 5e-07, None, None): in the kept run only",
+        "('1 rank(s), ZeRO-2', 1e-06, None, None, None): no such row in the kept run",
+        "('1 rank(s), ZeRO-2', 5e-07, None, None, None): in the kept run only",
     ]
+
+
+LEARNING_ROW = {
+    "model": "family_char_brief",
+    "mode": "async",
+    "budget_s": 600.0,
+    "start": 0.3,
+    "final": 0.9,
+    "worst_drop": 0.01,
+    "early_fall": 0.0,
+    "versions_per_s": 2.5,
+    "completions_per_s": 640.0,
+    "trl_final": 0.8,
+    "trl_span_s": 590.0,
+    "trl_completions_per_s": 400.0,
+    "time_to_trl_s": 236.0,
+    "gain": 0.1,
+}
+
+
+def test_a_learning_table_is_made_from_its_rows():
+    never = LEARNING_ROW | {"model": "m2", "time_to_trl_s": None, "final": 0.7, "gain": -0.1}
+    lines = bench_tables.learning_table([LEARNING_ROW, never]).splitlines()
+    # 590 s of TRL's evaluations / 236 s = 2.5x sooner.
+    assert lines[2] == "| `family_char_brief` | 0.300 | 0.800 | 236 s | 2.5x | 0.900 (+0.100) | 0.010 | 0.000 | 2.50 |"
+    assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 |"
