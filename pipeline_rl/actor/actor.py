@@ -209,8 +209,10 @@ class Actor:
                     # handling) goes on while the weight-update group re-forms without it.
                     await asyncio.to_thread(self._leave, count)
                     return
-                if not draining:
-                    self._rescale(count, self.actor_count.present)
+                present = self.actor_count.present
+                if not draining and (present != self.admission.actors or count != self.order.actors):
+                    # Off the event loop: a shrink asks the sender for the trainer's version.
+                    await asyncio.to_thread(self._rescale, count, present)
                 while not draining and len(tasks) < self.cfg.actor.max_groups_in_flight:
                     if not self.admission.may_start(self.llm.version):
                         blocked_since = blocked_since or time.monotonic()
