@@ -102,6 +102,11 @@ class AdvantageConfig:
     """Baseline each rollout by the mean of the *other* rollouts in its group."""
     filter_zero: bool = True
     """Skip (and count) groups whose advantages are all zero: they carry no gradient."""
+    count_filtered: bool = True
+    """The filtered groups' completion tokens (and sequences) still count in the step's loss
+    denominators, as they would if trained with advantage 0: a step in which few groups carry a
+    reward spread makes a proportionally smaller update. False: the loss is the mean over the
+    kept groups alone, so every step is a full-size update however little signal it holds."""
 
 
 @dataclass

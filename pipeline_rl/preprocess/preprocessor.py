@@ -10,7 +10,8 @@ takes groups from its own scoring and from those partitions. (With n = 1 there i
 Advantages are a cheap function of a scored group, so preprocessor 0 computes them.
 
 Assembly, in preprocessor 0: per-token advantages; groups whose advantages are all zero are
-dropped and counted (`preprocess.advantage.filter_zero`). A step is exactly
+dropped and counted (`preprocess.advantage.filter_zero`), their tokens still counted in the
+step's loss denominators (`count_filtered`: the micro-batches carry them). A step is exactly
 `shared.groups_per_step` groups *taken*, filtered ones included, so the number of groups an
 actor must produce per step is fixed and its admission bound (pipeline_rl/actor/admission.py) can
 never wait for groups that filtering threw away. The kept groups are packed (pipeline_rl/preprocess/packing.py) into the same
@@ -207,6 +208,8 @@ class StepAssembler:
         self.next_step = next_step
         self.pending: list[tuple[RolloutGroup, list[list[float]]]] = []
         self.taken = 0
+        self.filtered_tokens = self.filtered_samples = 0
+        """What the step's filtered groups add to its loss denominators (count_filtered)."""
         self.counters = Counters()
         self.rewards: list[float] = []
 
@@ -223,9 +226,18 @@ class StepAssembler:
             self.rewards += [r.reward for r in group.rollouts]
             if self.cfg.preprocess.advantage.filter_zero and all_zero(advantages):
                 self.counters.add("groups_filtered")
+                if self.cfg.preprocess.advantage.count_filtered:
+                    self._count_filtered(group, advantages)
                 continue
             self.pending.append((group, advantages))
         assert self.taken <= self.cfg.shared.groups_per_step, "read more groups than the step needs"
+
+    def _count_filtered(self, group: RolloutGroup, advantages: list[list[float]]) -> None:
+        seq_length = self.cfg.preprocess.seq_length
+        for rollout, adv in zip(group.rollouts, advantages):
+            tokens = rollout_sequence(rollout, adv, group.group_id, seq_length).loss_tokens
+            self.filtered_tokens += tokens
+            self.filtered_samples += tokens > 0
 
     def write_step(self) -> None:
         """Pack and write the full step `next_step` to every rank, then advance."""
@@ -249,7 +261,13 @@ class StepAssembler:
             if self.cfg.shared.share_prompts and all(r.prompt_ids == prompt for r in group.rollouts):
                 seqs = share_prompt(seqs, len(prompt), seq_length)
             sequences += seqs
-        per_rank = pack_step(sequences, self.next_step, self.cfg.world.trainers, seq_length)
+        per_rank = pack_step(
+            sequences,
+            self.next_step,
+            self.cfg.world.trainers,
+            seq_length,
+            (self.filtered_tokens, self.filtered_samples),
+        )
         count = len(per_rank[0])
         for index in range(count):
             for rank, batches in enumerate(per_rank):
@@ -270,6 +288,7 @@ class StepAssembler:
                 "preprocess/tokens_per_micro_batch": sum(tokens) / max(1, len(tokens)),
                 "preprocess/step_tokens": per_rank[0][0].step_tokens,
                 "preprocess/step_samples": per_rank[0][0].step_samples,
+                "preprocess/filtered_tokens": self.filtered_tokens,
                 "preprocess/reward_mean": sum(self.rewards) / max(1, len(self.rewards)),
             },
             step=self.next_step,
@@ -279,6 +298,7 @@ class StepAssembler:
         self.rewards = []
         self.pending = []
         self.taken = 0
+        self.filtered_tokens = self.filtered_samples = 0
         self.next_step += 1
 
 

@@ -98,6 +98,11 @@ class MicroBatch:
     """Masked tokens in the whole step over all ranks (token-normalisation denominator)."""
     step_samples: int
     """Sequences in the whole step over all ranks (sequence-normalisation denominator)."""
+    filtered_tokens: int = 0
+    """Completion tokens of the step's groups filtered for zero advantage that count in its
+    denominators (`preprocess.advantage.count_filtered`), as if trained with advantage 0."""
+    filtered_samples: int = 0
+    """Their sequences (the sequence-normalisation denominator's share)."""
     ref_logprobs: list[float] | None = None
     """Reference-model logprobs per token, when a reference scorer ran."""
     prefix_lengths: list[int] | None = None

@@ -21,7 +21,9 @@ Optional terms: + kl_coef * k3(ref || policy) with k3 = exp(ref - lp) - (ref - l
 Normalisation uses denominators of the whole optimizer step over all ranks, so that the sum
 of the micro-batch losses of all ranks is the step's mean: token (each trained token weighs
 1 / step_tokens) or sequence (each sequence's mean over its trained tokens weighs
-1 / step_samples). Data-parallel ranks therefore give the same update as one rank.
+1 / step_samples). Data-parallel ranks therefore give the same update as one rank. With
+`preprocess.advantage.count_filtered` the denominators also hold the tokens and sequences of the
+step's groups filtered for zero advantage, as if trained with advantage 0.
 
 `stats` are sums over the micro-batch's trained tokens, to be added up over micro-batches
 and ranks and divided at the end (see `summarize`).
@@ -64,9 +66,10 @@ class LossInputs:
     seq_index: torch.Tensor
     """The packed sequence each token belongs to (0, 1, ...)."""
     step_tokens: float
-    """Trained tokens of the whole optimizer step over all ranks (token normalisation)."""
+    """Trained tokens of the whole optimizer step over all ranks, and its share of the filtered
+    groups' (token normalisation)."""
     step_samples: float
-    """Sequences of the whole optimizer step over all ranks (sequence normalisation)."""
+    """Sequences of the whole optimizer step over all ranks, likewise (sequence normalisation)."""
     ref_logprobs: torch.Tensor | None = None
     """The reference model's logprobs, when a scorer produced them (KL term)."""
 

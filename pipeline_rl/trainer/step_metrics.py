@@ -54,11 +54,26 @@ class GateTotals:
     dropped_samples: float
     masked_tokens: float
     update_tokens: list[float]
-    """Per optimizer update of the step, the tokens it trains (its token-mean's denominator)."""
+    """Per optimizer update of the step, the tokens it trains."""
     update_samples: list[float]
+    filtered_tokens: float = 0.0
+    """Tokens of the step's filtered groups counted in its denominators (MicroBatch.filtered_tokens)."""
+    filtered_samples: float = 0.0
+
+    def denominators(self, update: int) -> tuple[float, float]:
+        """The token and sequence denominators of `update`'s loss: what it trains, and its equal
+        share of the step's filtered groups."""
+        n = len(self.update_tokens)
+        return (
+            self.update_tokens[update] + self.filtered_tokens / n,
+            self.update_samples[update] + self.filtered_samples / n,
+        )
 
     @classmethod
-    def reduce(cls, gates: list[GateResult], updates: list[slice], ranks: RankReduction) -> GateTotals:
+    def reduce(
+        cls, gates: list[GateResult], updates: list[slice], ranks: RankReduction, filtered: tuple[float, float]
+    ) -> GateTotals:
+        """Sums over the ranks; `filtered` is the step's (tokens, samples), the same on every rank."""
         local = [
             sum(g.dropped_tokens for g in gates),
             sum(g.dropped_samples for g in gates),
@@ -68,7 +83,7 @@ class GateTotals:
         ]
         total = ranks.sums(local)
         n = len(updates)
-        return cls(total[0], total[1], total[2], total[3 : 3 + n], total[3 + n : 3 + 2 * n])
+        return cls(total[0], total[1], total[2], total[3 : 3 + n], total[3 + n : 3 + 2 * n], *filtered)
 
 
 @dataclass

@@ -233,7 +233,7 @@ class Trainer:
         updates = update_slices(len(batch), self.cfg.trainer.updates_per_step)
         # Denominators over all ranks: each mini-batch's loss is its own mean (of tokens or of
         # samples), so that it does not matter how its tokens are spread over ranks.
-        gated = GateTotals.reduce(gates, updates, self.ranks)
+        gated = GateTotals.reduce(gates, updates, self.ranks, (batch[0].filtered_tokens, batch[0].filtered_samples))
         counts = StepCounts.zeros(self.device)
         optimizer_s = 0.0
         lr = self.engine.get_lr()[0]
@@ -241,7 +241,8 @@ class Trainer:
         norms: list = []  # each update's gradient norm, read at the step's end with its metrics
         passes = [(epoch, i, u) for epoch in range(self.cfg.trainer.epochs) for i, u in enumerate(updates)]
         for epoch, i, u in passes:
-            step_tokens, step_samples = gated.update_tokens[i], gated.update_samples[i]
+            trained = gated.update_tokens[i]
+            step_tokens, step_samples = gated.denominators(i)
             for k, (mb, gate) in enumerate(zip(batch[u], gates[u])):
                 # Only before the step's first optimizer update: after it, the weights are no
                 # longer those of any whole version, and the step runs to its end.
@@ -256,7 +257,7 @@ class Trainer:
                     return None
                 if epoch == 0:
                     counts.count_samples(mb, gate)
-                if step_tokens == 0:
+                if trained == 0:
                     continue
                 loss, stats, mismatch = self._micro_batch_loss(mb, gate.loss_mask, step_tokens, step_samples)
                 # DeepSpeed averages gradients over ranks; each rank's loss is already its share of the sum.
@@ -264,7 +265,7 @@ class Trainer:
                 counts.add_loss_stats(stats)
                 if epoch == 0:  # later passes see weights that no version had
                     counts.consistency += mismatch.to(counts.consistency)
-            if step_tokens > 0:
+            if trained > 0:
                 t = time.perf_counter()
                 self.engine.step()
                 optimizer_s += time.perf_counter() - t

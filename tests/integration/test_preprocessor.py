@@ -16,9 +16,10 @@ import pytest
 from fixtures.helpers import ROOT, random_qwen2
 
 from pipeline_rl.config import RunConfig, ScorerConfig, save_config
+from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.preprocess.advantages import all_zero, group_advantages
 from pipeline_rl.preprocess.packing import is_padding
-from pipeline_rl.preprocess.preprocessor import run
+from pipeline_rl.preprocess.preprocessor import StepAssembler, run
 from pipeline_rl.streams import PositionStore, open_streams
 from pipeline_rl.streams.records import MicroBatch, Rollout, RolloutGroup
 from pipeline_rl.wire import Topic
@@ -260,3 +261,24 @@ def test_shared_prompts_lay_out_every_rollout(tmp_path):
             for r, a in zip(g.rollouts, group_advantages(g, cfg.preprocess.advantage))
         ]
         assert sorted(rebuilt[g.group_id]) == sorted(expected)
+
+
+@pytest.mark.parametrize("count_filtered", [True, False])
+def test_a_filtered_groups_tokens_count_in_the_steps_denominators(tmp_path, count_filtered):
+    """preprocess.advantage.count_filtered: the step's micro-batches carry the completion tokens
+    (and sequences) of the groups filtered for zero advantage, beside the trained ones; or none."""
+    cfg = make_cfg(tmp_path, actors=1, trainers=2)
+    cfg.preprocess.advantage.count_filtered = count_filtered
+    kept, filtered = make_group(0), make_group(3)  # group 3: equal rewards
+    assert all_zero(group_advantages(filtered, cfg.preprocess.advantage))
+    streams = open_streams(cfg)
+    assembler = StepAssembler(cfg, streams, MetricsLogger(cfg, "preprocessor0"), next_step=0)
+    assembler.add([kept, filtered, make_group(7)])  # group 7: filtered too
+    assembler.write_step()
+    streams.close()
+    batches = [mb for rank in read_micro_batches(cfg) for mb in rank]
+    tokens = sum(len(r.completion_ids) for g in (filtered, make_group(7)) for r in g.rollouts)
+    expected = (tokens, 6) if count_filtered else (0, 0)
+    assert {(mb.filtered_tokens, mb.filtered_samples) for mb in batches} == {expected}
+    # The trained denominators hold the kept group alone.
+    assert {mb.step_tokens for mb in batches} == {sum(len(r.completion_ids) for r in kept.rollouts)}

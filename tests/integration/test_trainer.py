@@ -193,6 +193,23 @@ def test_compiled_logprob_kernel_gives_the_same_update(tiny_model, tmp_path):
     assert update_error(results["compiled"], results["eager"], initial) < REL_TOL
 
 
+@pytest.mark.parametrize("normalize", ["token", "sequence"])
+def test_filtered_groups_counted_in_the_denominators_scale_the_steps_gradient(tiny_model, tmp_path, normalize):
+    """As many filtered tokens (sequences) as trained ones halve each token's weight, so the
+    step's gradient norm: the same arithmetic but for one factor, equal to a few roundings."""
+    (step,) = make_steps(tiny_model, steps=1, groups=2, seed=3)
+    tokens, samples = sum(s.loss_tokens for s in step), len(step)
+    norms = {}
+    for filtered in [(0, 0), (tokens, samples)]:
+        cfg = trainer_config(
+            tmp_path / f"f{filtered[0]}", tiny_model, "shared.max_steps=1", f"trainer.loss.normalize={normalize}"
+        )
+        write_steps(cfg, [step], ranks=1, filtered=filtered)
+        train(cfg)
+        (norms[filtered[0]],) = [m["grad_norm"] for m in trainer_metrics(Path(cfg.run_dir)) if "grad_norm" in m]
+    assert norms[tokens] == pytest.approx(norms[0] / 2, rel=1e-4)
+
+
 def test_cpu_trainers_leave_out_deepspeeds_shm_all_reduce():
     """ZeRO training never calls DeepSpeed's shared-memory all-reduce (its inference layers do), so
     a CPU trainer makes its process group without building or loading that op: DeepSpeed's own

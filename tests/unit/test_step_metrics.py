@@ -31,13 +31,15 @@ GATES = {
 STATS = {0: 1.0, 1: 10.0}
 """Each rank's value of every loss stat."""
 ROUTES = {0: (5, 1), 1: (3, 2)}
+FILTERED = (10.0, 4.0)
+"""The step's filtered groups' (tokens, samples): step-level, the same on every rank."""
 
 
 def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ranks = RankReduction(torch.device("cpu"))
     gates = GATES[rank]
-    gated = GateTotals.reduce(gates, [slice(0, 1), slice(1, 2)], ranks)
+    gated = GateTotals.reduce(gates, [slice(0, 1), slice(1, 2)], ranks, FILTERED)
     counts = StepCounts.zeros(torch.device("cpu"))
     for gate in gates:
         counts.lags.update(gate.lags)
@@ -64,6 +66,8 @@ def test_two_ranks_sum_their_counts_and_join_their_lag_ranges():
     assert gated0 == gated1 and totals0 == totals1 and low0 == low1 == 0.0
     # Update 0 is each rank's first micro-batch: [1, 1, 0] and the dropped [0, 0, 0].
     assert gated0.update_tokens == [2.0, 4.0] and gated0.update_samples == [2.0, 2.0]
+    # The filtered groups are not summed over ranks: each update's denominators take half of them.
+    assert gated0.denominators(0) == (2.0 + 5.0, 2.0 + 2.0) and gated0.denominators(1) == (4.0 + 5.0, 2.0 + 2.0)
     assert (gated0.dropped_samples, gated0.dropped_tokens, gated0.masked_tokens) == (1.0, 3.0, 3.0)
     assert totals0.stats == {k: 11.0 for k in STAT_KEYS}
     assert totals0.consistency == {k: 2.0 * i for i, k in enumerate(CONSISTENCY_KEYS)}
