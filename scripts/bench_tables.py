@@ -19,6 +19,7 @@ every numeric field: it has moved when it leaves the band of the kept value +- `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -91,25 +92,27 @@ def step_tally_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def learning_table(rows: list[dict]) -> str:
+def learning_table(rows: list[dict], variants: bool = False) -> str:
     """scripts/bench_learning.py's rows: each model's pipeline_rl run against TRL's, with the goals
     (TRL's final reached in at most half its budget, ended >= +0.05 above it, no fall of more than
-    0.05 after the best, none below the start - 0.05 in the first minute)."""
+    0.05 after the best, none below the start - 0.05 in the first minute); with `variants`, a
+    column naming each row's `--variant`."""
 
     def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
         return missing if x is None else f"{x:{spec}}"
 
     lines = [
-        "| model | start | TRL final | time to TRL's final | sooner than TRL | final (vs TRL) | worst drop after best "
-        "| first-minute fall | versions/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| model |{' variant |' if variants else ''} start | TRL final | time to TRL's final | sooner than TRL "
+        "| final (vs TRL) | worst drop after best | first-minute fall | versions/s |",
+        "| --- |" + " --- |" * (9 if variants else 8),
     ]
     for r in rows:
         t, span = r["time_to_trl_s"], r["trl_span_s"]
         sooner = f"{span / t:.1f}x" if t and span else "never"
         gain = "" if r["gain"] is None else f" ({r['gain']:+.3f})"
+        variant = f" {r['mode']} |" if variants else ""
         lines.append(
-            f"| `{r['model']}` | {cell(r['start'], '.3f')} | {cell(r['trl_final'], '.3f')} "
+            f"| `{r['model']}` |{variant} {cell(r['start'], '.3f')} | {cell(r['trl_final'], '.3f')} "
             f"| {cell(t, '.0f', 'never')}{' s' if t else ''} | {sooner} | {cell(r['final'], '.3f')}{gain} "
             f"| {r['worst_drop']:.3f} | {r['early_fall']:.3f} | {cell(r['versions_per_s'], '.2f')} |"
         )
@@ -120,6 +123,11 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
     "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
     "learning_family": ("docs/bench_learning_family.json", learning_table, "docs/learning.md"),
+    "learning_count_filtered": (
+        "docs/bench_learning_count_filtered.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
 }
 """Table name -> (kept JSON, how it becomes the table, the page it is in)."""
 
