@@ -19,7 +19,8 @@ With --tp 2 the engine is tensor parallel (two worker processes, each a receiver
 broadcast; on CPU each bound to its own cores) and (1) is plain vLLM with the same TP size.
 With --lora RANK the engine serves a LoRA adapter of that rank (alpha 2 x rank) in its slot,
 every request names it (plain vLLM's too), and each update is a new adapter written in place
-(scripts/bench_lora.py runs both and compares them). --json PATH also writes the figures there.
+(scripts/bench_lora.py runs both and compares them). --json PATH also keeps the figures there
+(a row named by the run's TP size, model and LoRA rank; scripts/bench_tables.py).
 
     python scripts/bench_actor.py [--model DIR] [--tp 1] [--lora RANK] [--seconds 15] [--loads-per-round 2]
         [--update-every 2] [--json PATH]
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import socket
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--loads-per-round", type=int, default=2, help="loads per phase in one round")
     parser.add_argument("--update-every", type=float, default=2.0)
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="serve and update a LoRA adapter")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--json", type=Path, help="also keep the figures in this JSON (its row of this run replaced)")
     parser.add_argument("--sender", nargs=5, metavar=("ADDR", "MODEL", "RUN_DIR", "TP", "LORA"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sender:
@@ -355,7 +355,12 @@ def main() -> None:
         workers = ", TP workers " + " / ".join(f"{r:.0f}" for r in rss) + " MiB"
     print(f"peak RSS: actor (engine) process {peak_rss_mib():.0f} MiB{workers}, sender process {sender_rss} MiB")
     if args.json:
+        from bench_tables import keep, machine
+
+        lora = f", LoRA rank {args.lora}" if args.lora else ""
         figures = {
+            "name": f"TP={args.tp}, `{Path(args.model).name}`{lora}",
+            "machine": machine(),
             "update_bytes": update_mib * 2**20,
             "plain_tok_s": rate[1],
             "client_tok_s": rate[2],
@@ -375,7 +380,7 @@ def main() -> None:
             "actor_rss_mib": peak_rss_mib(),
             "sender_rss_mib": float(sender_rss),
         }
-        args.json.write_text(json.dumps(figures, indent=1))
+        keep(args.json, [figures])
     client.close()
     streams.close()
 

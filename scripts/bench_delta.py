@@ -302,7 +302,12 @@ def main() -> None:
     parser.add_argument("--setups", nargs="+", default=["1x2", "2x2", "2x3", "1x3"], help="RANKSxSTAGE")
     parser.add_argument("--full-every", type=int, default=10)
     parser.add_argument("--scratch", type=Path, default=ROOT / "runs" / "bench_delta")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also keep the rows in this JSON (the kept rows of these setups and lrs replaced)",
+    )
     args = parser.parse_args()
     model = build_model(args.scratch / "qwen2_100m_bf16")
     rows = []
@@ -313,7 +318,9 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     report(rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        from bench_tables import keep
+
+        keep(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -646,7 +646,9 @@ def main() -> None:
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
     parser.add_argument(
-        "--json", type=Path, help="also write the per-model results here (OUT/results.json is always written)"
+        "--json",
+        type=Path,
+        help="also keep the per-model rows in this JSON, replacing those of the same model and variant (OUT/results.json is always written)",
     )
     parser.add_argument(
         "--reuse", action="store_true", help="keep finished runs of the same model, data, budget, seed and settings"
@@ -693,10 +695,14 @@ def main() -> None:
             results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse))
         report(results, out, args.conf)
         per_model.append((model.name, results))
-    rows = json.dumps(result_rows(per_model, args.budget_s), indent=1)
-    for path in [args.out / "results.json", *([args.json] if args.json else [])]:
-        path.write_text(rows + "\n")
-        print(f"results: {path}")
+    rows = result_rows(per_model, args.budget_s)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"results: {args.out / 'results.json'}")
+    if args.json:
+        from bench_tables import keep
+
+        keep(args.json, rows)
+        print(f"kept in {args.json}")
     if len(per_model) > 1:
         text = table(per_model)
         (args.out / "table.md").write_text(text)

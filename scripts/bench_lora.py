@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, lora: int, out: Path) -> dict:
         cmd += ["--lora", str(lora)]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())[0]
 
 
 def random_model(like: str, shape: str, out: Path) -> str:

@@ -15,7 +15,10 @@ replay's routes (N bytes per token: MoE layers x top_k; base64 in the record,
 pipeline_rl/core/routes.py) and prints the bytes they add per token and the tokens/s with routes
 against without.
 
+--json PATH also keeps each case's best round there (scripts/bench_tables.py).
+
     python scripts/bench_streams.py [--count-1k 20000] [--count-64k 1000] [--rounds 2] [--routes-bytes N]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -72,10 +75,10 @@ def group_tokens(record: RolloutGroup) -> int:
     return sum(len(r.completion_ids) for r in record.rollouts)
 
 
-def codec_us(size: int) -> tuple[float, float]:
+def codec_us(size: int, routes_bytes: int = 0) -> tuple[float, float]:
     """CPU microseconds to encode and to decode (with type checks) one record, in this process
     (best of 3 runs: other jobs on the machine only ever add time)."""
-    record = make_group(size)
+    record = make_group(size, routes_bytes)
     payload = encode(record)
     n = max(20, 2_000_000 // len(payload))
     enc = dec = float("inf")
@@ -282,6 +285,7 @@ def main() -> None:
         default=0,
         help="also run both layers with routing replay's routes of this many bytes per token (MoE layers x top_k)",
     )
+    parser.add_argument("--json", type=Path, help="also keep each case's best round in this JSON")
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     for name in ("--result", "--run-dir", "--ready", "--key"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -334,6 +338,31 @@ def main() -> None:
             f"{res['writer_rss']:>10.0f}MB{res['reader_rss']:>10.0f}MB"
         )
     print(f"redis-server peak RSS: {redis_rss:.0f} MB")
+    if args.json:
+        from bench_tables import keep, machine
+
+        names = {"raw": "raw redis-py", "redis": "Redis layer", "jsonl": "JSONL layer"}
+        # The layers encode and decode each record (raw redis-py neither); with routes, a larger one.
+        codec = {
+            (size, kind, routes): dict(zip(("encode_us", "decode_us"), codec_us(size, routes))) if kind != "raw" else {}
+            for kind, size, _, routes in cases
+        }
+        keep(
+            args.json,
+            [
+                {
+                    "name": f"{names[kind]}, ~{size // 1024} KB" + (f", routes {routes} B a token" if routes else ""),
+                    "kind": kind,
+                    "size": size,
+                    "routes": routes,
+                    "rounds": args.rounds,
+                    "machine": machine(),
+                    **best[kind, size, routes],
+                    **codec[size, kind, routes],
+                }
+                for kind, size, _, routes in cases
+            ],
+        )
     for size in (1024, 65536):
         ratio = best["redis", size, 0]["records_s"] / best["raw", size, 0]["records_s"]
         enc, dec = codec_us(size)

@@ -30,6 +30,31 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
+def machine() -> str:
+    """The machine a benchmark ran on: its CPU as /proc/cpuinfo names it, and its core count."""
+    import os
+
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("model name")
+    ]
+    return f"{os.cpu_count()}-core {names[0] if names else 'unknown CPU'}"
+
+
+def keep(path: Path, rows: list[dict]) -> None:
+    """Write a benchmark's `rows` into its kept JSON at `path`: each replaces the kept row of the
+    same identity (IDENTITY), the other kept rows stay, so the runs of one benchmark with
+    different arguments (a model, a TP size) gather in one file."""
+    kept = json.loads(path.read_text()) if path.exists() else []
+    ours = {identity(r) for r in rows}
+    path.write_text(json.dumps([r for r in kept if identity(r) not in ours] + rows, indent=1) + "\n")
+
+
+def identity(row: dict) -> tuple:
+    return tuple(row.get(k) for k in IDENTITY)
+
+
 def delta_table(rows: list[dict]) -> str:
     """scripts/bench_delta.py's rows."""
     lines = [
@@ -119,9 +144,71 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
     return "\n".join(lines)
 
 
+def swap_table(rows: list[dict]) -> str:
+    """scripts/bench_actor.py's rows: the swap's lock hold against a memcpy of the update, how long
+    a swap waited against the engine call it found running, decode with updates against without."""
+    lines = [
+        "| run | update | lock hold p50 / memcpy (p99) | swap wait / the call it waited for, max "
+        "| decode with updates / without (median of rounds) | sender's send p50 / engine step p50 "
+        "| peak RSS, engine process | measured on |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['update_bytes'] / MIB:.1f} MiB | {r['lock_hold_p50_ms']:.2f} / {r['memcpy_ms']:.3f} ms "
+            f"= {r['lock_hold_p50_ms'] / r['memcpy_ms']:.1f}x ({r['lock_hold_p99_ms']:.2f} ms) "
+            f"| {r['wait_over_call_max']:.2f} | {r['updating_over_client']:.3f} ({r['updating_over_client_median']:.3f}) "
+            f"| {r['send_p50_ms']:.1f} / {r['step_p50_ms']:.1f} ms | {r['actor_rss_mib']:.0f} MiB | {r['machine']} |"
+        )
+    return "\n".join(lines)
+
+
+def streams_table(rows: list[dict]) -> str:
+    """scripts/bench_streams.py's rows: each case's best round, and the layers against raw redis-py."""
+    lines = [
+        "| case | record | records/s | MB/s | of raw redis-py | CPU a record, writer / reader | codec a record, encode "
+        "/ decode | peak RSS, writer / reader | measured on |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    raw = {r["size"]: r["records_s"] for r in rows if r["kind"] == "raw" and not r["routes"]}
+    for r in rows:
+        of_raw = f"{r['records_s'] / raw[r['size']]:.2f}" if r["kind"] == "redis" and r["size"] in raw else ""
+        codec = f"{r['encode_us']:.1f} / {r['decode_us']:.1f} us" if "encode_us" in r else "none"
+        lines.append(
+            f"| {r['name']} | {r['record_bytes'] / 1024:.1f} KB | {r['records_s']:,.0f} | {r['mb_s']:.1f} | {of_raw} "
+            f"| {r['writer_cpu_us']:.0f} / {r['reader_cpu_us']:.0f} us | {codec} "
+            f"| {r['writer_rss']:.0f} / {r['reader_rss']:.0f} MB "
+            f"| {r['machine']} |"
+        )
+    return "\n".join(lines)
+
+
+def trainer_table(rows: list[dict]) -> str:
+    """scripts/bench_trainer.py's rows: the trainer against the bare loop, and WeightSender against
+    a raw gloo broadcast of the same bytes."""
+    lines = ["| measure | figure | goal | measured on |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        if r["part"] == "training":
+            figure = f"{r['wall_over_bare']:.3f} (CPU time: {r['cpu_over_bare']:.3f})"
+            measure = f"{r['name']}: trainer / bare loop, tokens/s ({r['model']})"
+            goal = f">= {r['goal']}"
+        else:
+            figure = (
+                f"{r['weight_sync_s'] / r['raw_s']:.2f} (median of {r['rounds']} rounds {r['round_ratio']:.2f}); "
+                f"{r['weight_sync_s'] * 1e3:.2f} / {r['raw_s'] * 1e3:.2f} ms"
+            )
+            measure = f"{r['name']}: WeightSender / raw gloo ({r['bytes'] / MIB:.1f} MiB), best round"
+            goal = f"<= {r['goal']}" if r["goal"] else "none (pays a packing copy)"
+        lines.append(f"| {measure} | {figure} | {goal} | {r['machine']} |")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable, str]] = {
     "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
+    "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
+    "bench_streams": ("docs/bench_streams.json", streams_table, "docs/performance.md"),
+    "bench_trainer": ("docs/bench_trainer.json", trainer_table, "docs/performance.md"),
     "learning_family": ("docs/bench_learning_family.json", learning_table, "docs/learning.md"),
     "learning_count_filtered": (
         "docs/bench_learning_count_filtered.json",
@@ -158,15 +245,12 @@ def moved(new: list[dict], kept: list[dict], tolerance: float) -> list[str]:
     """The figures of `new` outside the band of the matching row of `kept` (module docstring),
     and the rows of either that the other lacks."""
 
-    def key(row: dict) -> tuple:
-        return tuple(row.get(k) for k in IDENTITY)
-
-    kept_rows = {key(r): r for r in kept}
+    kept_rows = {identity(r): r for r in kept}
     out = []
     for row in new:
-        base = kept_rows.pop(key(row), None)
+        base = kept_rows.pop(identity(row), None)
         if base is None:
-            out.append(f"{key(row)}: no such row in the kept run")
+            out.append(f"{identity(row)}: no such row in the kept run")
             continue
         for field, value in row.items():
             was = base.get(field)
@@ -178,7 +262,7 @@ def moved(new: list[dict], kept: list[dict], tolerance: float) -> list[str]:
             if field.endswith("_median") and isinstance(base.get(field[: -len("median")] + "max"), int | float):
                 hi = max(hi, base[field[: -len("median")] + "max"])
             if not lo <= value <= hi:
-                out.append(f"{key(row)} {field}: {value:.4g}, kept {was:.4g} (band {lo:.4g}..{hi:.4g})")
+                out.append(f"{identity(row)} {field}: {value:.4g}, kept {was:.4g} (band {lo:.4g}..{hi:.4g})")
     out += [f"{k}: in the kept run only" for k in kept_rows]
     return out
 

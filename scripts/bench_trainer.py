@@ -22,6 +22,9 @@
 3. Peak RSS of every process. MFU needs a GPU and is skipped on CPU.
 
     python scripts/bench_trainer.py [--model DIR] [--steps 12] [--only training|broadcast] [--bucket-mb 256]
+        [--json PATH]
+
+--json PATH also keeps the ratios there, a row for each (scripts/bench_tables.py).
 
 --model defaults to the tiny model in $PIPELINE_RL_CACHE (else <repo>/.cache); when it has
 not been built, a random Qwen2 of the same shape stands in.
@@ -353,12 +356,14 @@ def main() -> None:
         default=256,
         help="WeightSender bucket size (trainer.weight_bucket_mb; default as in the config)",
     )
+    parser.add_argument("--json", type=Path, help="also keep the ratios in this JSON (its rows of this run replaced)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    rows: list[dict] = []
     scratch = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
     model_path = model_dir(args.model, scratch)
     if args.only != "broadcast":
-        trainer_rss = training_bench(args, model_path, scratch)
+        trainer_rss = training_bench(args, model_path, scratch, rows)
     if args.only != "training":
         timings, rss = broadcast_bench(model_path, args.bucket_mb)
         for name, t in timings.items():
@@ -375,16 +380,30 @@ def main() -> None:
                 f"{t['weight_sync_s'] / t['raw_fresh_s']:.2f}); median over rounds of WeightSender / raw "
                 f"(reused) {t['round_ratio']:.2f}; {goal}"
             )
+            rows.append(
+                {
+                    "name": name,
+                    "part": "broadcast",
+                    "goal": BROADCAST_GOALS[model] if source == "flat source" else None,
+                    "rss_mb": rss[0],
+                    **{k: t[k] for k in ("bytes", "rounds", "weight_sync_s", "raw_s", "raw_fresh_s", "round_ratio")},
+                }
+            )
     print("MFU: skipped (no GPU on this machine; it is measured for a ~0.5B model on a GPU)")
     print(
         f"peak RSS MB: bench process {peak_rss_mb():.0f}"
         + ("" if args.only == "broadcast" else "".join(f", trainer ZeRO-{k} {v:.0f}" for k, v in trainer_rss.items()))
         + ("" if args.only == "training" else f", broadcast sender {rss[0]:.0f}, broadcast receiver {rss[1]:.0f}")
     )
+    if args.json:
+        from bench_tables import keep, machine
+
+        keep(args.json, [r | {"machine": machine()} for r in rows])
 
 
-def training_bench(args, model_path: Path, scratch: Path) -> dict[int, float]:
-    """Part 1: prints the throughput table; returns each trainer's peak RSS MB by ZeRO stage."""
+def training_bench(args, model_path: Path, scratch: Path, rows: list[dict]) -> dict[int, float]:
+    """Part 1: prints the throughput table and adds its ratios to `rows`; returns each trainer's
+    peak RSS MB by ZeRO stage."""
     vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
     steps = make_steps(args.steps, vocab)
     configs = {}
@@ -431,6 +450,18 @@ def training_bench(args, model_path: Path, scratch: Path) -> dict[int, float]:
         print(
             f"{f'trainer, ZeRO-{stage}':24s}  {wall:15.0f}  {cpu:12.0f}  {wall / bare[0]:8.3f} {cpu / bare[1]:8.3f}"
             f"   (goal >= {TRAINING_GOALS[stage]})"
+        )
+        rows.append(
+            {
+                "name": f"ZeRO-{stage}",
+                "part": "training",
+                "model": model_path.name,
+                "goal": TRAINING_GOALS[stage],
+                "wall_over_bare": wall / bare[0],
+                "cpu_over_bare": cpu / bare[1],
+                "tokens_s": wall,
+                "rss_mb": trainers[stage][3],
+            }
         )
     print("trainer: 1 rank, stream reads included; bare: mean of a run before and after the trainers")
     return {stage: t[3] for stage, t in trainers.items()}

@@ -45,7 +45,8 @@ problems it has drawn, how many of its groups were reported lost (with its posit
 "lost" stream), how many were in flight, and the share its counts were made at (the actor count
 and admission's offset); a restarted actor (the run resumed, or the launcher replaced a dead
 one) goes on from there (and counts groups from at least checkpoint version x share, see
-admission.py). The file and the arithmetic of the counts it resumes with: actor/resume.py.
+admission.py). The file and the arithmetic of the counts it resumes with: actor/resume.py; the
+partition's end they go with: actor/partition.py.
 
 Rollouts in flight (actor/in_flight.py): every `actor.in_flight_save_s` and at a graceful stop
 the actor saves its groups in flight to RUN_DIR/in_flight/actorI.json; the next actor in its
@@ -58,15 +59,16 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
 from pipeline_rl.actor.in_flight import ContinuationMismatch, RecordingGenerator
 from pipeline_rl.actor.in_flight_keeper import GroupRun, InFlightKeeper
+from pipeline_rl.actor.partition import Partition
 from pipeline_rl.actor.problems import ProblemOrder
 from pipeline_rl.actor.resume import SavedCounts, resume
+from pipeline_rl.actor.totals import Totals
 from pipeline_rl.actor.window import Window
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig
@@ -77,7 +79,7 @@ from pipeline_rl.rollouts.agent.stats import AgentStats
 from pipeline_rl.rollouts.datasets import load_problems
 from pipeline_rl.rollouts.domains import load_domain
 from pipeline_rl.rollouts.interface import is_continuable
-from pipeline_rl.streams import PositionStore, open_streams
+from pipeline_rl.streams import open_streams
 from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
 
@@ -117,7 +119,6 @@ class Actor:
         self.actor_count = ActorCountWatch(self.streams, cfg.world.actors)
         if index >= self.actor_count.largest:
             raise ValueError(f"--index {index} is not below the job's {self.actor_count.count} actors (world.actors)")
-        self.writer = self.streams.writer(Topic.ACTOR, partitions=index + 1)
         self.receiver = None
         self.weight_sync_addr = addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
         if addr:
@@ -136,8 +137,9 @@ class Actor:
         else:
             log.warning("%s is not set: no weight updates, the actor keeps version %d", WEIGHT_SYNC_ADDR_ENV, version)
 
-        self.position = PositionStore(run_dir / "positions" / f"{self.name}.json")
-        saved = SavedCounts.from_file(self.position.load(), self.position.path)
+        self.partition = Partition(self.streams, index, run_dir / "positions" / f"{self.name}.json")
+        saved = self.partition.saved()
+        self.totals = Totals(lost_reported=saved.lost)
         # The share this actor's saved counts were made at; rebased to the job's below.
         actors = saved.actors or self.actor_count.count
         self.order = ProblemOrder(self.problems, cfg.seed, index, actors)
@@ -146,24 +148,20 @@ class Actor:
         self.lost_reader = self.streams.reader(
             Topic.LOST, GroupsLost, partitions=(index,), position=saved.lost_position
         )
-        self.lost_total = saved.lost
-        self.lost_by_cause: Counter[str] = Counter()
         self._lost_ids: set[str] = set()
         # No group before the step of the weights it starts from (the trainer's latest, for an
         # actor added to a running job).
         first_group = self.admission.first_group_of(max(version, self._published_version()))
-        self.stream_end: str | None = None
-        """The partition's end as this actor found it (its writer's ends follow once it writes)."""
-        landed = self._landed_since(saved.stream_end) if saved.was_saved else []
+        landed = self.partition.landed_since(saved.stream_end) if saved.was_saved else []
         unsaved = len(landed)
         if unsaved:
             log.info("%d groups reached the stream after the last position save: counted as written", unsaved)
         # Routing replay would need each saved token's experts to continue a group.
         continuable = is_continuable(self.rollout) and not cfg.shared.routing_replay
         self.keeper = InFlightKeeper(run_dir, self.name, self.llm, continuable, cfg.actor.in_flight_save_s)
-        self.to_continue = self.keeper.saved(self._landed_since)
+        self.to_continue = self.keeper.saved(self.partition.landed_since)
         counts = resume(saved, first_group, unsaved, continued=len(self.to_continue))
-        self.written, self.drawn, self.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
+        self.totals.written, self.drawn, self.totals.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
         self.admission.started, self.admission.offset = counts.admission_started, counts.admission_offset
         if index < self.actor_count.count:
             self._rescale(self.actor_count.count, self.actor_count.present)
@@ -172,13 +170,7 @@ class Actor:
 
         self.window = Window()
         self.agent_stats = AgentStats()
-        self.reward_errors_total = self.rollout_errors_total = self.consecutive_failures = 0
-        self.last_reward_error = self.last_rollout_error = ""
-        self.blocked_total_s = 0.0
-        self.idle_total_s = 0.0
-        """Time with no group in flight: the engine had nothing to generate."""
         self.swaps_seen = 0
-        self.lost_continuation = 0
         self._saved_at = 0.0
         self.drained = False
         """Whether the actor ended because the job was scaled below it."""
@@ -228,7 +220,7 @@ class Actor:
                     done = set()
                     idle_from = time.monotonic()
                     await asyncio.sleep(POLL_S)
-                    self.idle_total_s += time.monotonic() - idle_from
+                    self.totals.idle_s += time.monotonic() - idle_from
                 for task in done:
                     self._finish(task, tasks.pop(task))
                 self._take_lost()
@@ -296,7 +288,9 @@ class Actor:
     def _leave(self, count: int) -> None:
         """Drained (the job was scaled below this actor): every group it started has landed;
         leave the weight-update group before the engine stops, so no transfer waits for it."""
-        log.info("the job was scaled to %d actors: %s drained after writing %d groups", count, self.name, self.written)
+        log.info(
+            "the job was scaled to %d actors: %s drained after writing %d groups", count, self.name, self.totals.written
+        )
         self.drained = True
         if self.weight_sync_addr:
             from pipeline_rl.weight_sync import group_ranks, leave_group
@@ -313,8 +307,8 @@ class Actor:
             self._lost_ids.update(new)
             for _ in new:
                 self.admission.abandon()
-            self.lost_total += len(new)
-            self.lost_by_cause[report.cause] += len(new)
+            self.totals.lost_reported += len(new)
+            self.totals.lost_by_cause[report.cause] += len(new)
             if new:
                 log.warning("%d group(s) lost (%s): %s", len(new), report.cause, report.error)
 
@@ -324,7 +318,7 @@ class Actor:
             return None
         now = time.monotonic()
         self.window.blocked_s += now - since
-        self.blocked_total_s += now - since
+        self.totals.blocked_s += now - since
         return now if reopen else None
 
     def _finish(self, task: asyncio.Task, run: GroupRun) -> None:
@@ -339,31 +333,24 @@ class Actor:
             group.group_id = run.group_id
             group.actor = self.index
             group.written_at = time.time()
-            self.writer.write(group, partition=self.index)
+            self.partition.write(group)
         except ContinuationMismatch as e:
             self.admission.abandon()
-            self.lost_continuation += 1
+            self.totals.lost_continuation += 1
             log.error("group %s could not be continued, lost: %s", run.group_id, e)
             return
         except Exception as e:
             self.admission.abandon()
-            self.rollout_errors_total += 1
-            self.consecutive_failures += 1
-            self.last_rollout_error = f"{type(e).__name__}: {e}"[:500]
-            log.error("rollout of group %s failed: %s", run.group_id, self.last_rollout_error)
-            if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            error = self.totals.rollout_failed(e)
+            log.error("rollout of group %s failed: %s", run.group_id, error)
+            if self.totals.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                 raise RuntimeError(
-                    f"{self.consecutive_failures} rollouts in a row failed, the last with {self.last_rollout_error}"
+                    f"{self.totals.consecutive_failures} rollouts in a row failed, the last with {error}"
                 ) from e
             return
-        self.consecutive_failures = 0
-        self.written += 1
-        errors = self.window.add(group, self.llm.version)
+        self.totals.group_written(self.window.add(group, self.llm.version))
         for rollout in group.rollouts:
             self.agent_stats.add(rollout.metadata)
-        if errors:
-            self.reward_errors_total += len(errors)
-            self.last_reward_error = errors[-1]
 
     async def _evaluate(self) -> None:
         version, start = self.llm.version, time.monotonic()
@@ -400,10 +387,8 @@ class Actor:
         values = {
             "version": self.llm.version,
             **self.window.values(),
-            "admission_blocked_total_s": self.blocked_total_s,
-            "idle_total_s": self.idle_total_s,
+            **self.totals.values(),
             "groups_started_total": self.admission.started,
-            "groups_written_total": self.written,
             "groups_in_flight": in_flight,
             "waiting_on": self._waiting_on(in_flight),
             "swaps": new_swaps,
@@ -417,27 +402,11 @@ class Actor:
             # Delta updates: weights that failed their checksums, full updates asked for.
             "weight_checksum_mismatches_total": stats["weight_checksum_mismatches"],
             "weight_full_requests_total": stats["weight_full_requests"],
-            "reward_errors_total": self.reward_errors_total,
-            "last_reward_error": self.last_reward_error,
-            "rollout_errors_total": self.rollout_errors_total,
-            "groups_lost_total": self.lost_total
-            + self.rollout_errors_total
-            + self.lost_stopped
-            + self.lost_continuation,
-            # By cause: rollout (the domain raised), stopped (in flight when this actor last
-            # stopped or was killed, and not continued), continuation (a continued rollout asked
-            # for other generations than the saved ones), scorer, decode (reported by the
-            # preprocessors).
-            "groups_lost/rollout_total": self.rollout_errors_total,
-            "groups_lost/stopped_total": self.lost_stopped,
-            "groups_lost/continuation_total": self.lost_continuation,
             # Groups in flight at a stop continued here, their tokens not generated again; and
             # groups this actor handed over when the job was scaled below it.
             "groups_continued_total": self.keeper.continued_total,
             "tokens_continued_total": self.keeper.tokens_continued_total,
             "groups_handed_over_total": self.keeper.handed_over_total,
-            **{f"groups_lost/{cause}_total": n for cause, n in sorted(self.lost_by_cause.items())},
-            "last_rollout_error": self.last_rollout_error,
             **self.agent_stats.take(),  # turns, tool calls and errors of agent episodes
         }
         self.metrics.log({k: v for k, v in values.items() if v is not None}, step=self.llm.version)
@@ -455,52 +424,27 @@ class Actor:
     def _save(self, force: bool, in_flight: int) -> None:
         now = time.monotonic()
         if force or now - self._saved_at >= SAVE_EVERY_S:
-            self.writer.flush()  # `written` counts groups in the stream, never ones still buffered
-            self.position.save(
+            self.partition.save(
                 SavedCounts(
-                    written=self.written,
-                    stream_end=self._stream_end(),
+                    written=self.totals.written,
                     problems=self.drawn,
-                    lost=self.lost_total,
+                    lost=self.totals.lost_reported,
                     lost_position=self.lost_reader.position(),
-                    lost_stopped=self.lost_stopped,
+                    lost_stopped=self.totals.lost_stopped,
                     in_flight=in_flight,
                     actors=self.order.actors,
                     present=self.admission.actors,
                     admission_offset=self.admission.offset,
-                ).to_file()
+                )
             )
             self._saved_at = now
-
-    def _landed_since(self, stream_end: str | None) -> list[str]:
-        """The ids of the groups this actor's partition got after `stream_end` (None: from its
-        start). After the last position save: up to SAVE_EVERY_S of them when the actor was
-        killed; they landed, so admission and the problem order go on after them (else every
-        later group lands a step later than admission predicts, and the lag gate drops it)."""
-        position = None if stream_end is None else {str(self.index): stream_end}
-        reader = self.streams.reader(Topic.ACTOR, RolloutGroup, partitions=(self.index,), position=position)
-        landed: list[str] = []
-        while entries := reader.read(timeout=0.0, max_count=4096):
-            landed.extend(e.record.group_id for e in entries)
-        self.stream_end = reader.position().get(self.index, stream_end)
-        reader.close()
-        return landed
-
-    def _stream_end(self) -> str | None:
-        """The end of this actor's partition after its last group that landed."""
-        return self.writer.ends.get(self.index, self.stream_end)
 
     def _start(self, tasks: dict[asyncio.Task, GroupRun], run: GroupRun) -> None:
         tasks[asyncio.create_task(self.rollout(run.problem, run.generator, self.train_ctx))] = run
 
-    def _flushed_end(self) -> str | None:
-        """The partition's end once every group written so far is in the stream."""
-        self.writer.flush()
-        return self._stream_end()
-
     async def _save_in_flight(self, tasks: dict[asyncio.Task, GroupRun], hold: bool) -> None:
         """Save the groups in flight, and the counts that go with them."""
-        await self.keeper.save(list(tasks.values()), hold, self._flushed_end)
+        await self.keeper.save(list(tasks.values()), hold, self.partition.flushed_end)
         self._save(force=True, in_flight=len(tasks))
 
     async def _adopt(self, tasks: dict[asyncio.Task, GroupRun]) -> None:
@@ -541,7 +485,7 @@ def serve(cfg: RunConfig, index: int, stop: Callable[[], bool]) -> str:
         asyncio.run(actor.run(stop))
     finally:
         actor.close()
-    return f"{'drained' if actor.drained else 'stopped'} after writing {actor.written} groups"
+    return f"{'drained' if actor.drained else 'stopped'} after writing {actor.totals.written} groups"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,10 +47,10 @@ from pipeline_rl.engine.routes import RouteRecorder
 from pipeline_rl.engine.sequences import CallGroup, Completion, SequenceRequest, parts_so_far, post
 from pipeline_rl.engine.tp_swap import TensorParallelSwapHook
 from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
+from pipeline_rl.engine.weight_updates import WeightUpdates
 from pipeline_rl.streams.api import Reader
 from pipeline_rl.streams.records import WeightUpdate
-from pipeline_rl.weight_sync import StaleUpdate, WeightGroupFailed, group_ranks
-from pipeline_rl.weight_sync.delta import is_delta
+from pipeline_rl.weight_sync import WeightGroupFailed, group_ranks
 
 if TYPE_CHECKING:  # vllm is imported when an engine is created, not when this module is
     from vllm import LLMEngine
@@ -83,12 +83,6 @@ class LLMClient:
         self.lora = lora
         """The LoRARequest every request names (the policy's adapter slot), or None."""
         self.tokens_generated = 0
-        self.update_failures = 0
-        self.updates_skipped = 0
-        self.checksum_mismatches = 0
-        """Updates after which the engine's weights failed their checksums."""
-        self.full_requests = 0
-        """Full updates this engine asked for (a failed checksum, a delta it could not apply)."""
         self.step_times: deque[float] = deque(maxlen=10000)
         self._ids = itertools.count()
         self._requests: dict[str, SequenceRequest] = {}
@@ -100,17 +94,12 @@ class LLMClient:
         self._cv = threading.Condition()
         self._closed = threading.Event()
         self._error: BaseException | None = None
-        self.group_failure: WeightGroupFailed | None = None
-        """The last failure of the weight-update group (it names the member that did not
-        finish), or None. The engine keeps its weights and the receiver joins the group the
-        sender forms next: a dead peer is the launcher's to restart or to stop the run on."""
-        self._incarnation: str | None = None
-        """The sender's incarnation at the last update received (Receiver.incarnation)."""
         # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), which vLLM's annotation
         # types as the general EngineCoreClient.
         self._scheduler = engine.engine_core.engine_core.scheduler  # pyright: ignore[reportAttributeAccessIssue]
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         hook.on_new_version = self._mark_new_version
+        self.updates = WeightUpdates(hook, self._closed, self._fail)
         # With TP > 1, a worker that dies mid-step leaves the step waiting up to
         # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s) for a reply that never comes; vLLM's worker
         # monitor calls this at once (a no-op for the in-process executor of TP = 1).
@@ -303,6 +292,10 @@ class LLMClient:
             return
         self._fail_pending(RuntimeError("LLMClient closed"))
 
+    def _fail(self, error: BaseException) -> None:
+        """The weight receiver thread failed: this engine would keep its weights for good."""
+        self._error = error
+
     def _executor_failed(self) -> None:
         self._error = RuntimeError("a vLLM worker process died; vLLM shut the engine down (its log says which)")
         self._fail_pending(RuntimeError(f"the vLLM engine failed: {self._error}"))
@@ -369,96 +362,16 @@ class LLMClient:
                 post(group, group.completions)
 
     def start_receiver(self, receiver: Receiver, updates_reader: Reader) -> threading.Thread:
-        """Start a daemon thread that takes part in every announced weight broadcast (no lock
-        held while receiving) and then swaps the weights in. A failed transfer or check is
-        logged and counted; the engine keeps serving the last complete version."""
-        thread = threading.Thread(
-            target=self._receive_updates, args=(receiver, updates_reader), name="weight-receiver", daemon=True
-        )
-        thread.start()
-        return thread
-
-    def _receive_updates(self, receiver, updates_reader) -> None:
-        while not self._closed.is_set():
-            try:
-                entries = updates_reader.read(timeout=1.0)
-            except Exception:
-                log.exception("reading weight updates failed")
-                self.update_failures += 1
-                time.sleep(1.0)
-                continue
-            try:
-                for entry in entries:
-                    self.apply_update(receiver, entry.record)
-            except BaseException as e:  # a bug here would leave the engine on its weights for good
-                log.exception("the weight receiver thread failed")
-                self._error = e
-                return
+        """Take every weight update announced on `updates_reader` (engine/weight_updates.py)."""
+        return self.updates.start(receiver, updates_reader)
 
     def apply_update(self, receiver: Receiver, update: WeightUpdate) -> bool:
-        """Receive one announced update and swap it in (the swap contract: engine/vllm_hook.py);
-        False (logged, counted) on failure."""
-        try:
-            staged = receiver.receive(update)
-        except StaleUpdate as e:
-            self.updates_skipped += 1
-            log.info("skipped weight update: %s", e)
-            return False
-        except Exception as e:
-            self.update_failures += 1
-            log.error(
-                "weight update %d failed while receiving, keeping version %d: %s", update.version, self.hook.version, e
-            )
-            if isinstance(e, WeightGroupFailed):
-                self.group_failure = e  # the sender forms a new group, whose first update is full
-            elif is_delta(update):
-                self._request_full(receiver)
-            return False
-        restarted = self._incarnation is not None and receiver.incarnation != self._incarnation
-        self._incarnation = receiver.incarnation
-        if restarted:
-            log.warning(
-                "the trainer restarted: version %d replaces version %d (from the new trainer's checkpoint)",
-                update.version,
-                self.hook.version,
-            )
-        elif update.version <= self.hook.version:
-            self.updates_skipped += 1
-            log.info("skipped weight update %d: engine already has version %d", update.version, self.hook.version)
-            return False
-        try:
-            stats = self.hook.swap(staged, update.version)
-        except Exception as e:  # counted by the hook
-            log.error("weight update %d not loaded, keeping version %d: %s", update.version, self.hook.version, e)
-            if isinstance(e, ValueError) and is_delta(update):  # a full update can be taken
-                self._request_full(receiver)
-            return False
-        if update.checksums:
-            wrong = self.hook.mismatches(update)
-            if wrong:
-                self.checksum_mismatches += 1
-                log.error(
-                    "weight version %d: %d tensor(s) differ from the trainer's (checksums), e.g. %s; "
-                    "asking for a full update",
-                    update.version,
-                    len(wrong),
-                    wrong[:3],
-                )
-                self._request_full(receiver)
-        log.info(
-            "loaded weight version %d (lock wait %.1f ms, load %.1f ms)",
-            update.version,
-            stats.lock_wait_s * 1e3,
-            stats.load_s * 1e3,
-        )
-        return True
+        """Receive one announced update and swap it in; False (logged, counted) on failure."""
+        return self.updates.apply(receiver, update)
 
-    def _request_full(self, receiver: Receiver) -> None:
-        try:
-            receiver.request_full()
-            self.full_requests += 1
-        except Exception as e:  # the sender is gone: a new one starts with a full update anyway
-            log.warning("could not ask the trainer for a full weight update: %s", e)
+    @property
+    def group_failure(self) -> WeightGroupFailed | None:
+        return self.updates.group_failure
 
     def stats(self) -> dict[str, float]:
         """Counters and recent timings for metrics."""
@@ -473,10 +386,10 @@ class LLMClient:
             "tokens_generated": self.tokens_generated,
             "forward_passes": self.hook.forward_passes,
             "swaps": swap_count,
-            "swap_failures": self.hook.failures + self.update_failures,
-            "updates_skipped": self.updates_skipped,
-            "weight_checksum_mismatches": self.checksum_mismatches,
-            "weight_full_requests": self.full_requests,
+            "swap_failures": self.hook.failures + self.updates.failures,
+            "updates_skipped": self.updates.skipped,
+            "weight_checksum_mismatches": self.updates.checksum_mismatches,
+            "weight_full_requests": self.updates.full_requests,
             "lock_wait_p50_s": wait50,
             "lock_wait_p99_s": wait99,
             "lock_wait_max_s": wait_max,

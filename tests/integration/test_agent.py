@@ -196,11 +196,11 @@ def test_actor_loop_counts_tool_failures_and_goes_on(llm, tmp_path, tiny_model, 
     episodes = 2 * groups
     deadline = time.monotonic() + 180
     try:
-        asyncio.run(actor.run(lambda: actor.written >= groups or time.monotonic() > deadline))
+        asyncio.run(actor.run(lambda: actor.totals.written >= groups or time.monotonic() > deadline))
     finally:
         actor.metrics.close()
         actor.streams.close()
-    assert actor.written == groups and actor.rollout_errors_total == 0
+    assert actor.totals.written == groups and actor.totals.rollout_errors == 0
 
     streams = open_streams(cfg)
     reader = streams.reader("actor", RolloutGroup, partitions=(0,))

@@ -215,11 +215,11 @@ def test_actor_loop_writes_verifiers_groups_and_agent_metrics(
     cap = (llm.version + (0 if mode == "sync" else 1) + 1) * 4
     deadline = time.monotonic() + 180
     try:
-        asyncio.run(actor.run(lambda: actor.written >= cap or time.monotonic() > deadline))
+        asyncio.run(actor.run(lambda: actor.totals.written >= cap or time.monotonic() > deadline))
     finally:
         actor.metrics.close()
         actor.streams.close()
-    assert actor.written == cap and actor.rollout_errors_total == 0
+    assert actor.totals.written == cap and actor.totals.rollout_errors == 0
 
     streams = open_streams(cfg)
     reader = streams.reader("actor", RolloutGroup, partitions=(0,))

@@ -103,3 +103,51 @@ def test_a_learning_table_is_made_from_its_rows():
     # 590 s of TRL's evaluations / 236 s = 2.5x sooner.
     assert lines[2] == "| `family_char_brief` | 0.300 | 0.800 | 236 s | 2.5x | 0.900 (+0.100) | 0.010 | 0.000 | 2.50 |"
     assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 |"
+
+
+def test_a_kept_json_gathers_the_runs_of_one_benchmark_a_row_each(tmp_path):
+    path = tmp_path / "bench.json"
+    bench_tables.keep(path, [{"name": "TP=1", "x": 1.0}])
+    bench_tables.keep(path, [{"name": "TP=2", "x": 2.0}])
+    # A run with the same arguments replaces its row; the other stays, in its place.
+    bench_tables.keep(path, [{"name": "TP=1", "x": 3.0}])
+    assert json.loads(path.read_text()) == [{"name": "TP=2", "x": 2.0}, {"name": "TP=1", "x": 3.0}]
+
+
+def test_the_swap_streams_and_trainer_tables_are_made_from_their_rows():
+    swap = {
+        "name": "TP=1, `tiny_model`",
+        "machine": "2-core CPU",
+        "update_bytes": 3.9 * 2**20,
+        "lock_hold_p50_ms": 0.7,
+        "lock_hold_p99_ms": 0.9,
+        "memcpy_ms": 0.35,
+        "wait_over_call_max": 0.95,
+        "updating_over_client": 1.01,
+        "updating_over_client_median": 0.99,
+        "actor_rss_mib": 812.4,
+        "send_p50_ms": 12.34,
+        "step_p50_ms": 20.0,
+    }
+    assert bench_tables.swap_table([swap]).splitlines()[2] == (
+        "| TP=1, `tiny_model` | 3.9 MiB | 0.70 / 0.350 ms = 2.0x (0.90 ms) | 0.95 | 1.010 (0.990) | 12.3 / 20.0 ms "
+        "| 812 MiB | 2-core CPU |"
+    )
+    case = {"size": 1024, "routes": 0, "record_bytes": 1024, "mb_s": 10.0, "writer_rss": 50, "reader_rss": 60}
+    case |= {"writer_cpu_us": 12.0, "reader_cpu_us": 20.0, "machine": "m"}
+    raw = case | {"name": "raw", "kind": "raw", "records_s": 20000.0}
+    layer = case | {"name": "Redis layer", "kind": "redis", "records_s": 15000.0, "encode_us": 3.0, "decode_us": 7.0}
+    lines = bench_tables.streams_table([raw, layer]).splitlines()
+    # Only the layer is set against raw redis-py (15,000 / 20,000), and only it has a codec.
+    assert lines[2] == "| raw | 1.0 KB | 20,000 | 10.0 |  | 12 / 20 us | none | 50 / 60 MB | m |"
+    assert lines[3] == "| Redis layer | 1.0 KB | 15,000 | 10.0 | 0.75 | 12 / 20 us | 3.0 / 7.0 us | 50 / 60 MB | m |"
+    training = {"name": "ZeRO-2", "part": "training", "model": "tiny_model", "goal": 0.9, "machine": "m"}
+    training |= {"wall_over_bare": 0.95, "cpu_over_bare": 0.97}
+    broadcast = {"name": "tiny model, flat source", "part": "broadcast", "goal": 1.5, "machine": "m", "rounds": 20}
+    broadcast |= {"weight_sync_s": 0.0012, "raw_s": 0.0008, "round_ratio": 1.6, "bytes": 2**20}
+    lines = bench_tables.trainer_table([training, broadcast | {"goal": None}]).splitlines()
+    assert lines[2] == "| ZeRO-2: trainer / bare loop, tokens/s (tiny_model) | 0.950 (CPU time: 0.970) | >= 0.9 | m |"
+    assert lines[3] == (
+        "| tiny model, flat source: WeightSender / raw gloo (1.0 MiB), best round | 1.50 (median of 20 rounds 1.60); "
+        "1.20 / 0.80 ms | none (pays a packing copy) | m |"
+    )
