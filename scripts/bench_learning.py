@@ -41,6 +41,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from bench_tables import commit, keep, machine
+
 from pipeline_rl import learning_curve
 from pipeline_rl.config import load_config
 from pipeline_rl.metrics import read_metrics
@@ -478,9 +480,10 @@ def goals(pipe: dict, trl: dict) -> None:
     )
 
 
-def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> list[dict]:
+def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, provenance: dict) -> list[dict]:
     """One row per model and pipeline_rl run, against TRL's run on that model: the figures
-    docs/learning.md's family table is made of (scripts/bench_tables.py), written as JSON."""
+    docs/learning.md's family table is made of (scripts/bench_tables.py), written as JSON, with
+    the machine and commit (`provenance`) they were measured on."""
     rows = []
     for model, results in per_model:
         by = {r["mode"]: r for r in results}
@@ -505,6 +508,7 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> lis
                     "trl_completions_per_s": trl["completions_per_s"] if trl else None,
                     "time_to_trl_s": g.get("time_to_trl"),
                     "gain": g.get("gain"),
+                    **provenance,
                 }
             )
     return rows
@@ -686,6 +690,7 @@ def main() -> None:
         names = [m for m in args.models.split(",") if m]
     default = Path(cfg.model.path)
     models = [model_path(n, default) for n in names] or [default]
+    provenance = {"machine": machine(), "commit": commit()}  # before the runs: what they ran
     per_model = []
     for model in models:
         overrides = ([f"model.path={model}"] if names else []) + args.overrides
@@ -695,12 +700,10 @@ def main() -> None:
             results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse))
         report(results, out, args.conf)
         per_model.append((model.name, results))
-    rows = result_rows(per_model, args.budget_s)
+    rows = result_rows(per_model, args.budget_s, provenance)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"results: {args.out / 'results.json'}")
     if args.json:
-        from bench_tables import keep
-
         keep(args.json, rows)
         print(f"kept in {args.json}")
     if len(per_model) > 1:

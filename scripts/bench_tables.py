@@ -42,6 +42,17 @@ def machine() -> str:
     return f"{os.cpu_count()}-core {names[0] if names else 'unknown CPU'}"
 
 
+def commit() -> str:
+    """The commit the benchmark ran (short hash; "+changes" when the code differed from it)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    changed = git("status", "--porcelain", "--", "pipeline_rl", "scripts", "launch.py")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+
+
 def keep(path: Path, rows: list[dict]) -> None:
     """Write a benchmark's `rows` into its kept JSON at `path`: each replaces the kept row of the
     same identity (IDENTITY), the other kept rows stay, so the runs of one benchmark with
@@ -128,8 +139,8 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
 
     lines = [
         f"| model |{' variant |' if variants else ''} start | TRL final | time to TRL's final | sooner than TRL "
-        "| final (vs TRL) | worst drop after best | first-minute fall | versions/s |",
-        "| --- |" + " --- |" * (9 if variants else 8),
+        "| final (vs TRL) | worst drop after best | first-minute fall | versions/s | measured on |",
+        "| --- |" + " --- |" * (10 if variants else 9),
     ]
     for r in rows:
         t, span = r["time_to_trl_s"], r["trl_span_s"]
@@ -139,7 +150,8 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
         lines.append(
             f"| `{r['model']}` |{variant} {cell(r['start'], '.3f')} | {cell(r['trl_final'], '.3f')} "
             f"| {cell(t, '.0f', 'never')}{' s' if t else ''} | {sooner} | {cell(r['final'], '.3f')}{gain} "
-            f"| {r['worst_drop']:.3f} | {r['early_fall']:.3f} | {cell(r['versions_per_s'], '.2f')} |"
+            f"| {r['worst_drop']:.3f} | {r['early_fall']:.3f} | {cell(r['versions_per_s'], '.2f')} "
+            f"| {measured_on(r)} |"
         )
     return "\n".join(lines)
 
@@ -203,6 +215,11 @@ def trainer_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measured_on(row: dict) -> str:
+    """The machine and commit a learning row was measured on, where the row records them."""
+    return ", ".join(row[k] for k in ("machine", "commit") if row.get(k)) or "not recorded"
+
+
 TABLES: dict[str, tuple[str, Callable, str]] = {
     "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
@@ -221,7 +238,8 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
 IDENTITY = ("setup", "lr", "model", "mode", "name")
 """Fields that say which row is which, where a benchmark's rows have them."""
 
-SPAN = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(\n<!-- end table -->)", re.S)
+SPAN = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+"""A generated table's region: the nearest end marker closes it, so an empty region stays one."""
 
 
 def render(page: str, root: Path = ROOT) -> str:
@@ -232,7 +250,7 @@ def render(page: str, root: Path = ROOT) -> str:
         if name not in TABLES:
             raise KeyError(f"a generated table names {name!r}, which is not in TABLES ({sorted(TABLES)})")
         path, make, _ = TABLES[name]
-        return m.group(1) + make(json.loads((root / path).read_text())) + m.group(4)
+        return m.group(1) + make(json.loads((root / path).read_text())) + "\n" + m.group(4)
 
     return SPAN.sub(table, page)
 

@@ -62,6 +62,10 @@ def test_a_stale_page_is_rewritten_from_the_json(tmp_path):
         "<!-- end table -->\nmore\n"
     )
     assert "| old |" not in made and bench_tables.render(made, tmp_path) == made
+    # Two regions, the first empty: each is filled, neither takes the text between them.
+    two = "<!-- table: bench_delta -->\n<!-- end table -->\nbetween\n<!-- table: bench_delta -->\nx\n<!-- end table -->"
+    made = bench_tables.render(two, tmp_path)
+    assert made.count("| setup |") == 2 and "\nbetween\n" in made
     with pytest.raises(KeyError, match="'nowhere'"):
         bench_tables.render("<!-- table: nowhere -->\nx\n<!-- end table -->", tmp_path)
 
@@ -99,10 +103,13 @@ LEARNING_ROW = {
 
 def test_a_learning_table_is_made_from_its_rows():
     never = LEARNING_ROW | {"model": "m2", "time_to_trl_s": None, "final": 0.7, "gain": -0.1}
-    lines = bench_tables.learning_table([LEARNING_ROW, never]).splitlines()
+    measured = LEARNING_ROW | {"machine": "m", "commit": "abc1234"}
+    lines = bench_tables.learning_table([measured, never]).splitlines()
     # 590 s of TRL's evaluations / 236 s = 2.5x sooner.
-    assert lines[2] == "| `family_char_brief` | 0.300 | 0.800 | 236 s | 2.5x | 0.900 (+0.100) | 0.010 | 0.000 | 2.50 |"
-    assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 |"
+    assert lines[2] == (
+        "| `family_char_brief` | 0.300 | 0.800 | 236 s | 2.5x | 0.900 (+0.100) | 0.010 | 0.000 | 2.50 | m, abc1234 |"
+    )
+    assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 | not recorded |"
 
 
 def test_a_kept_json_gathers_the_runs_of_one_benchmark_a_row_each(tmp_path):
