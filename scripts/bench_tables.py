@@ -66,26 +66,40 @@ def identity(row: dict) -> tuple:
     return tuple(row.get(k) for k in IDENTITY)
 
 
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of `rows` under `header`."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def delta_table(rows: list[dict]) -> str:
     """scripts/bench_delta.py's rows."""
-    lines = [
-        "| setup | lr | elements changed per update, median (max) | bytes / full update, median (max) | rank 0's "
-        "publication, delta / full | engine lock hold, delta / full | staging, delta (max) / full | engine = final "
-        "checkpoint |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
+
+    def row(r: dict) -> list[str]:
         exact = not r["engine_differs_from_checkpoint"] and not r["checksum_mismatches"] and not r["swaps_failed"]
-        lines.append(
-            f"| {r['setup']} | {r['lr']:.0e} | {r['changed_fraction_median']:.2%} ({r['changed_fraction_max']:.2%}) "
-            f"| {r['delta_bytes_ratio_median']:.2%} ({r['delta_bytes_ratio_max']:.2%}) = "
-            f"1/{1 / r['delta_bytes_ratio_median']:.0f} "
-            f"| {r['publish_s_delta'] * 1e3:.0f} / {r['publish_s_full'] * 1e3:.0f} ms "
-            f"| {r['lock_hold_s_delta'] * 1e3:.1f} / {r['lock_hold_s_full'] * 1e3:.1f} ms "
-            f"| {r['staging_bytes_delta_max'] / MIB:.1f} / {r['staging_bytes_full'] / MIB:.1f} MiB "
-            f"| {'yes' if exact else 'NO'} |"
-        )
-    return "\n".join(lines)
+        return [
+            r["setup"],
+            f"{r['lr']:.0e}",
+            f"{r['changed_fraction_median']:.2%} ({r['changed_fraction_max']:.2%})",
+            f"{r['delta_bytes_ratio_median']:.2%} ({r['delta_bytes_ratio_max']:.2%}) = "
+            f"1/{1 / r['delta_bytes_ratio_median']:.0f}",
+            f"{r['publish_s_delta'] * 1e3:.0f} / {r['publish_s_full'] * 1e3:.0f} ms",
+            f"{r['lock_hold_s_delta'] * 1e3:.1f} / {r['lock_hold_s_full'] * 1e3:.1f} ms",
+            f"{r['staging_bytes_delta_max'] / MIB:.1f} / {r['staging_bytes_full'] / MIB:.1f} MiB",
+            "yes" if exact else "NO",
+        ]
+
+    header = [
+        "setup",
+        "lr",
+        "elements changed per update, median (max)",
+        "bytes / full update, median (max)",
+        "rank 0's publication, delta / full",
+        "engine lock hold, delta / full",
+        "staging, delta (max) / full",
+        "engine = final checkpoint",
+    ]
+    return markdown(header, [row(r) for r in rows])
 
 
 KINDS = [
@@ -137,82 +151,94 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
     def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
         return missing if x is None else f"{x:{spec}}"
 
-    lines = [
-        f"| model |{' variant |' if variants else ''} start | TRL final | time to TRL's final | sooner than TRL "
-        "| final (vs TRL) | worst drop after best | first-minute fall | versions/s | measured on |",
-        "| --- |" + " --- |" * (10 if variants else 9),
-    ]
-    for r in rows:
+    def row(r: dict) -> list[str]:
         t, span = r["time_to_trl_s"], r["trl_span_s"]
-        sooner = f"{span / t:.1f}x" if t and span else "never"
         gain = "" if r["gain"] is None else f" ({r['gain']:+.3f})"
-        variant = f" {r['mode']} |" if variants else ""
-        lines.append(
-            f"| `{r['model']}` |{variant} {cell(r['start'], '.3f')} | {cell(r['trl_final'], '.3f')} "
-            f"| {cell(t, '.0f', 'never')}{' s' if t else ''} | {sooner} | {cell(r['final'], '.3f')}{gain} "
-            f"| {r['worst_drop']:.3f} | {r['early_fall']:.3f} | {cell(r['versions_per_s'], '.2f')} "
-            f"| {measured_on(r)} |"
-        )
-    return "\n".join(lines)
+        return [
+            f"`{r['model']}`",
+            *([r["mode"]] if variants else []),
+            cell(r["start"], ".3f"),
+            cell(r["trl_final"], ".3f"),
+            f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
+            f"{span / t:.1f}x" if t and span else "never",
+            f"{cell(r['final'], '.3f')}{gain}",
+            f"{r['worst_drop']:.3f}",
+            f"{r['early_fall']:.3f}",
+            cell(r["versions_per_s"], ".2f"),
+            measured_on(r),
+        ]
+
+    header = ["model", *(["variant"] if variants else []), "start", "TRL final", "time to TRL's final"]
+    header += ["sooner than TRL", "final (vs TRL)", "worst drop after best", "first-minute fall", "versions/s"]
+    return markdown(header + ["measured on"], [row(r) for r in rows])
 
 
 def swap_table(rows: list[dict]) -> str:
     """scripts/bench_actor.py's rows: the swap's lock hold against a memcpy of the update, how long
     a swap waited against the engine call it found running, decode with updates against without."""
-    lines = [
-        "| run | update | lock hold p50 / memcpy (p99) | swap wait / the call it waited for, max "
-        "| decode with updates / without (median of rounds) | sender's send p50 / engine step p50 "
-        "| peak RSS, engine process | measured on |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    header = ["run", "update", "lock hold p50 / memcpy (p99)", "swap wait / the call it waited for, max"]
+    header += ["decode with updates / without (median of rounds)", "sender's send p50 / engine step p50"]
+    header += ["peak RSS, engine process", "measured on"]
+    cells = [
+        [
+            r["name"],
+            f"{r['update_bytes'] / MIB:.1f} MiB",
+            f"{r['lock_hold_p50_ms']:.2f} / {r['memcpy_ms']:.3f} ms = {r['lock_hold_p50_ms'] / r['memcpy_ms']:.1f}x "
+            f"({r['lock_hold_p99_ms']:.2f} ms)",
+            f"{r['wait_over_call_max']:.2f}",
+            f"{r['updating_over_client']:.3f} ({r['updating_over_client_median']:.3f})",
+            f"{r['send_p50_ms']:.1f} / {r['step_p50_ms']:.1f} ms",
+            f"{r['actor_rss_mib']:.0f} MiB",
+            r["machine"],
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['name']} | {r['update_bytes'] / MIB:.1f} MiB | {r['lock_hold_p50_ms']:.2f} / {r['memcpy_ms']:.3f} ms "
-            f"= {r['lock_hold_p50_ms'] / r['memcpy_ms']:.1f}x ({r['lock_hold_p99_ms']:.2f} ms) "
-            f"| {r['wait_over_call_max']:.2f} | {r['updating_over_client']:.3f} ({r['updating_over_client_median']:.3f}) "
-            f"| {r['send_p50_ms']:.1f} / {r['step_p50_ms']:.1f} ms | {r['actor_rss_mib']:.0f} MiB | {r['machine']} |"
-        )
-    return "\n".join(lines)
+    return markdown(header, cells)
 
 
 def streams_table(rows: list[dict]) -> str:
     """scripts/bench_streams.py's rows: each case's best round, and the layers against raw redis-py."""
-    lines = [
-        "| case | record | records/s | MB/s | of raw redis-py | CPU a record, writer / reader | codec a record, encode "
-        "/ decode | peak RSS, writer / reader | measured on |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
     raw = {r["size"]: r["records_s"] for r in rows if r["kind"] == "raw" and not r["routes"]}
-    for r in rows:
-        of_raw = f"{r['records_s'] / raw[r['size']]:.2f}" if r["kind"] == "redis" and r["size"] in raw else ""
-        codec = f"{r['encode_us']:.1f} / {r['decode_us']:.1f} us" if "encode_us" in r else "none"
-        lines.append(
-            f"| {r['name']} | {r['record_bytes'] / 1024:.1f} KB | {r['records_s']:,.0f} | {r['mb_s']:.1f} | {of_raw} "
-            f"| {r['writer_cpu_us']:.0f} / {r['reader_cpu_us']:.0f} us | {codec} "
-            f"| {r['writer_rss']:.0f} / {r['reader_rss']:.0f} MB "
-            f"| {r['machine']} |"
-        )
-    return "\n".join(lines)
+
+    def row(r: dict) -> list[str]:
+        return [
+            r["name"],
+            f"{r['record_bytes'] / 1024:.1f} KB",
+            f"{r['records_s']:,.0f}",
+            f"{r['mb_s']:.1f}",
+            f"{r['records_s'] / raw[r['size']]:.2f}" if r["kind"] == "redis" and r["size"] in raw else "",
+            f"{r['writer_cpu_us']:.0f} / {r['reader_cpu_us']:.0f} us",
+            f"{r['encode_us']:.1f} / {r['decode_us']:.1f} us" if "encode_us" in r else "none",
+            f"{r['writer_rss']:.0f} / {r['reader_rss']:.0f} MB",
+            r["machine"],
+        ]
+
+    header = ["case", "record", "records/s", "MB/s", "of raw redis-py", "CPU a record, writer / reader"]
+    header += ["codec a record, encode / decode", "peak RSS, writer / reader", "measured on"]
+    return markdown(header, [row(r) for r in rows])
 
 
 def trainer_table(rows: list[dict]) -> str:
     """scripts/bench_trainer.py's rows: the trainer against the bare loop, and WeightSender against
     a raw gloo broadcast of the same bytes."""
-    lines = ["| measure | figure | goal | measured on |", "| --- | --- | --- | --- |"]
-    for r in rows:
+
+    def row(r: dict) -> list[str]:
         if r["part"] == "training":
-            figure = f"{r['wall_over_bare']:.3f} (CPU time: {r['cpu_over_bare']:.3f})"
-            measure = f"{r['name']}: trainer / bare loop, tokens/s ({r['model']})"
-            goal = f">= {r['goal']}"
-        else:
-            figure = (
-                f"{r['weight_sync_s'] / r['raw_s']:.2f} (median of {r['rounds']} rounds {r['round_ratio']:.2f}); "
-                f"{r['weight_sync_s'] * 1e3:.2f} / {r['raw_s'] * 1e3:.2f} ms"
-            )
-            measure = f"{r['name']}: WeightSender / raw gloo ({r['bytes'] / MIB:.1f} MiB), best round"
-            goal = f"<= {r['goal']}" if r["goal"] else "none (pays a packing copy)"
-        lines.append(f"| {measure} | {figure} | {goal} | {r['machine']} |")
-    return "\n".join(lines)
+            return [
+                f"{r['name']}: trainer / bare loop, tokens/s ({r['model']})",
+                f"{r['wall_over_bare']:.3f} (CPU time: {r['cpu_over_bare']:.3f})",
+                f">= {r['goal']}",
+                r["machine"],
+            ]
+        return [
+            f"{r['name']}: WeightSender / raw gloo ({r['bytes'] / MIB:.1f} MiB), best round",
+            f"{r['weight_sync_s'] / r['raw_s']:.2f} (median of {r['rounds']} rounds {r['round_ratio']:.2f}); "
+            f"{r['weight_sync_s'] * 1e3:.2f} / {r['raw_s'] * 1e3:.2f} ms",
+            f"<= {r['goal']}" if r["goal"] else "none (pays a packing copy)",
+            r["machine"],
+        ]
+
+    return markdown(["measure", "figure", "goal", "measured on"], [row(r) for r in rows])
 
 
 def measured_on(row: dict) -> str:
