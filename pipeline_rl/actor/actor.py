@@ -63,11 +63,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline_rl.actor.admission import Admission, admission_lag
+from pipeline_rl.actor.evaluation import evaluate
 from pipeline_rl.actor.in_flight import ContinuationMismatch, RecordingGenerator
 from pipeline_rl.actor.in_flight_keeper import GroupRun, InFlightKeeper
 from pipeline_rl.actor.partition import Partition
 from pipeline_rl.actor.problems import ProblemOrder
 from pipeline_rl.actor.resume import SavedCounts, resume
+from pipeline_rl.actor.swap_metrics import SwapMetrics
 from pipeline_rl.actor.totals import Totals
 from pipeline_rl.actor.window import Window
 from pipeline_rl.collectives import prepare_collectives
@@ -170,7 +172,7 @@ class Actor:
 
         self.window = Window()
         self.agent_stats = AgentStats()
-        self.swaps_seen = 0
+        self.swap_metrics = SwapMetrics(self.llm)
         self._saved_at = 0.0
         self.drained = False
         """Whether the actor ended because the job was scaled below it."""
@@ -226,7 +228,9 @@ class Actor:
                 self._take_lost()
                 now = time.monotonic()
                 if now >= next_eval and (eval_task is None or eval_task.done()):
-                    eval_task = asyncio.create_task(self._evaluate())
+                    eval_task = asyncio.create_task(
+                        evaluate(self.rollout, self.llm, self.eval_ctx, self.eval_problems, self.metrics)
+                    )
                     next_eval = now + self.cfg.actor.eval_every_s
                 if now >= next_metrics:
                     blocked_since = self._unblock(blocked_since, reopen=True)
@@ -352,38 +356,7 @@ class Actor:
         for rollout in group.rollouts:
             self.agent_stats.add(rollout.metadata)
 
-    async def _evaluate(self) -> None:
-        version, start = self.llm.version, time.monotonic()
-        results = await asyncio.gather(
-            *(self.rollout(p, self.llm, self.eval_ctx) for p in self.eval_problems), return_exceptions=True
-        )
-        rewards = [r.reward for g in results if isinstance(g, RolloutGroup) for r in g.rollouts]
-        errors = [g for g in results if not isinstance(g, RolloutGroup)]
-        if errors:
-            log.error("evaluation: %d of %d problems failed, e.g. %r", len(errors), len(results), errors[0])
-        if rewards:
-            self.metrics.log(
-                {
-                    "eval/reward": sum(rewards) / len(rewards),
-                    "eval/version": version,
-                    "eval/version_end": self.llm.version,
-                    "eval/problems": len(rewards),
-                    "eval/errors": len(errors),
-                    "eval/seconds": time.monotonic() - start,
-                },
-                step=version,
-            )
-            log.info(
-                "eval at version %d: reward %.3f on %d problems", version, sum(rewards) / len(rewards), len(rewards)
-            )
-
     def _log_metrics(self, in_flight: int) -> None:
-        stats = self.llm.stats()
-        history, count = self.llm.hook.recent_swaps()
-        new_swaps = count - self.swaps_seen
-        self.swaps_seen = count
-        recent = history[-new_swaps:] if new_swaps else []
-        pauses = [s.lock_wait_s + s.load_s for s in recent]
         values = {
             "version": self.llm.version,
             **self.window.values(),
@@ -391,17 +364,7 @@ class Actor:
             "groups_started_total": self.admission.started,
             "groups_in_flight": in_flight,
             "waiting_on": self._waiting_on(in_flight),
-            "swaps": new_swaps,
-            "swaps_total": stats["swaps"],
-            "swap_pause_max_s": max(pauses) if pauses else None,
-            "swap_pause_mean_s": sum(pauses) / len(pauses) if pauses else None,
-            "swap_lock_wait_p50_s": stats["lock_wait_p50_s"],
-            "swap_load_p50_s": stats["load_p50_s"],
-            "swap_failures_total": stats["swap_failures"],
-            "weight_updates_skipped_total": stats["updates_skipped"],
-            # Delta updates: weights that failed their checksums, full updates asked for.
-            "weight_checksum_mismatches_total": stats["weight_checksum_mismatches"],
-            "weight_full_requests_total": stats["weight_full_requests"],
+            **self.swap_metrics.values(),
             # Groups in flight at a stop continued here, their tokens not generated again; and
             # groups this actor handed over when the job was scaled below it.
             "groups_continued_total": self.keeper.continued_total,
