@@ -267,7 +267,8 @@ class Trainer:
                     counts.consistency += mismatch.to(counts.consistency)
             if trained > 0:
                 t = time.perf_counter()
-                self.engine.step()
+                self._scale_lr(gated.update_samples[i] / step_samples if step_samples else 1.0)
+                self.engine.step()  # the lr scheduler's step sets the next update's lr afresh
                 optimizer_s += time.perf_counter() - t
                 norms.append(self.engine.get_global_grad_norm())
                 done += 1
@@ -278,6 +279,13 @@ class Trainer:
         if done:
             values["grad_norm"] = float(finite_norms(norms, self.version + 1, self.saved_version)[-1])
         return values
+
+    def _scale_lr(self, signal_share: float) -> None:
+        """trainer.optimizer.lr_by_signal: this update's lr times the share of its samples that
+        carry a signal (the scheduler's step after the update sets the next lr anew)."""
+        if self.cfg.trainer.optimizer.lr_by_signal and signal_share < 1.0:
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] *= signal_share
 
     def _micro_batch_loss(
         self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float

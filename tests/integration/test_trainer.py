@@ -210,6 +210,33 @@ def test_filtered_groups_counted_in_the_denominators_scale_the_steps_gradient(ti
     assert norms[tokens] == pytest.approx(norms[0] / 2, rel=1e-4)
 
 
+def test_lr_by_signal_scales_an_update_by_the_share_of_its_samples_that_carry_a_signal(tiny_model, tmp_path):
+    """trainer.optimizer.lr_by_signal: a step with as many filtered samples as trained ones has
+    half the lr, so (AdamW linear in its first step, LINEAR_ADAM) half the update of the same
+    step without it, to a rounding (a multiplication by 0.5 is exact); with nothing filtered the
+    share is 1 and the update is the one without it."""
+    (step,) = make_steps(tiny_model, steps=1, groups=2, seed=6)
+    filtered = (sum(s.loss_tokens for s in step), len(step))
+    initial = load_file(tiny_model / "model.safetensors")
+    results = {}
+    cases = [("plain", filtered, False), ("scaled", filtered, True), ("unfiltered", (0, 0), False)]
+    for name, counted, by_signal in [*cases, ("unfiltered_by_signal", (0, 0), True)]:
+        cfg = trainer_config(
+            tmp_path / name,
+            tiny_model,
+            "shared.max_steps=1",
+            f"trainer.optimizer.lr_by_signal={by_signal}",
+            *LINEAR_ADAM,
+        )
+        write_steps(cfg, [step], ranks=1, filtered=counted)
+        train(cfg)
+        results[name] = final_weights(cfg.run_dir, 1)
+    half = {k: initial[k] + (results["plain"][k] - initial[k]) / 2 for k in initial}
+    assert update_error(results["scaled"], half, initial) < REL_TOL
+    assert update_error(results["plain"], half, initial) > 100 * REL_TOL
+    assert update_error(results["unfiltered_by_signal"], results["unfiltered"], initial) < REL_TOL
+
+
 def test_cpu_trainers_leave_out_deepspeeds_shm_all_reduce():
     """ZeRO training never calls DeepSpeed's shared-memory all-reduce (its inference layers do), so
     a CPU trainer makes its process group without building or loading that op: DeepSpeed's own
