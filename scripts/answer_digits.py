@@ -11,8 +11,8 @@ family member, a run's checkpoint `.../checkpoints/step_N/hf`), --samples answer
 What it is for: telling a model that has not learnt a part of the task (a digit at chance, 0.1)
 from one that is unsure of it, and seeing whether RL made a policy right or only certain.
 
-    python scripts/answer_digits.py MODEL_DIR [MODEL_DIR ...] [--problems 200] [--samples 4]
-        [--data .cache/arithmetic] [--json PATH]
+    python scripts/answer_digits.py MODEL_DIR [MODEL_DIR ...] [--labels A,B,...] [--problems 200]
+        [--samples 4] [--data .cache/arithmetic] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -47,7 +48,7 @@ def sample_answers(model_dir: Path, problems: list[dict], samples: int, seed: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # its generate() is untyped
     torch.manual_seed(seed)
     answers = []
     with torch.no_grad():
@@ -70,6 +71,7 @@ def sample_answers(model_dir: Path, problems: list[dict], samples: int, seed: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", type=Path)
+    parser.add_argument("--labels", help="comma-separated names of the models in the rows (default: their paths)")
     parser.add_argument("--problems", type=int, default=200)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -81,17 +83,20 @@ def main() -> None:
     test = args.data / "test.jsonl"
     if not test.exists():
         parser.error(f"--data: {test} does not exist (build a family member or the tiny model first)")
+    labels = args.labels.split(",") if args.labels else [str(m) for m in args.models]
+    if len(labels) != len(args.models):
+        parser.error(f"--labels: {len(labels)} labels for {len(args.models)} models")
     problems = [json.loads(line) for line in test.read_text().splitlines() if line.strip()][: args.problems]
     rows = []
     print("| model | exact | length | first digit | last digit | agreement |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for model_dir in args.models:
+    for model_dir, label in zip(args.models, labels, strict=True):
         if not (model_dir / "config.json").exists():
             parser.error(f"{model_dir}: no config.json (a model directory, e.g. .cache/MEMBER or a checkpoint's hf/)")
         answers = sample_answers(model_dir, problems, args.samples, args.seed)
         report = digit_report(answers, [p["answer"] for p in problems])
-        rows.append({"name": str(model_dir), **report, "problems": len(problems), "samples": args.samples})
-        print(f"| {model_dir} | " + " | ".join(f"{report[k]:.3f}" for k in report) + " |", flush=True)
+        rows.append({"name": label, **report, "problems": len(problems), "samples": args.samples})
+        print(f"| {label} | " + " | ".join(f"{report[k]:.3f}" for k in report) + " |", flush=True)
     if args.json:
         from bench_tables import keep
 

@@ -156,18 +156,20 @@ def reused(name: str, run_dir: Path, key: dict, reuse: bool) -> dict | None:
     found = json.loads(done.read_text()) if reuse and done.exists() else {}
     if found.get("key") == key:
         print(f"[{name}] reusing {run_dir} (same model, data, budget, seed and settings)", flush=True)
-        return summarize(name, run_dir, found["wall_s"], found["started"])
+        # A reused run keeps the machine and commit it ran on (None: recorded before they were).
+        return {**summarize(name, run_dir, found["wall_s"], found["started"]), "provenance": found.get("provenance")}
     done.unlink(missing_ok=True)
     return None
 
 
-def finished(name: str, run_dir: Path, key: dict, started: float) -> dict:
+def finished(name: str, run_dir: Path, key: dict, started: float, provenance: dict) -> dict:
     wall_s = time.time() - started
-    (run_dir / "done.json").write_text(json.dumps({"key": key, "started": started, "wall_s": wall_s}))
-    return summarize(name, run_dir, wall_s, started)
+    done = {"key": key, "started": started, "wall_s": wall_s, "provenance": provenance}
+    (run_dir / "done.json").write_text(json.dumps(done))
+    return {**summarize(name, run_dir, wall_s, started), "provenance": provenance}
 
 
-def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
+def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool, provenance: dict) -> dict:
     run_dir = out / name
     key = run_key(conf, budget_s, overrides, [f"conf={conf}", *overrides])
     if (kept := reused(name, run_dir, key, reuse)) is not None:
@@ -189,14 +191,14 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], 
     code = subprocess.run(argv, cwd=ROOT).returncode
     if code != 0:
         raise SystemExit(f"[{name}] launch.py exited with {code}; see {run_dir / 'logs'}")
-    return finished(name, run_dir, key, start)
+    return finished(name, run_dir, key, start, provenance)
 
 
 TRL_DOMAINS = ("arithmetic", "multistep")
 """Domains scripts/bench_trl.py can score (a single completion checked by the domain's score())."""
 
 
-def run_trl(conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool) -> dict:
+def run_trl(conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool, provenance: dict) -> dict:
     cfg = load_config(conf, overrides)
     model, data = Path(cfg.model.path), Path(cfg.actor.dataset.train).parent
     run_dir = out / "trl"
@@ -217,7 +219,7 @@ def run_trl(conf: str, budget_s: float, out: Path, overrides: list[str], reuse: 
         code = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise SystemExit(f"[trl] bench_trl.py exited with {code}; see {run_dir / 'trl.log'}")
-    return finished("trl", run_dir, key, start)
+    return finished("trl", run_dir, key, start, provenance)
 
 
 STABILITY = ("entropy", "behaviour_kl", "clip_fraction", "ess", "grad_norm")
@@ -480,10 +482,11 @@ def goals(pipe: dict, trl: dict) -> None:
     )
 
 
-def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, provenance: dict) -> list[dict]:
+def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> list[dict]:
     """One row per model and pipeline_rl run, against TRL's run on that model: the figures
     docs/learning.md's family table is made of (scripts/bench_tables.py), written as JSON, with
-    the machine and commit (`provenance`) they were measured on."""
+    the machine and commit the pipeline_rl run was measured on (none where its run predates
+    their recording)."""
     rows = []
     for model, results in per_model:
         by = {r["mode"]: r for r in results}
@@ -508,7 +511,7 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, proven
                     "trl_completions_per_s": trl["completions_per_s"] if trl else None,
                     "time_to_trl_s": g.get("time_to_trl"),
                     "gain": g.get("gain"),
-                    **provenance,
+                    **(r.get("provenance") or {}),
                 }
             )
     return rows
@@ -695,12 +698,14 @@ def main() -> None:
     for model in models:
         overrides = ([f"model.path={model}"] if names else []) + args.overrides
         out = args.out / model.name
-        results = [run(name, args.conf, args.budget_s, out, own + overrides, args.reuse) for name, own in runs]
+        results = [
+            run(name, args.conf, args.budget_s, out, own + overrides, args.reuse, provenance) for name, own in runs
+        ]
         if with_trl:
-            results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse))
+            results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse, provenance))
         report(results, out, args.conf)
         per_model.append((model.name, results))
-    rows = result_rows(per_model, args.budget_s, provenance)
+    rows = result_rows(per_model, args.budget_s)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"results: {args.out / 'results.json'}")
     if args.json:

@@ -13,8 +13,11 @@ With --random-shape HIDDENxLAYERS the engines serve a model of that shape with r
 heads): what a swap costs at a larger size, where the tiny model's fixed costs no longer hide
 the copy.
 
+--json PATH keeps both runs' figures there (each row replacing the kept row of the same model and
+mode); docs/lora.md's table is generated from docs/bench_lora.json (scripts/bench_tables.py).
+
     python scripts/bench_lora.py [--model DIR] [--random-shape 512x8] [--rank 8] [--seconds 15]
-        [--update-every 2] [--loads-per-round 2]
+        [--update-every 2] [--loads-per-round 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -90,10 +93,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--update-every", type=float, default=2.0)
     parser.add_argument("--loads-per-round", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also keep both runs' figures in this JSON")
     args = parser.parse_args()
     from pipeline_rl.demo import ensure_built
 
     ensure_built(Path(args.model))  # the tiny model, on a fresh clone
+    model_name = f"random {args.random_shape}" if args.random_shape else Path(args.model).name
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_shape:
             args.model = random_model(args.model, args.random_shape, Path(tmp) / "model")
@@ -129,6 +134,14 @@ def main() -> None:
     print(f"decode overhead of LoRA updates (1 - median with/without): {overhead:+.3f}  (goal <= 0.03)")
     print(f"bytes per update, LoRA / full: {lora['update_bytes'] / full['update_bytes']:.4f}")
     print(f"decode rate without updates, LoRA / full: {lora['client_tok_s'] / full['client_tok_s']:.3f}")
+    if args.json:
+        from bench_tables import keep
+
+        keep(
+            args.json,
+            [{**full, "name": model_name, "lora_rank": 0}, {**lora, "name": model_name, "lora_rank": args.rank}],
+        )
+        print(f"kept in {args.json}")
 
 
 if __name__ == "__main__":

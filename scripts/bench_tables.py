@@ -66,6 +66,11 @@ def identity(row: dict) -> tuple:
     return tuple(row.get(k) for k in IDENTITY)
 
 
+def named(row: dict) -> str:
+    """The row's identity fields, as a comparison names the row."""
+    return ", ".join(f"{k}={row[k]}" for k in IDENTITY if row.get(k) is not None)
+
+
 def markdown(header: list[str], rows: list[list[str]]) -> str:
     """A markdown table of `rows` under `header`."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -196,6 +201,38 @@ def swap_table(rows: list[dict]) -> str:
     return markdown(header, cells)
 
 
+def lora_table(rows: list[dict]) -> str:
+    """scripts/bench_lora.py's rows: full-weight and LoRA updates on the same engine setup, each
+    LoRA run's lock hold against the full-weight run's on the same model and machine."""
+    full = {(r["name"], r["machine"]): r for r in rows if not r["lora_rank"]}
+    header = ["model", "update", "bytes per update", "swap lock hold p50 (p99)", "LoRA hold / full hold"]
+    header += ["decode tok/s without updates", "with updates / without (median of rounds)", "measured on"]
+
+    def row(r: dict) -> list[str]:
+        base = full.get((r["name"], r["machine"]))
+        ratio = f"{r['lock_hold_p50_ms'] / base['lock_hold_p50_ms']:.3f}" if r["lora_rank"] and base else ""
+        return [
+            f"`{r['name']}`",
+            f"LoRA r={r['lora_rank']}" if r["lora_rank"] else "full weights",
+            f"{r['update_bytes']:,.0f}",
+            f"{r['lock_hold_p50_ms']:.2f} ms ({r['lock_hold_p99_ms']:.2f} ms)",
+            ratio,
+            f"{r['client_tok_s']:.0f}",
+            f"{r['updating_over_client']:.3f} ({r['updating_over_client_median']:.3f})",
+            r["machine"],
+        ]
+
+    return markdown(header, [row(r) for r in rows])
+
+
+def digits_table(rows: list[dict]) -> str:
+    """scripts/answer_digits.py's rows: which digits of the answers a model gets right, and how
+    often its samples of a problem all agree."""
+    header = ["model", "exact", "right length", "first digit", "last digit", "samples agree"]
+    keys = ("exact", "length", "first_digit", "last_digit", "agreement")
+    return markdown(header, [[r["name"], *(f"{r[k]:.3f}" for k in keys)] for r in rows])
+
+
 def streams_table(rows: list[dict]) -> str:
     """scripts/bench_streams.py's rows: each case's best round, and the layers against raw redis-py."""
     raw = {r["size"]: r["records_s"] for r in rows if r["kind"] == "raw" and not r["routes"]}
@@ -252,6 +289,13 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
     "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
     "bench_streams": ("docs/bench_streams.json", streams_table, "docs/performance.md"),
     "bench_trainer": ("docs/bench_trainer.json", trainer_table, "docs/performance.md"),
+    "bench_lora": ("docs/bench_lora.json", lora_table, "docs/lora.md"),
+    "answer_digits_family": ("docs/answer_digits_family.json", digits_table, "docs/learning.md"),
+    "learning_lr_by_signal": (
+        "docs/bench_learning_lr_by_signal.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
     "learning_family": ("docs/bench_learning_family.json", learning_table, "docs/learning.md"),
     "learning_count_filtered": (
         "docs/bench_learning_count_filtered.json",
@@ -261,7 +305,7 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
 }
 """Table name -> (kept JSON, how it becomes the table, the page it is in)."""
 
-IDENTITY = ("setup", "lr", "model", "mode", "name")
+IDENTITY = ("setup", "lr", "model", "mode", "name", "lora_rank")
 """Fields that say which row is which, where a benchmark's rows have them."""
 
 SPAN = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
@@ -290,11 +334,12 @@ def moved(new: list[dict], kept: list[dict], tolerance: float) -> list[str]:
     and the rows of either that the other lacks."""
 
     kept_rows = {identity(r): r for r in kept}
+    names = {identity(r): named(r) for r in kept}
     out = []
     for row in new:
         base = kept_rows.pop(identity(row), None)
         if base is None:
-            out.append(f"{identity(row)}: no such row in the kept run")
+            out.append(f"{named(row)}: no such row in the kept run")
             continue
         for field, value in row.items():
             was = base.get(field)
@@ -306,8 +351,8 @@ def moved(new: list[dict], kept: list[dict], tolerance: float) -> list[str]:
             if field.endswith("_median") and isinstance(base.get(field[: -len("median")] + "max"), int | float):
                 hi = max(hi, base[field[: -len("median")] + "max"])
             if not lo <= value <= hi:
-                out.append(f"{identity(row)} {field}: {value:.4g}, kept {was:.4g} (band {lo:.4g}..{hi:.4g})")
-    out += [f"{k}: in the kept run only" for k in kept_rows]
+                out.append(f"{named(row)} {field}: {value:.4g}, kept {was:.4g} (band {lo:.4g}..{hi:.4g})")
+    out += [f"{names[k]}: in the kept run only" for k in kept_rows]
     return out
 
 

@@ -184,7 +184,9 @@ class OptimizerConfig:
     counts). Adam divides out a gradient's overall scale, so counting the filtered groups in the
     loss's denominators alone leaves an update with few signal-carrying samples (mostly noise)
     as large as one with many; scaling the lr makes each update's size follow its evidence.
-    Without count_filtered the share is 1 and nothing changes."""
+    Without count_filtered the share is 1 and nothing changes. Off: on the model family it
+    helped a policy that turned certain before it turned right and slowed one that was learning
+    (docs/learning.md)."""
     weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

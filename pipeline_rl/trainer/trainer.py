@@ -284,7 +284,9 @@ class Trainer:
         """trainer.optimizer.lr_by_signal: this update's lr times the share of its samples that
         carry a signal (the scheduler's step after the update sets the next lr anew)."""
         if self.cfg.trainer.optimizer.lr_by_signal and signal_share < 1.0:
-            for group in self.engine.optimizer.param_groups:
+            scheduler = self.engine.lr_scheduler  # the LambdaLR of trainer/model.py's lr_factor
+            assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+            for group in scheduler.optimizer.param_groups:
                 group["lr"] *= signal_share
 
     def _micro_batch_loss(

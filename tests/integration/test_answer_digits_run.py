@@ -13,11 +13,11 @@ from fixtures.helpers import ROOT
 def test_a_run_on_the_tiny_model_keeps_shares_of_what_it_sampled(tiny_model, tmp_path):
     out = tmp_path / "digits.json"
     cmd = [sys.executable, "scripts/answer_digits.py", str(tiny_model), "--problems", "6", "--samples", "2"]
-    cmd += ["--data", str(tiny_model.parent / "arithmetic"), "--json", str(out)]
+    cmd += ["--labels", "tiny", "--data", str(tiny_model.parent / "arithmetic"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())
-    assert row["problems"] == 6 and row["samples"] == 2
+    assert row["name"] == "tiny" and row["problems"] == 6 and row["samples"] == 2
     # 12 answers: every share is a count of them over 12 (agreement: of 6 problems).
     for key in ("exact", "length", "first_digit", "last_digit"):
         assert 0 <= row[key] <= 1 and (row[key] * 12) == pytest.approx(round(row[key] * 12)), key

@@ -78,8 +78,8 @@ def test_the_comparison_names_what_moved_beyond_the_kept_band():
     found = bench_tables.moved([ROW | {"publish_s_delta": 0.5, "lock_hold_s_full": 0.031}], kept, 0.25)
     assert len(found) == 1 and "publish_s_delta: 0.5, kept 0.25" in found[0]
     assert bench_tables.moved([ROW | {"lr": 1e-6}], kept, 0.25) == [
-        "('1 rank(s), ZeRO-2', 1e-06, None, None, None): no such row in the kept run",
-        "('1 rank(s), ZeRO-2', 5e-07, None, None, None): in the kept run only",
+        "setup=1 rank(s), ZeRO-2, lr=1e-06: no such row in the kept run",
+        "setup=1 rank(s), ZeRO-2, lr=5e-07: in the kept run only",
     ]
 
 
@@ -158,3 +158,21 @@ def test_the_swap_streams_and_trainer_tables_are_made_from_their_rows():
         "| tiny model, flat source: WeightSender / raw gloo (1.0 MiB), best round | 1.50 (median of 20 rounds 1.60); "
         "1.20 / 0.80 ms | none (pays a packing copy) | m |"
     )
+
+
+def test_the_lora_table_sets_each_adapter_run_against_the_full_run_of_its_model_and_machine():
+    full = {"name": "tiny_model", "machine": "m", "lora_rank": 0, "update_bytes": 4_000_000.0}
+    full |= {"lock_hold_p50_ms": 0.8, "lock_hold_p99_ms": 1.5, "client_tok_s": 7000.4}
+    full |= {"updating_over_client": 1.02, "updating_over_client_median": 0.99}
+    lora = full | {"lora_rank": 8, "update_bytes": 360_448.0, "lock_hold_p50_ms": 0.4, "lock_hold_p99_ms": 0.6}
+    elsewhere = lora | {"machine": "other"}  # no full run on that machine: no ratio
+    lines = bench_tables.lora_table([full, lora, elsewhere]).splitlines()
+    assert lines[2] == "| `tiny_model` | full weights | 4,000,000 | 0.80 ms (1.50 ms) |  | 7000 | 1.020 (0.990) | m |"
+    # 0.4 / 0.8 ms
+    assert lines[3] == "| `tiny_model` | LoRA r=8 | 360,448 | 0.40 ms (0.60 ms) | 0.500 | 7000 | 1.020 (0.990) | m |"
+    assert lines[4].split(" | ")[4] == ""
+
+
+def test_the_digits_table_shows_each_share_of_a_row():
+    row = {"name": "m built", "exact": 0.25, "length": 1.0, "first_digit": 0.9375, "last_digit": 0.3, "agreement": 0.5}
+    assert bench_tables.digits_table([row]).splitlines()[2] == "| m built | 0.250 | 1.000 | 0.938 | 0.300 | 0.500 |"
