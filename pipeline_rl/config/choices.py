@@ -28,6 +28,20 @@ ActorMode = StrEnum("ActorMode", {"async": "async", "sync": "sync"})
 RL, generate one batch with the current policy, wait for the update, repeat."""
 
 
+class LrBySignal(StrEnum):
+    """Which filtered groups make an update's lr smaller (`trainer.optimizer.lr_by_signal`)."""
+
+    off = "off"
+    """The lr as scheduled."""
+    all = "all"
+    """lr x trained / (trained + the samples of every group filtered for zero advantage)."""
+    unsolved = "unsolved"
+    """lr x trained / (trained + the samples of the filtered groups whose reward is below the
+    step's mean): a group every attempt solved is learned, one every attempt failed is a
+    problem the policy is sure of and wrong on; only the latter says the update rests on thin
+    evidence, so a policy that solves most problems keeps its lr."""
+
+
 class LrDecay(StrEnum):
     """The learning rate after warm-up."""
 

@@ -14,6 +14,7 @@ from pipeline_rl.config.choices import (
     LagGateMode,
     LossKind,
     LossNormalize,
+    LrBySignal,
     LrDecay,
     RatioLevel,
 )
@@ -178,13 +179,13 @@ class OptimizerConfig:
     """What the lr does after warm-up."""
     min_lr_ratio: float = bounded(0.1, ge=0, le=1)
     """Where `decay: cosine` ends, as a fraction of lr."""
-    lr_by_signal: bool = False
-    """Scale each update's lr by the share of its samples that carry a signal: trained / (trained
-    + those of the groups filtered for zero advantage that `preprocess.advantage.count_filtered`
-    counts). Adam divides out a gradient's overall scale, so counting the filtered groups in the
+    lr_by_signal: LrBySignal = LrBySignal.off
+    """Scale each update's lr by the share of its samples that carry a signal, against the
+    filtered groups that `preprocess.advantage.count_filtered` counts (the choice's members say
+    which). Adam divides out a gradient's overall scale, so counting the filtered groups in the
     loss's denominators alone leaves an update with few signal-carrying samples (mostly noise)
     as large as one with many; scaling the lr makes each update's size follow its evidence.
-    Without count_filtered the share is 1 and nothing changes. Off: on the model family it
+    Without count_filtered the share is 1 and nothing changes. Off: on the model family `all`
     helped a policy that turned certain before it turned right and slowed one that was learning
     (docs/learning.md)."""
     weight_decay: float = bounded(0.0, ge=0)

@@ -230,14 +230,20 @@ def padding_sequence(with_ref: bool, route_width: int | None = None) -> Sequence
 
 
 def pack_step(
-    sequences: list[Sequence], step: int, ranks: int, seq_length: int, filtered: tuple[int, int] = (0, 0)
+    sequences: list[Sequence],
+    step: int,
+    ranks: int,
+    seq_length: int,
+    filtered: tuple[int, int] = (0, 0),
+    unsolved_samples: int = 0,
 ) -> list[list[MicroBatch]]:
     """The step's micro-batches for each rank: equally many per rank, padded where needed.
 
     Denominators over the whole step (all ranks): step_tokens = loss tokens, step_samples =
     sequences with at least one loss token; `filtered` (tokens, sequences) of the groups
     filtered out that still count in them, carried beside (the trainer adds them after its lag
-    gate, which judges the trained sequences only). With reference logprobs on any sequence, every
+    gate, which judges the trained sequences only), with `unsolved_samples`, those of the
+    filtered sequences whose group's reward is below the step's mean. With reference logprobs on any sequence, every
     sequence must have them (a KL term over part of a step would be wrong)."""
     with_ref = any(s.ref_logprobs is not None for s in sequences)
     if with_ref:
@@ -272,6 +278,7 @@ def pack_step(
         )
     for mb in (mb for batches in out for mb in batches):
         mb.filtered_tokens, mb.filtered_samples = filtered
+        mb.unsolved_samples = unsolved_samples
     return out
 
 

@@ -210,6 +210,9 @@ class StepAssembler:
         self.taken = 0
         self.filtered_tokens = self.filtered_samples = 0
         """What the step's filtered groups add to its loss denominators (count_filtered)."""
+        self.filtered_rewards: list[tuple[float, int]] = []
+        """Each counted filtered group's (reward, samples): which are unsolved is known only
+        once the step's mean reward is."""
         self.counters = Counters()
         self.rewards: list[float] = []
 
@@ -234,10 +237,18 @@ class StepAssembler:
 
     def _count_filtered(self, group: RolloutGroup, advantages: list[list[float]]) -> None:
         seq_length = self.cfg.preprocess.seq_length
-        for rollout, adv in zip(group.rollouts, advantages):
-            tokens = rollout_sequence(rollout, adv, group.group_id, seq_length).loss_tokens
-            self.filtered_tokens += tokens
-            self.filtered_samples += tokens > 0
+        tokens = [
+            rollout_sequence(r, a, group.group_id, seq_length).loss_tokens for r, a in zip(group.rollouts, advantages)
+        ]
+        samples = sum(t > 0 for t in tokens)
+        self.filtered_tokens += sum(tokens)
+        self.filtered_samples += samples
+        self.filtered_rewards.append((sum(r.reward for r in group.rollouts) / len(group.rollouts), samples))
+
+    def unsolved_samples(self) -> int:
+        """The counted filtered samples of groups whose reward is below the step's mean."""
+        mean = sum(self.rewards) / max(1, len(self.rewards))
+        return sum(samples for reward, samples in self.filtered_rewards if reward < mean)
 
     def write_step(self) -> None:
         """Pack and write the full step `next_step` to every rank, then advance."""
@@ -267,6 +278,7 @@ class StepAssembler:
             self.cfg.world.trainers,
             seq_length,
             (self.filtered_tokens, self.filtered_samples),
+            self.unsolved_samples(),
         )
         count = len(per_rank[0])
         for index in range(count):
@@ -289,6 +301,7 @@ class StepAssembler:
                 "preprocess/step_tokens": per_rank[0][0].step_tokens,
                 "preprocess/step_samples": per_rank[0][0].step_samples,
                 "preprocess/filtered_tokens": self.filtered_tokens,
+                "preprocess/unsolved_samples": self.unsolved_samples(),
                 "preprocess/reward_mean": sum(self.rewards) / max(1, len(self.rewards)),
             },
             step=self.next_step,
@@ -299,6 +312,7 @@ class StepAssembler:
         self.pending = []
         self.taken = 0
         self.filtered_tokens = self.filtered_samples = 0
+        self.filtered_rewards = []
         self.next_step += 1
 
 

@@ -103,6 +103,9 @@ class MicroBatch:
     denominators (`preprocess.advantage.count_filtered`), as if trained with advantage 0."""
     filtered_samples: int = 0
     """Their sequences (the sequence-normalisation denominator's share)."""
+    unsolved_samples: int = 0
+    """Of those, the sequences of groups whose reward is below the step's mean reward
+    (`trainer.optimizer.lr_by_signal=unsolved`)."""
     ref_logprobs: list[float] | None = None
     """Reference-model logprobs per token, when a reference scorer ran."""
     prefix_lengths: list[int] | None = None

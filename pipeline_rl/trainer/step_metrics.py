@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline_rl.config.choices import LrBySignal
 from pipeline_rl.streams.records import PAD_GROUP_ID, MicroBatch
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS
 from pipeline_rl.trainer.lag_gate import GateResult
@@ -59,6 +60,8 @@ class GateTotals:
     filtered_tokens: float = 0.0
     """Tokens of the step's filtered groups counted in its denominators (MicroBatch.filtered_tokens)."""
     filtered_samples: float = 0.0
+    unsolved_samples: float = 0.0
+    """Of the filtered samples, those of groups below the step's mean reward (MicroBatch.unsolved_samples)."""
 
     def denominators(self, update: int) -> tuple[float, float]:
         """The token and sequence denominators of `update`'s loss: what it trains, and its equal
@@ -69,11 +72,20 @@ class GateTotals:
             self.update_samples[update] + self.filtered_samples / n,
         )
 
+    def signal_share(self, update: int, against: LrBySignal) -> float:
+        """The share of `update`'s samples that carry a signal, against its equal share of the
+        step's filtered samples that `against` names (trainer.optimizer.lr_by_signal)."""
+        n = len(self.update_samples)
+        trained = self.update_samples[update]
+        other = {LrBySignal.off: 0.0, LrBySignal.all: self.filtered_samples, LrBySignal.unsolved: self.unsolved_samples}
+        return trained / (trained + other[against] / n) if trained else 1.0
+
     @classmethod
     def reduce(
-        cls, gates: list[GateResult], updates: list[slice], ranks: RankReduction, filtered: tuple[float, float]
+        cls, gates: list[GateResult], updates: list[slice], ranks: RankReduction, filtered: tuple[float, float, float]
     ) -> GateTotals:
-        """Sums over the ranks; `filtered` is the step's (tokens, samples), the same on every rank."""
+        """Sums over the ranks; `filtered` is the step's (tokens, samples, unsolved samples), the
+        same on every rank."""
         local = [
             sum(g.dropped_tokens for g in gates),
             sum(g.dropped_samples for g in gates),

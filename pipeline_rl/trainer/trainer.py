@@ -233,10 +233,13 @@ class Trainer:
         updates = update_slices(len(batch), self.cfg.trainer.updates_per_step)
         # Denominators over all ranks: each mini-batch's loss is its own mean (of tokens or of
         # samples), so that it does not matter how its tokens are spread over ranks.
-        gated = GateTotals.reduce(gates, updates, self.ranks, (batch[0].filtered_tokens, batch[0].filtered_samples))
+        first = batch[0]
+        gated = GateTotals.reduce(
+            gates, updates, self.ranks, (first.filtered_tokens, first.filtered_samples, first.unsolved_samples)
+        )
         counts = StepCounts.zeros(self.device)
         optimizer_s = 0.0
-        lr = self.engine.get_lr()[0]
+        lrs: list[float] = []  # each update's lr, as scaled by lr_by_signal
         done = 0  # optimizer updates made (a mini-batch the gate emptied makes none)
         norms: list = []  # each update's gradient norm, read at the step's end with its metrics
         passes = [(epoch, i, u) for epoch in range(self.cfg.trainer.epochs) for i, u in enumerate(updates)]
@@ -267,7 +270,7 @@ class Trainer:
                     counts.consistency += mismatch.to(counts.consistency)
             if trained > 0:
                 t = time.perf_counter()
-                self._scale_lr(gated.update_samples[i] / step_samples if step_samples else 1.0)
+                lrs.append(self._scale_lr(gated.signal_share(i, self.cfg.trainer.optimizer.lr_by_signal)))
                 self.engine.step()  # the lr scheduler's step sets the next update's lr afresh
                 optimizer_s += time.perf_counter() - t
                 norms.append(self.engine.get_global_grad_norm())
@@ -275,19 +278,20 @@ class Trainer:
         routes = self.routing.take_counts() if self.routing is not None else (0, 0)
         totals = StepTotals.reduce(counts, routes, self.ranks)
         values = step_values(totals, gated, self.cfg.trainer.epochs, done)
-        values.update(lr=lr, optimizer_s=optimizer_s)
+        values.update(lr=sum(lrs) / len(lrs) if lrs else self.engine.get_lr()[0], optimizer_s=optimizer_s)
         if done:
             values["grad_norm"] = float(finite_norms(norms, self.version + 1, self.saved_version)[-1])
         return values
 
-    def _scale_lr(self, signal_share: float) -> None:
+    def _scale_lr(self, signal_share: float) -> float:
         """trainer.optimizer.lr_by_signal: this update's lr times the share of its samples that
-        carry a signal (the scheduler's step after the update sets the next lr anew)."""
-        if self.cfg.trainer.optimizer.lr_by_signal and signal_share < 1.0:
-            scheduler = self.engine.lr_scheduler  # the LambdaLR of trainer/model.py's lr_factor
-            assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
-            for group in scheduler.optimizer.param_groups:
-                group["lr"] *= signal_share
+        carry a signal (the scheduler's step after the update sets the next lr anew); returns
+        the lr the update uses."""
+        scheduler = self.engine.lr_scheduler  # the LambdaLR of trainer/model.py's lr_factor
+        assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] *= signal_share
+        return scheduler.optimizer.param_groups[0]["lr"]
 
     def _micro_batch_loss(
         self, mb: MicroBatch, loss_mask: list[int], step_tokens: float, step_samples: float

@@ -280,5 +280,24 @@ def test_a_filtered_groups_tokens_count_in_the_steps_denominators(tmp_path, coun
     tokens = sum(len(r.completion_ids) for g in (filtered, make_group(7)) for r in g.rollouts)
     expected = (tokens, 6) if count_filtered else (0, 0)
     assert {(mb.filtered_tokens, mb.filtered_samples) for mb in batches} == {expected}
+    # Both filtered groups are solved (reward 1, above the step's mean of 7/9): none is unsolved.
+    assert {mb.unsolved_samples for mb in batches} == {0}
     # The trained denominators hold the kept group alone.
     assert {mb.step_tokens for mb in batches} == {sum(len(r.completion_ids) for r in kept.rollouts)}
+
+
+def test_the_filtered_groups_below_the_steps_mean_reward_are_counted_as_unsolved(tmp_path):
+    """trainer.optimizer.lr_by_signal=unsolved: of the filtered groups, those whose reward is
+    below the step's mean reward (here a failed group: 0 against (1 + 3 + 0) / 9) count their
+    samples as unsolved; a solved one (1) does not."""
+    cfg = make_cfg(tmp_path, actors=1, trainers=2)
+    failed = make_group(7)
+    for rollout in failed.rollouts:
+        rollout.reward = 0.0
+    streams = open_streams(cfg)
+    assembler = StepAssembler(cfg, streams, MetricsLogger(cfg, "preprocessor0"), next_step=0)
+    assembler.add([make_group(0), make_group(3), failed])
+    assembler.write_step()
+    streams.close()
+    batches = [mb for rank in read_micro_batches(cfg) for mb in rank]
+    assert {(mb.filtered_samples, mb.unsolved_samples) for mb in batches} == {(6, 3)}

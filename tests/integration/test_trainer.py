@@ -214,13 +214,22 @@ def test_lr_by_signal_scales_an_update_by_the_share_of_its_samples_that_carry_a_
     """trainer.optimizer.lr_by_signal: a step with as many filtered samples as trained ones has
     half the lr, so (AdamW linear in its first step, LINEAR_ADAM) half the update of the same
     step without it, to a rounding (a multiplication by 0.5 is exact); with nothing filtered the
-    share is 1 and the update is the one without it."""
+    share is 1 and the update is the one without it. `unsolved` counts only the filtered samples
+    of groups below the step's mean: half the update when all of them are, the whole one when
+    none is."""
     (step,) = make_steps(tiny_model, steps=1, groups=2, seed=6)
     filtered = (sum(s.loss_tokens for s in step), len(step))
     initial = load_file(tiny_model / "model.safetensors")
     results = {}
-    cases = [("plain", filtered, False), ("scaled", filtered, True), ("unfiltered", (0, 0), False)]
-    for name, counted, by_signal in [*cases, ("unfiltered_by_signal", (0, 0), True)]:
+    cases = [
+        ("plain", filtered, 0, "off"),
+        ("scaled", filtered, 0, "all"),
+        ("unsolved_all", filtered, len(step), "unsolved"),
+        ("unsolved_none", filtered, 0, "unsolved"),
+        ("unfiltered", (0, 0), 0, "off"),
+        ("unfiltered_by_signal", (0, 0), 0, "all"),
+    ]
+    for name, counted, unsolved, by_signal in cases:
         cfg = trainer_config(
             tmp_path / name,
             tiny_model,
@@ -228,12 +237,14 @@ def test_lr_by_signal_scales_an_update_by_the_share_of_its_samples_that_carry_a_
             f"trainer.optimizer.lr_by_signal={by_signal}",
             *LINEAR_ADAM,
         )
-        write_steps(cfg, [step], ranks=1, filtered=counted)
+        write_steps(cfg, [step], ranks=1, filtered=counted, unsolved=unsolved)
         train(cfg)
         results[name] = final_weights(cfg.run_dir, 1)
     half = {k: initial[k] + (results["plain"][k] - initial[k]) / 2 for k in initial}
     assert update_error(results["scaled"], half, initial) < REL_TOL
     assert update_error(results["plain"], half, initial) > 100 * REL_TOL
+    assert update_error(results["unsolved_all"], half, initial) < REL_TOL
+    assert update_error(results["unsolved_none"], results["plain"], initial) < REL_TOL
     assert update_error(results["unfiltered_by_signal"], results["unfiltered"], initial) < REL_TOL
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from fixtures.helpers import free_port
 
+from pipeline_rl.config.choices import LrBySignal
 from pipeline_rl.trainer.inputs import CONSISTENCY_KEYS
 from pipeline_rl.trainer.lag_gate import GateResult
 from pipeline_rl.trainer.loss import STAT_KEYS
@@ -103,3 +104,21 @@ def test_step_values_from_hand_made_totals():
     assert values["updated"] and values["optimizer_updates"] == 2
     assert (values["dropped_samples"], values["dropped_tokens"], values["masked_tokens"]) == (1.0, 5.0, 2.0)
     assert step_values(totals, gated, epochs=1, updates_done=0)["updated"] is False
+
+
+def test_the_signal_share_of_an_update_against_the_filtered_samples_lr_by_signal_names():
+    """Updates of 3, 1 and 0 trained samples, 12 filtered samples of which 3 unsolved: each
+    update is set against its equal third of them (4, or 1 unsolved); an update that trains
+    nothing keeps its lr."""
+    gated = GateTotals(
+        dropped_tokens=0.0,
+        dropped_samples=0.0,
+        masked_tokens=0.0,
+        update_tokens=[6.0, 2.0, 0.0],
+        update_samples=[3.0, 1.0, 0.0],
+        filtered_samples=12.0,
+        unsolved_samples=3.0,
+    )
+    assert [gated.signal_share(u, LrBySignal.off) for u in range(3)] == [1.0, 1.0, 1.0]
+    assert [gated.signal_share(u, LrBySignal.all) for u in range(3)] == [3 / 7, 1 / 5, 1.0]
+    assert [gated.signal_share(u, LrBySignal.unsolved) for u in range(3)] == [3 / 4, 1 / 2, 1.0]
