@@ -17,8 +17,11 @@ against without.
 
 --json PATH also keeps each case's best round there (scripts/bench_tables.py).
 
+With `--codec-routes N,M` it also measures the codec alone on a group of 4 rollouts of 1,000
+tokens with routes of each size and without: bytes, encode and decode CPU time per token.
+
     python scripts/bench_streams.py [--count-1k 20000] [--count-64k 1000] [--rounds 2] [--routes-bytes N]
-        [--json PATH]
+        [--codec-routes N,M] [--json PATH]
 """
 
 from __future__ import annotations
@@ -46,39 +49,38 @@ RAW_BATCH_RECORDS, RAW_BATCH_BYTES = 256, 4 << 20
 RAW_MAXLEN = 100000  # same trimming as the layer's default (streams.redis.maxlen)
 
 
+def group_of(tokens: int, routes: int = 0) -> RolloutGroup:
+    """A RolloutGroup of 4 rollouts of `tokens` completion tokens each, each token carrying
+    `routes` bytes of routes."""
+    rollouts = [
+        Rollout(
+            prompt_ids=list(range(1000, 1000 + 16)),
+            completion_ids=[(97 * i + r) % 32000 for i in range(tokens)],
+            logprobs=[-0.1234567 * ((i % 7) + 1) for i in range(tokens)],
+            versions=[3] * tokens,
+            reward=1.0,
+            finish_reason="stop",
+            routes=base64.b64encode(bytes((7 * i) % 128 for i in range(tokens * routes))).decode() if routes else None,
+        )
+        for r in range(4)
+    ]
+    return RolloutGroup(problem_id="p", group_id="g", rollouts=rollouts)
+
+
 def make_group(target_bytes: int, routes_bytes: int = 0) -> RolloutGroup:
     """A RolloutGroup of 4 rollouts whose encoding is about `target_bytes` long; with
     `routes_bytes`, the same tokens each carry that many bytes of routes besides."""
-
-    def build(tokens: int, routes: int = 0) -> RolloutGroup:
-        rollouts = [
-            Rollout(
-                prompt_ids=list(range(1000, 1000 + 16)),
-                completion_ids=[(97 * i + r) % 32000 for i in range(tokens)],
-                logprobs=[-0.1234567 * ((i % 7) + 1) for i in range(tokens)],
-                versions=[3] * tokens,
-                reward=1.0,
-                finish_reason="stop",
-                routes=base64.b64encode(bytes((7 * i) % 128 for i in range(tokens * routes))).decode()
-                if routes
-                else None,
-            )
-            for r in range(4)
-        ]
-        return RolloutGroup(problem_id="p", group_id="g", rollouts=rollouts)
-
-    per_token = (len(encode(build(200))) - len(encode(build(0)))) / 200
-    return build(max(0, round((target_bytes - len(encode(build(0)))) / per_token)), routes_bytes)
+    per_token = (len(encode(group_of(200))) - len(encode(group_of(0)))) / 200
+    return group_of(max(0, round((target_bytes - len(encode(group_of(0)))) / per_token)), routes_bytes)
 
 
 def group_tokens(record: RolloutGroup) -> int:
     return sum(len(r.completion_ids) for r in record.rollouts)
 
 
-def codec_us(size: int, routes_bytes: int = 0) -> tuple[float, float]:
-    """CPU microseconds to encode and to decode (with type checks) one record, in this process
+def codec_us(record: RolloutGroup) -> tuple[float, float]:
+    """CPU microseconds to encode and to decode (with type checks) `record`, in this process
     (best of 3 runs: other jobs on the machine only ever add time)."""
-    record = make_group(size, routes_bytes)
     payload = encode(record)
     n = max(20, 2_000_000 // len(payload))
     enc = dec = float("inf")
@@ -92,6 +94,22 @@ def codec_us(size: int, routes_bytes: int = 0) -> tuple[float, float]:
         t2 = time.process_time()
         enc, dec = min(enc, (t1 - t0) / n * 1e6), min(dec, (t2 - t1) / n * 1e6)
     return enc, dec
+
+
+def codec_row(routes: int) -> dict:
+    """What routes of `routes` bytes a token cost the codec: a group of 4 rollouts of 1,000
+    tokens, its bytes and CPU time per token."""
+    record = group_of(1000, routes)
+    enc, dec = codec_us(record)
+    tokens = group_tokens(record)
+    return {
+        "name": f"codec, routes {routes} B a token",
+        "kind": "codec",
+        "routes": routes,
+        "bytes_per_token": len(encode(record)) / tokens,
+        "encode_ns_per_token": enc * 1e3 / tokens,
+        "decode_ns_per_token": dec * 1e3 / tokens,
+    }
 
 
 def peak_rss_mb() -> float:
@@ -285,6 +303,12 @@ def main() -> None:
         default=0,
         help="also run both layers with routing replay's routes of this many bytes per token (MoE layers x top_k)",
     )
+    parser.add_argument(
+        "--codec-routes",
+        default="",
+        help="comma-separated routes sizes in bytes a token (MoE layers x top_k): the codec's bytes and CPU time "
+        "a token with each, and with none",
+    )
     parser.add_argument("--json", type=Path, help="also keep each case's best round in this JSON")
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     for name in ("--result", "--run-dir", "--ready", "--key"):
@@ -338,13 +362,25 @@ def main() -> None:
             f"{res['writer_rss']:>10.0f}MB{res['reader_rss']:>10.0f}MB"
         )
     print(f"redis-server peak RSS: {redis_rss:.0f} MB")
+    codec = (
+        [codec_row(routes) for routes in [0, *map(int, filter(None, args.codec_routes.split(",")))]]
+        if args.codec_routes
+        else []
+    )
+    for row in codec:
+        print(
+            f"codec, routes {row['routes']:>4} B a token: {row['bytes_per_token']:.1f} B a token, "
+            f"encode {row['encode_ns_per_token']:.0f} ns, decode {row['decode_ns_per_token']:.0f} ns a token"
+        )
     if args.json:
         from bench_tables import keep, machine
 
         names = {"raw": "raw redis-py", "redis": "Redis layer", "jsonl": "JSONL layer"}
         # The layers encode and decode each record (raw redis-py neither); with routes, a larger one.
-        codec = {
-            (size, kind, routes): dict(zip(("encode_us", "decode_us"), codec_us(size, routes))) if kind != "raw" else {}
+        per_record = {
+            (size, kind, routes): dict(zip(("encode_us", "decode_us"), codec_us(make_group(size, routes))))
+            if kind != "raw"
+            else {}
             for kind, size, _, routes in cases
         }
         keep(
@@ -358,14 +394,15 @@ def main() -> None:
                     "rounds": args.rounds,
                     "machine": machine(),
                     **best[kind, size, routes],
-                    **codec[size, kind, routes],
+                    **per_record[size, kind, routes],
                 }
                 for kind, size, _, routes in cases
-            ],
+            ]
+            + [row | {"machine": machine()} for row in codec],
         )
     for size in (1024, 65536):
         ratio = best["redis", size, 0]["records_s"] / best["raw", size, 0]["records_s"]
-        enc, dec = codec_us(size)
+        enc, dec = codec_us(make_group(size))
         print(
             f"~{size // 1024} KB: redis layer / raw redis-py = {ratio:.2f} (goal >= 0.50); "
             f"jsonl layer {best['jsonl', size, 0]['mb_s']:.0f} MB/s"

@@ -234,8 +234,10 @@ def digits_table(rows: list[dict]) -> str:
 
 
 def streams_table(rows: list[dict]) -> str:
-    """scripts/bench_streams.py's rows: each case's best round, and the layers against raw redis-py."""
-    raw = {r["size"]: r["records_s"] for r in rows if r["kind"] == "raw" and not r["routes"]}
+    """scripts/bench_streams.py's rows without routes: each case's best round, and the layers
+    against raw redis-py."""
+    rows = [r for r in rows if r["kind"] != "codec" and not r["routes"]]
+    raw = {r["size"]: r["records_s"] for r in rows if r["kind"] == "raw"}
 
     def row(r: dict) -> list[str]:
         return [
@@ -253,6 +255,46 @@ def streams_table(rows: list[dict]) -> str:
     header = ["case", "record", "records/s", "MB/s", "of raw redis-py", "CPU a record, writer / reader"]
     header += ["codec a record, encode / decode", "peak RSS, writer / reader", "measured on"]
     return markdown(header, [row(r) for r in rows])
+
+
+def routes_table(rows: list[dict]) -> str:
+    """scripts/bench_streams.py's `--routes-bytes` rows: each layer's tokens/s with routes against
+    the same groups without."""
+    plain = {(r["kind"], r["size"]): r for r in rows if r["kind"] in ("jsonl", "redis") and not r["routes"]}
+
+    def row(r: dict) -> list[str]:
+        base = plain[r["kind"], r["size"]]
+        return [
+            {"jsonl": "JSONL", "redis": "Redis"}[r["kind"]],
+            f"{r['routes']} B",
+            f"{base['tokens_s'] / 1e6:.2f} M tokens/s ({base['mb_s']:.0f} MB/s)",
+            f"{r['tokens_s'] / 1e6:.2f} M tokens/s ({r['mb_s']:.0f} MB/s)",
+            f"{r['tokens_s'] / base['tokens_s']:.2f}",
+            r["machine"],
+        ]
+
+    routed = [r for r in rows if r["kind"] in ("jsonl", "redis") and r["routes"] and (r["kind"], r["size"]) in plain]
+    header = ["layer", "routes a token", "without routes", "with routes", "tokens/s with / without", "measured on"]
+    return markdown(header, [row(r) for r in routed])
+
+
+def codec_table(rows: list[dict]) -> str:
+    """scripts/bench_streams.py's `--codec-routes` rows: the codec's bytes and CPU time a token."""
+    codec = sorted((r for r in rows if r["kind"] == "codec"), key=lambda r: r["routes"])
+    header = ["routes a token", "bytes / token", "encode ns / token", "decode ns / token", "measured on"]
+    return markdown(
+        header,
+        [
+            [
+                f"{r['routes']} B",
+                f"{r['bytes_per_token']:.1f}",
+                f"{r['encode_ns_per_token']:.0f}",
+                f"{r['decode_ns_per_token']:.0f}",
+                r["machine"],
+            ]
+            for r in codec
+        ],
+    )
 
 
 def trainer_table(rows: list[dict]) -> str:
@@ -289,6 +331,8 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
     "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
     "bench_streams": ("docs/bench_streams.json", streams_table, "docs/performance.md"),
     "bench_trainer": ("docs/bench_trainer.json", trainer_table, "docs/performance.md"),
+    "streams_routes": ("docs/bench_streams.json", routes_table, "docs/moe.md"),
+    "streams_codec": ("docs/bench_streams.json", codec_table, "docs/moe.md"),
     "bench_lora": ("docs/bench_lora.json", lora_table, "docs/lora.md"),
     "answer_digits_family": ("docs/answer_digits_family.json", digits_table, "docs/learning.md"),
     "learning_lr_by_signal": (
@@ -297,6 +341,11 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
         "docs/learning.md",
     ),
     "learning_family": ("docs/bench_learning_family.json", learning_table, "docs/learning.md"),
+    "learning_entropy": (
+        "docs/bench_learning_entropy.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
     "learning_count_filtered": (
         "docs/bench_learning_count_filtered.json",
         functools.partial(learning_table, variants=True),

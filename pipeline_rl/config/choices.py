@@ -31,7 +31,7 @@ RL, generate one batch with the current policy, wait for the update, repeat."""
 class LrBySignal(StrEnum):
     """Which filtered groups make an update's lr smaller (`trainer.optimizer.lr_by_signal`)."""
 
-    off = "off"
+    scheduled = "scheduled"
     """The lr as scheduled."""
     all = "all"
     """lr x trained / (trained + the samples of every group filtered for zero advantage)."""

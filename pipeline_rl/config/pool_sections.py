@@ -153,7 +153,9 @@ class LossConfig:
     kl_coef: float = bounded(0.0, ge=0)
     """Weight of the k3 KL estimate to the reference model (needs a reference scorer)."""
     entropy_coef: float = 0.0
-    """Entropy bonus weight."""
+    """Entropy bonus weight: the loss subtracts it times the policy's mean entropy over the
+    trained tokens (with the same denominators as the policy term), which keeps a policy from
+    turning certain where no reward has told it to. `conf=tiny` sets 0.01 (docs/learning.md)."""
     function: str = "pipeline_rl.trainer.loss:policy_loss"
     """The loss as `module:function`, called like `pipeline_rl.trainer.loss.policy_loss(inputs, cfg)` (the
     contract is `pipeline_rl.trainer.loss.LossFn`); the options of this section reach it as `cfg`."""
@@ -179,15 +181,15 @@ class OptimizerConfig:
     """What the lr does after warm-up."""
     min_lr_ratio: float = bounded(0.1, ge=0, le=1)
     """Where `decay: cosine` ends, as a fraction of lr."""
-    lr_by_signal: LrBySignal = LrBySignal.off
+    lr_by_signal: LrBySignal = LrBySignal.scheduled
     """Scale each update's lr by the share of its samples that carry a signal, against the
     filtered groups that `preprocess.advantage.count_filtered` counts (the choice's members say
     which). Adam divides out a gradient's overall scale, so counting the filtered groups in the
     loss's denominators alone leaves an update with few signal-carrying samples (mostly noise)
     as large as one with many; scaling the lr makes each update's size follow its evidence.
-    Without count_filtered the share is 1 and nothing changes. Off: on the model family `all`
-    helped a policy that turned certain before it turned right and slowed one that was learning
-    (docs/learning.md)."""
+    Without count_filtered the share is 1 and nothing changes. `scheduled` by default: on the
+    model family `all` helped a policy that turned certain before it turned right and slowed one
+    that was learning, `unsolved` slowed it less (docs/learning.md)."""
     weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -77,7 +77,11 @@ class GateTotals:
         step's filtered samples that `against` names (trainer.optimizer.lr_by_signal)."""
         n = len(self.update_samples)
         trained = self.update_samples[update]
-        other = {LrBySignal.off: 0.0, LrBySignal.all: self.filtered_samples, LrBySignal.unsolved: self.unsolved_samples}
+        other = {
+            LrBySignal.scheduled: 0.0,
+            LrBySignal.all: self.filtered_samples,
+            LrBySignal.unsolved: self.unsolved_samples,
+        }
         return trained / (trained + other[against] / n) if trained else 1.0
 
     @classmethod

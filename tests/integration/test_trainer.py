@@ -31,6 +31,7 @@ from fixtures.trainer_runs import (
 from safetensors.torch import load_file
 
 from pipeline_rl.core.checkpoint_layout import latest_checkpoint
+from pipeline_rl.core.logprobs import packed_logprobs
 from pipeline_rl.preprocess.packing import pack_step
 from pipeline_rl.streams import open_streams
 from pipeline_rl.trainer.model import leave_out_shm_all_reduce
@@ -222,11 +223,11 @@ def test_lr_by_signal_scales_an_update_by_the_share_of_its_samples_that_carry_a_
     initial = load_file(tiny_model / "model.safetensors")
     results = {}
     cases = [
-        ("plain", filtered, 0, "off"),
+        ("plain", filtered, 0, "scheduled"),
         ("scaled", filtered, 0, "all"),
         ("unsolved_all", filtered, len(step), "unsolved"),
         ("unsolved_none", filtered, 0, "unsolved"),
-        ("unfiltered", (0, 0), 0, "off"),
+        ("unfiltered", (0, 0), 0, "scheduled"),
         ("unfiltered_by_signal", (0, 0), 0, "all"),
     ]
     for name, counted, unsolved, by_signal in cases:
@@ -246,6 +247,38 @@ def test_lr_by_signal_scales_an_update_by_the_share_of_its_samples_that_carry_a_
     assert update_error(results["unsolved_all"], half, initial) < REL_TOL
     assert update_error(results["unsolved_none"], results["plain"], initial) < REL_TOL
     assert update_error(results["unfiltered_by_signal"], results["unfiltered"], initial) < REL_TOL
+
+
+def test_the_entropy_bonus_moves_a_step_without_advantage_towards_higher_entropy(tiny_model, tmp_path):
+    """trainer.loss.entropy_coef on the trainer's path (packed logprobs with the entropy's
+    gradient): a step whose advantages are all 0 leaves the weights exactly as they were without
+    the bonus, and with it raises the policy's mean entropy on the step's completion tokens
+    (a sign, so no tolerance: the update is a small step along the entropy's gradient)."""
+    (step,) = make_steps(tiny_model, steps=1, groups=2, seed=8)
+    for seq in step:
+        seq.advantages = [0.0] * len(seq.advantages)
+    initial = load_file(tiny_model / "model.safetensors")
+
+    def mean_entropy(weights: dict[str, torch.Tensor]) -> float:
+        model, total, tokens = hf_model(tiny_model, weights), 0.0, 0
+        for seq in step:
+            ids = torch.tensor([seq.input_ids])
+            with torch.no_grad():
+                _, entropy = packed_logprobs(model, ids, torch.arange(ids.shape[1])[None], 1.0)
+            total += sum(e for e, m in zip(entropy.tolist(), seq.loss_mask) if m)
+            tokens += sum(seq.loss_mask)
+        return total / tokens
+
+    results = {}
+    for coef in (0.0, 0.01):
+        cfg = trainer_config(
+            tmp_path / f"c{coef}", tiny_model, "shared.max_steps=1", f"trainer.loss.entropy_coef={coef}"
+        )
+        write_steps(cfg, [step], ranks=1)
+        train(cfg)
+        results[coef] = final_weights(cfg.run_dir, 1)
+    assert all(torch.equal(results[0.0][k], initial[k]) for k in initial)
+    assert mean_entropy(results[0.01]) > mean_entropy(initial)
 
 
 def test_cpu_trainers_leave_out_deepspeeds_shm_all_reduce():

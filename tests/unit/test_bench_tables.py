@@ -148,6 +148,10 @@ def test_the_swap_streams_and_trainer_tables_are_made_from_their_rows():
     # Only the layer is set against raw redis-py (15,000 / 20,000), and only it has a codec.
     assert lines[2] == "| raw | 1.0 KB | 20,000 | 10.0 |  | 12 / 20 us | none | 50 / 60 MB | m |"
     assert lines[3] == "| Redis layer | 1.0 KB | 15,000 | 10.0 | 0.75 | 12 / 20 us | 3.0 / 7.0 us | 50 / 60 MB | m |"
+    # Rows with routes, and the codec's, have tables of their own in docs/moe.md.
+    routed = layer | {"name": "Redis layer, routes", "routes": 384}
+    codec = {"name": "codec", "kind": "codec", "routes": 8, "machine": "m"}
+    assert bench_tables.streams_table([raw, layer, routed, codec]).splitlines()[2:] == lines[2:]
     training = {"name": "ZeRO-2", "part": "training", "model": "tiny_model", "goal": 0.9, "machine": "m"}
     training |= {"wall_over_bare": 0.95, "cpu_over_bare": 0.97}
     broadcast = {"name": "tiny model, flat source", "part": "broadcast", "goal": 1.5, "machine": "m", "rounds": 20}
@@ -158,6 +162,21 @@ def test_the_swap_streams_and_trainer_tables_are_made_from_their_rows():
         "| tiny model, flat source: WeightSender / raw gloo (1.0 MiB), best round | 1.50 (median of 20 rounds 1.60); "
         "1.20 / 0.80 ms | none (pays a packing copy) | m |"
     )
+
+
+def test_the_routes_tables_set_a_layer_with_routes_against_the_same_groups_without():
+    case = {"size": 65536, "record_bytes": 65536, "machine": "m", "kind": "jsonl"}
+    plain = case | {"name": "JSONL", "routes": 0, "tokens_s": 8e6, "mb_s": 200.0}
+    routed = case | {"name": "JSONL, routes", "routes": 384, "tokens_s": 1e6, "mb_s": 400.0}
+    raw = case | {"name": "raw", "kind": "raw", "routes": 0, "tokens_s": 0.0, "mb_s": 500.0}
+    lines = bench_tables.routes_table([raw, plain, routed]).splitlines()
+    assert lines[2:] == ["| JSONL | 384 B | 8.00 M tokens/s (200 MB/s) | 1.00 M tokens/s (400 MB/s) | 0.12 | m |"]
+    codec = {"kind": "codec", "machine": "m", "bytes_per_token": 21.64, "encode_ns_per_token": 80.4}
+    rows = [codec | {"routes": 384, "decode_ns_per_token": 639.0}, codec | {"routes": 0, "decode_ns_per_token": 183.0}]
+    assert bench_tables.codec_table([plain, *rows]).splitlines()[2:] == [
+        "| 0 B | 21.6 | 80 | 183 | m |",
+        "| 384 B | 21.6 | 80 | 639 | m |",
+    ]
 
 
 def test_the_lora_table_sets_each_adapter_run_against_the_full_run_of_its_model_and_machine():

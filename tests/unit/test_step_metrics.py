@@ -119,6 +119,6 @@ def test_the_signal_share_of_an_update_against_the_filtered_samples_lr_by_signal
         filtered_samples=12.0,
         unsolved_samples=3.0,
     )
-    assert [gated.signal_share(u, LrBySignal.off) for u in range(3)] == [1.0, 1.0, 1.0]
+    assert [gated.signal_share(u, LrBySignal.scheduled) for u in range(3)] == [1.0, 1.0, 1.0]
     assert [gated.signal_share(u, LrBySignal.all) for u in range(3)] == [3 / 7, 1 / 5, 1.0]
     assert [gated.signal_share(u, LrBySignal.unsolved) for u in range(3)] == [3 / 4, 1 / 2, 1.0]
