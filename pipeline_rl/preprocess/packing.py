@@ -243,8 +243,8 @@ def pack_step(
     sequences with at least one loss token; `filtered` (tokens, sequences) of the groups
     filtered out that still count in them, carried beside (the trainer adds them after its lag
     gate, which judges the trained sequences only), with `unsolved_samples`, those of the
-    filtered sequences whose group's reward is below the step's mean. With reference logprobs on any sequence, every
-    sequence must have them (a KL term over part of a step would be wrong)."""
+    filtered sequences whose group's reward is below the step's mean. With reference logprobs on
+    any sequence, every sequence must have them (a KL term over part of a step would be wrong)."""
     with_ref = any(s.ref_logprobs is not None for s in sequences)
     if with_ref:
         missing = [s.group_id for s in sequences if s.ref_logprobs is None]

@@ -272,13 +272,14 @@ class StepAssembler:
             if self.cfg.shared.share_prompts and all(r.prompt_ids == prompt for r in group.rollouts):
                 seqs = share_prompt(seqs, len(prompt), seq_length)
             sequences += seqs
+        unsolved = self.unsolved_samples()
         per_rank = pack_step(
             sequences,
             self.next_step,
             self.cfg.world.trainers,
             seq_length,
             (self.filtered_tokens, self.filtered_samples),
-            self.unsolved_samples(),
+            unsolved,
         )
         count = len(per_rank[0])
         for index in range(count):
@@ -301,7 +302,7 @@ class StepAssembler:
                 "preprocess/step_tokens": per_rank[0][0].step_tokens,
                 "preprocess/step_samples": per_rank[0][0].step_samples,
                 "preprocess/filtered_tokens": self.filtered_tokens,
-                "preprocess/unsolved_samples": self.unsolved_samples(),
+                "preprocess/unsolved_samples": unsolved,
                 "preprocess/reward_mean": sum(self.rewards) / max(1, len(self.rewards)),
             },
             step=self.next_step,
