@@ -28,6 +28,11 @@ class Topic(StrEnum):
     LOST = "lost"
     """Groups an actor wrote that no step will take (scorer failure, undecodable record);
     partition i is read by actor i, whose admission budget gives them back."""
+    STEP_REQUESTS = "step_requests"
+    """Step guidance: partial rollouts to score at a step boundary; partition i is written by
+    actor i and read by the preprocessor that reads actor i's groups."""
+    STEP_VERDICTS = "step_verdicts"
+    """Step guidance: the scores of those steps; partition i is read by actor i."""
     ACTOR_COUNT = "actor_count"
     """The number of actors a running job was scaled to, from the launcher (its last record
     written since the launch holds; before any, world.actors): read by every pool."""
@@ -53,6 +58,8 @@ class Kind(StrEnum):
     DEAD_LETTER = "dead_letter"
     GROUPS_LOST = "groups_lost"
     ACTOR_COUNT = "actor_count"
+    STEP_REQUEST = "step_request"
+    STEP_VERDICT = "step_verdict"
 
 
 POOL_MODULES = {

@@ -318,6 +318,14 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         ),
         "groups_written": sum(v.get("groups_written_total", 0) for p, v in latest.items() if p.startswith("actor")),
         **{k: sum(r["values"].get(k, 0) for r in steps) for k in ("masked_tokens", "trained_tokens", "samples")},
+        # Tokens the engines generated (held-out evaluation included), and with step guidance
+        # the attempts cut, the tokens generated past a cut step, and the step scorer's CPU.
+        "tokens_generated": sum(v.get("tokens_generated_total", 0) for p, v in latest.items() if p.startswith("actor")),
+        **{
+            key: sum(v.get(f"step_guidance/{key}_total", 0) for v in latest.values())
+            for key in ("cuts", "tokens_cut", "scorer_s")
+        },
+        "cpu_s": sum(v.get("cpu_s", 0) for v in latest.values()),
     }
 
 
@@ -428,6 +436,16 @@ def report(results: list[dict], out: Path, conf: str) -> None:
                 f"trained tokens {r['trained_tokens']:.0f}"
             )
             print(f"        groups without advantage {r['groups_filtered']:.0f} of {r['groups_written']:.0f} written")
+            if r.get("trained_tokens") and r.get("tokens_generated"):
+                print(
+                    f"        generated tokens per trained token {r['tokens_generated'] / r['trained_tokens']:.2f} "
+                    f"(evaluation included)"
+                )
+            if r.get("scorer_s"):
+                print(
+                    f"        step guidance: {r['cuts']:.0f} attempts cut, {r['tokens_cut']:.0f} tokens generated past "
+                    f"a cut step; step scorer {r['scorer_s']:.0f} s of CPU, {r['scorer_s'] / r['cpu_s']:.1%} of the run's"
+                )
         if r.get("tool_calls"):
             calls = [v for _, v in r["tool_calls"]]
             third = max(1, len(calls) // 3)

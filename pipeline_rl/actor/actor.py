@@ -69,11 +69,12 @@ from pipeline_rl.actor.in_flight_keeper import GroupRun, InFlightKeeper
 from pipeline_rl.actor.partition import Partition
 from pipeline_rl.actor.problems import ProblemOrder
 from pipeline_rl.actor.resume import SavedCounts, resume
+from pipeline_rl.actor.step_guide import StepGuide
 from pipeline_rl.actor.swap_metrics import SwapMetrics
 from pipeline_rl.actor.totals import Totals
 from pipeline_rl.actor.window import Window
 from pipeline_rl.collectives import prepare_collectives
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import RunConfig, StepGuidanceMode
 from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
@@ -173,6 +174,9 @@ class Actor:
         self.window = Window()
         self.agent_stats = AgentStats()
         self.swap_metrics = SwapMetrics(self.llm)
+        self.guide = None
+        if cfg.step_guidance.mode != StepGuidanceMode.none:
+            self.guide = StepGuide(cfg, self.llm, self.streams, index, self.actor_count.largest)
         self._saved_at = 0.0
         self.drained = False
         """Whether the actor ended because the job was scaled below it."""
@@ -226,6 +230,8 @@ class Actor:
                 for task in done:
                     self._finish(task, tasks.pop(task))
                 self._take_lost()
+                if self.guide is not None and self.guide.due():
+                    await self.guide.poll(list(tasks.values()))
                 now = time.monotonic()
                 if now >= next_eval and (eval_task is None or eval_task.done()):
                     eval_task = asyncio.create_task(
@@ -363,6 +369,7 @@ class Actor:
             **self.totals.values(),
             "groups_started_total": self.admission.started,
             "groups_in_flight": in_flight,
+            "tokens_generated_total": self.llm.tokens_generated,
             "waiting_on": self._waiting_on(in_flight),
             **self.swap_metrics.values(),
             # Groups in flight at a stop continued here, their tokens not generated again; and
@@ -371,6 +378,7 @@ class Actor:
             "tokens_continued_total": self.keeper.tokens_continued_total,
             "groups_handed_over_total": self.keeper.handed_over_total,
             **self.agent_stats.take(),  # turns, tool calls and errors of agent episodes
+            **(self.guide.values() if self.guide is not None else {}),
         }
         self.metrics.log({k: v for k, v in values.items() if v is not None}, step=self.llm.version)
         self.window = Window()

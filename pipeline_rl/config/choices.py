@@ -28,6 +28,18 @@ ActorMode = StrEnum("ActorMode", {"async": "async", "sync": "sync"})
 RL, generate one batch with the current policy, wait for the update, repeat."""
 
 
+class StepGuidanceMode(StrEnum):
+    """What the actors do with the scores of their attempts' steps (`step_guidance.mode`)."""
+
+    none = "none"
+    """Nothing is scored while attempts are generated."""
+    cut = "cut"
+    """An attempt whose step scores below `step_guidance.cut_below` stops at that step; its tokens
+    up to the step stay in its group and are trained with the domain's reward of the partial
+    completion (a failure on the built-in tasks), so the tokens the scorer judged wrong are
+    pushed down and leaving them out does not raise the group's baseline."""
+
+
 class LrBySignal(StrEnum):
     """Which filtered groups make an update's lr smaller (`trainer.optimizer.lr_by_signal`)."""
 

@@ -14,10 +14,11 @@ from pipeline_rl.config.bounds import bounded
 from pipeline_rl.config.choices import (
     DType,
     LogprobKernel,
+    StepGuidanceMode,
     StreamsBackend,
     WandbMode,
 )
-from pipeline_rl.config.pool_sections import CACHE, ActorConfig, PreprocessConfig, TrainerConfig
+from pipeline_rl.config.pool_sections import CACHE, ActorConfig, PreprocessConfig, ScorerConfig, TrainerConfig
 
 
 @dataclass
@@ -203,6 +204,22 @@ class WorldConfig:
 
 
 @dataclass
+class StepGuidanceConfig:
+    mode: StepGuidanceMode = StepGuidanceMode.none
+    """none, or cut (config/choices.py StepGuidanceMode): each attempt is scored at every step
+    boundary while it is generated (pipeline_rl/actor/step_guide.py), by `scorer` in the
+    preprocessor pool, and stopped at a step scored below `cut_below`."""
+    separator: str = "\n"
+    """What ends a step, as text; matched in the policy's token ids (the ids its tokenizer gives
+    the separator), as the process reward scorer cuts steps."""
+    cut_below: float = bounded(0.5, ge=0, le=1)
+    """A step scored below this stops its attempt (mode cut)."""
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    """The step scorer: `module:Class`, built as `Class(cfg, **kwargs)` by each preprocessor
+    (pipeline_rl/scorers/step_scorer.py)."""
+
+
+@dataclass
 class MetricsConfig:
     tensorboard: bool = True
     """Also write TensorBoard event files under RUN_DIR/tensorboard."""
@@ -247,5 +264,7 @@ class RunConfig:
     """Preprocessor pool."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Trainer pool."""
+    step_guidance: StepGuidanceConfig = field(default_factory=StepGuidanceConfig)
+    """Attempts scored step by step while they are generated (actors and preprocessors)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Metrics sinks and plots."""

@@ -8,7 +8,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, get_args, get_type_hints
 
 from pipeline_rl.config.bounds import BOUNDS, Bounds
-from pipeline_rl.config.choices import Attention
+from pipeline_rl.config.choices import Attention, StepGuidanceMode
 from pipeline_rl.config.resolve import on_ray
 from pipeline_rl.config.schema import RunConfig
 
@@ -80,6 +80,16 @@ def validate(cfg: RunConfig) -> None:
             "pass, which CUDA graphs skip when they replay: set 'actor.llm.enforce_eager' true "
             "(or 'shared.routing_replay' false) on GPUs"
         )
+    if cfg.step_guidance.mode != StepGuidanceMode.none:
+        if ":" not in cfg.step_guidance.scorer.cls:
+            raise ConfigError(
+                f"bad value for 'step_guidance.scorer.cls': {cfg.step_guidance.scorer.cls!r}, expected module:Class "
+                "(a step scorer, needed by 'step_guidance.mode' cut)"
+            )
+        if cfg.shared.routing_replay:
+            raise ConfigError(
+                "'step_guidance.mode' cut cannot run with 'shared.routing_replay': a cut attempt has no routes"
+            )
     if cfg.model.lora is not None and not cfg.model.lora.target_modules:
         raise ConfigError("bad value for 'model.lora.target_modules': empty, name at least one linear layer")
     _validate_redis(cfg)

@@ -27,12 +27,14 @@ task is about.
 from __future__ import annotations
 
 import random
+import re
 import string
 import time
 from pathlib import Path
 
 import torch
 
+from pipeline_rl.config import RunConfig
 from pipeline_rl.demo.tiny_model import (
     Batcher,
     make_model,
@@ -44,6 +46,9 @@ from pipeline_rl.demo.tiny_model import (
     write_split,
 )
 from pipeline_rl.rollouts.domains.multistep import score
+from pipeline_rl.scorers.hf import load_tokenizer
+from pipeline_rl.scorers.step_scorer import StepScorer
+from pipeline_rl.streams.records import StepRequest
 
 NAME = "long_chain_policy"
 DATA = "long_chain"
@@ -75,6 +80,37 @@ def chain(a: int, b: int, steps: int) -> tuple[str, str, int]:
         lines.append(f"{letter}{x}+{y}={(x + y) % 10}")
         x, y = y, (x + y) % 10
     return f"Q: {a}+{b} to {LETTERS[steps - 1]}=", "\n".join(lines), y
+
+
+PROMPT = re.compile(r"Q: (\d)\+(\d) to ([a-z])=")
+
+
+class StepChecker(StepScorer):
+    """A rule-based step scorer for this task (step guidance, `conf=tiny_long_cut`): 1.0 while
+    every completed line of the attempt is the worked solution's line, else 0.0. Exact, so it
+    shows what cutting can gain when the step scores are right; a learned process reward model
+    is judged against it. Reads the prompt and completion with the policy's tokenizer."""
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+
+    def score_steps(self, requests: list[StepRequest]) -> list[float]:
+        def text(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        return [self.check(text(r.prompt_ids), text(r.completion_ids)) for r in requests]
+
+    @staticmethod
+    def check(prompt: str, completion: str) -> float:
+        """1.0 when every line of `completion` that a newline ends is the solution's line."""
+        found = PROMPT.search(prompt)
+        if found is None or found.group(3) not in LETTERS:
+            return 0.0
+        a, b, last = int(found.group(1)), int(found.group(2)), found.group(3)
+        solution = chain(a, b, LETTERS.index(last) + 1)[1].split("\n")
+        lines = completion.split("\n")[:-1]
+        return 1.0 if len(lines) <= len(solution) and lines == solution[: len(lines)] else 0.0
 
 
 def make_problems(seed: int = 0) -> tuple[list[dict], list[dict]]:

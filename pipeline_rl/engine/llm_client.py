@@ -44,7 +44,7 @@ from pipeline_rl.config import RunConfig
 from pipeline_rl.engine.adapter_slot import POLICY_LORA_ID, lora_request
 from pipeline_rl.engine.engine_config import engine_args, set_engine_environment
 from pipeline_rl.engine.routes import RouteRecorder
-from pipeline_rl.engine.sequences import CallGroup, Completion, SequenceRequest, parts_so_far, post
+from pipeline_rl.engine.sequences import CallGroup, Completion, SequenceRequest, part_of, parts_so_far, post
 from pipeline_rl.engine.tp_swap import TensorParallelSwapHook
 from pipeline_rl.engine.vllm_hook import Receiver, SwapGate, WeightSwapHook, check_vllm_version
 from pipeline_rl.engine.weight_updates import WeightUpdates
@@ -89,6 +89,11 @@ class LLMClient:
         self._incoming: list[tuple[str, list[int], Any, SequenceRequest]] = []
         self._aborts: list[str] = []
         self._snapshots: list[tuple[list[CallGroup], bool, CallGroup]] = []
+        self._cuts: list[tuple[CallGroup, int, int]] = []
+        self.cuts_missed = 0
+        """Cuts of sequences that had finished (or been cut) by the time the engine came to them."""
+        self.tokens_cut = 0
+        """Tokens generated past the end a cut kept (thrown away)."""
         self._held = False
         """Set by a holding snapshot: the engine takes no more steps."""
         self._cv = threading.Condition()
@@ -247,6 +252,7 @@ class LLMClient:
                         self._incoming
                         or self._aborts
                         or self._snapshots
+                        or self._cuts
                         or (self._requests and not self._held)
                         or self._closed.is_set()
                     ):
@@ -256,6 +262,7 @@ class LLMClient:
                     incoming, self._incoming = self._incoming, []
                     aborts, self._aborts = self._aborts, []
                     snapshots, self._snapshots = self._snapshots, []
+                    cuts, self._cuts = self._cuts, []
                     if incoming:
                         self._held = False  # a new call after a holding snapshot: serving again
                 for rid, prompt_ids, params, request in incoming:
@@ -280,6 +287,8 @@ class LLMClient:
                             self.routes.forget(request.engine_id)
                 if aborts:
                     self.engine.abort_request(aborts)
+                for group, index, keep in cuts:
+                    self._cut(group, index, keep)
                 for groups, hold, done in snapshots:
                     self._held = self._held or hold
                     post(done, [parts_so_far(g, self.engine.output_processor.request_states) for g in groups])
@@ -325,6 +334,37 @@ class LLMClient:
             self._snapshots.append((list(groups), hold, done))
             self._cv.notify()
         return await done.future
+
+    def cut(self, group: CallGroup, index: int, keep: int) -> None:
+        """End sequence `index` of a generate call (`group`, its handle) with its first `keep`
+        tokens and finish_reason "cut" (step guidance: a step scored too low); what it generated
+        after them is thrown away. A sequence that has finished by then is left as it is
+        (`cuts_missed`)."""
+        with self._cv:
+            self._cuts.append((group, index, keep))
+            self._cv.notify()
+
+    def _cut(self, group: CallGroup, index: int, keep: int) -> None:
+        request = next((r for r in group.requests if r.index == index), None)
+        if request is None:
+            self.cuts_missed += 1
+            return
+        part = part_of(request, self.engine.output_processor.request_states)
+        rid = next(rid for rid, r in self._requests.items() if r is request)
+        del self._requests[rid]
+        group.requests.remove(request)
+        if self.routes is not None:
+            self.routes.forget(request.engine_id)
+        self.engine.abort_request([rid])
+        generated = len(part.token_ids) - (len(request.prefix.token_ids) if request.prefix else 0)
+        self.tokens_generated += generated
+        self.tokens_cut += max(0, len(part.token_ids) - keep)
+        ids = part.token_ids[:keep]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        group.completions[index] = Completion(ids, part.logprobs[:keep], part.versions[:keep], "cut", text)
+        group.remaining -= 1
+        if group.remaining == 0:
+            post(group, group.completions)
 
     def _mark_new_version(self, version: int) -> None:
         for request in self._requests.values():
@@ -399,6 +439,7 @@ class LLMClient:
             "step_p50_s": step50,
             "step_p99_s": step99,
             "running_requests": len(self._requests),
+            "tokens_cut": self.tokens_cut,
         }
 
     def close(self) -> None:

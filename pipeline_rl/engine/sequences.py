@@ -3,7 +3,7 @@ generates it (with the versions its tokens came from), and the group of one `gen
 
 The engine thread owns SequenceRequests and CallGroups; the event loop sees only a call's future,
 resolved with `post`. `parts_so_far` reads, between two engine steps, how far each sequence of a
-call has got, for `LLMClient.snapshot`.
+call has got, for `LLMClient.snapshot` (and `part_of` one sequence, for `LLMClient.cut`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ class Completion:
     versions: list[int]
     """Policy version of the forward pass that produced each token."""
     finish_reason: str
-    """stop, length, or abort ("" for a part of an unfinished sequence)."""
+    """stop, length, abort, or cut (step guidance stopped it); "" for a part of an unfinished
+    sequence."""
     text: str
     routes: np.ndarray | None = None
     """With routing replay: the experts each token was routed to, uint8 (tokens, MoE layers,
@@ -88,21 +89,26 @@ def post(group: CallGroup, result: Any = None, error: BaseException | None = Non
         pass
 
 
+def part_of(request: SequenceRequest, request_states: dict[str, Any]) -> Completion:
+    """A sequence still in the engine as far as it has got, from vLLM's output processor's
+    `request_states` (read between two steps): finish_reason "", text ""."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    state = request_states.get(request.engine_id)
+    if state is not None and state.detokenizer is not None:
+        token_ids = list(state.detokenizer.output_token_ids)
+        # FlatLogprobs (flat_logprobs=True): one sampled logprob per position.
+        flat: Any = state.logprobs_processor.logprobs if state.logprobs_processor is not None else None
+        logprobs = list(flat.logprobs[: len(token_ids)]) if flat is not None else []
+        token_ids = token_ids[: len(logprobs)]
+    return request.completion(token_ids, logprobs, "", "")
+
+
 def parts_so_far(group: CallGroup, request_states: dict[str, Any]) -> list[Completion | None]:
-    """A call's sequences as far as they have got, from vLLM's output processor's
-    `request_states` (read between two steps): per sequence, the finished completion, its part
-    so far (finish_reason "", text ""), or None before its first token."""
+    """A call's sequences as far as they have got (`part_of`): per sequence, the finished
+    completion, its part so far, or None before its first token."""
     parts: list[Completion | None] = list(group.completions)
     for request in group.requests:
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        state = request_states.get(request.engine_id)
-        if state is not None and state.detokenizer is not None:
-            token_ids = list(state.detokenizer.output_token_ids)
-            # FlatLogprobs (flat_logprobs=True): one sampled logprob per position.
-            flat: Any = state.logprobs_processor.logprobs if state.logprobs_processor is not None else None
-            logprobs = list(flat.logprobs[: len(token_ids)]) if flat is not None else []
-            token_ids = token_ids[: len(logprobs)]
-        part = request.completion(token_ids, logprobs, "", "")
+        part = part_of(request, request_states)
         parts[request.index] = part if part.token_ids else None
     return parts

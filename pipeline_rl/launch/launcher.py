@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import cast
 
-from pipeline_rl.config import ConfigError, RunConfig, load_config, on_ray, parse_overrides
+from pipeline_rl.config import ConfigError, RunConfig, StepGuidanceMode, load_config, on_ray, parse_overrides
 from pipeline_rl.config.model_fit import check_model_fit
 from pipeline_rl.config.validate import RAY_WORKER_PORTS, run_ports
 from pipeline_rl.core.process import exit_process
@@ -31,7 +31,7 @@ from pipeline_rl.launch.run_loop import Failure, RunLoop, run
 from pipeline_rl.launch.scaling import request_actors
 from pipeline_rl.launch.supervisor import Supervisor, describe_exit, last_lines
 from pipeline_rl.rollouts.domains import load_domain
-from pipeline_rl.scorers import check_scorers
+from pipeline_rl.scorers import check_scorers, step_scorer_class
 from pipeline_rl.trainer.loss import load_loss
 from pipeline_rl.wire import LAUNCHED_AT_ENV, POOL_MODULES, RUN_NONCE_ENV, ExitCode
 
@@ -132,13 +132,16 @@ class Launcher(RunLoop):
 
 
 def check_plugins(cfg: RunConfig) -> None:
-    """Import the domain, the scorers and the loss that the config names and read their own
-    settings (a domain's settings check what they name, e.g. an agent environment), so that a bad
-    one fails here, at launch, rather than in a pool minutes later (raises ConfigError)."""
+    """Import the domain, the scorers (and the step scorer) and the loss that the config names and
+    read their own settings (a domain's settings check what they name, e.g. an agent environment),
+    so that a bad one fails here, at launch, rather than in a pool minutes later (raises
+    ConfigError)."""
     check_scorers(cfg)
     check_model_fit(cfg)
     load_loss(cfg.trainer.loss)
     load_domain(cfg.actor)
+    if cfg.step_guidance.mode != StepGuidanceMode.none:
+        step_scorer_class(cfg)
 
 
 def main(argv: list[str]) -> int:

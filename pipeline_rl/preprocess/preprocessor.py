@@ -28,6 +28,9 @@ assembling that step it drops the partial copy. Preprocessors 1..n-1 save their 
 position after each batch is written to Topic.SCORED: a crash between the two re-scores
 and re-sends that one batch (at-least-once).
 
+Step guidance (`step_guidance.mode: cut`): each preprocessor also scores the steps of the
+attempts its actors are generating, on a thread of its own (pipeline_rl/preprocess/step_service.py).
+
 After `shared.max_steps` steps preprocessor 0 stops reading and waits to be stopped
 (the launcher treats a pool process that exits on its own as a failure).
 """
@@ -39,12 +42,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import RunConfig, StepGuidanceMode
 from pipeline_rl.core.actor_count import ActorCountWatch
 from pipeline_rl.core.process import run_pool_process
 from pipeline_rl.metrics import MetricsLogger
 from pipeline_rl.preprocess.advantages import all_zero, group_advantages
 from pipeline_rl.preprocess.packing import is_padding, pack_step, rollout_sequence, share_prompt
+from pipeline_rl.preprocess.step_service import StepService
 from pipeline_rl.scorers import Scorer, load_scorers
 from pipeline_rl.streams import Entry, PositionStore, Reader, Streams, open_streams, partitions_for
 from pipeline_rl.streams.records import DeadLetter, GroupsLost, RolloutGroup, encode
@@ -317,7 +321,9 @@ class StepAssembler:
         self.next_step += 1
 
 
-def _log_scoring(metrics: MetricsLogger, counters: Counters, reader_dead: int, step: int | None) -> None:
+def _log_scoring(
+    metrics: MetricsLogger, counters: Counters, reader_dead: int, step: int | None, step_guidance: dict[str, float]
+) -> None:
     c = counters.now
     metrics.log(
         {
@@ -336,6 +342,7 @@ def _log_scoring(metrics: MetricsLogger, counters: Counters, reader_dead: int, s
             "preprocess/actor_dead_letters_total": reader_dead,
             "preprocess/groups_lost_scorer_total": counters.totals.get("groups_lost_scorer", 0),
             "preprocess/groups_lost_decode_total": counters.totals.get("groups_lost_decode", 0),
+            **step_guidance,
         },
         step=step,
     )
@@ -358,9 +365,21 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
     lost = LostGroups(streams, cfg.world.actors, counters)
     scoring = ScoringStage(scorers, streams, counters, lost)
     partitions = ActorPartitions(streams, cfg, index, saved.get("actor"), lost)
+    service = None
+    if cfg.step_guidance.mode != StepGuidanceMode.none:
+        service = StepService(cfg, streams, index, partitions.actors).start()
+
+    def stopping() -> bool:
+        if service is not None:
+            service.check()
+        return stop()
+
+    def log_scoring(reader_dead: int, step: int | None) -> None:
+        _log_scoring(metrics, counters, reader_dead, step, service.values() if service is not None else {})
+
     try:
         if index > 0:
-            _run_scoring_only(cfg, index, partitions, scoring, streams, store, metrics, counters, stop)
+            _run_scoring_only(cfg, index, partitions, scoring, streams, store, counters, stopping, log_scoring)
             return 0
         scored = None
         if n > 1:
@@ -368,7 +387,7 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
         assembler = StepAssembler(cfg, streams, metrics, int(saved.get("next_step", 0)))
         actor = partitions.reader
         sources = [s for s in (actor, scored) if s is not None]
-        while not stop():
+        while not stopping():
             if assembler.next_step >= cfg.shared.max_steps:
                 time.sleep(IDLE_S)
                 continue
@@ -397,9 +416,11 @@ def run(cfg: RunConfig, index: int, stop: Callable[[], bool] | None = None) -> i
                     for topic, source in ((Topic.ACTOR, actor), (Topic.SCORED, scored)):
                         if source is not None:
                             streams.trim_below(topic, source.position())
-                    _log_scoring(metrics, counters, actor.dead_letters if actor else 0, assembler.next_step - 1)
+                    log_scoring(actor.dead_letters if actor else 0, assembler.next_step - 1)
         return assembler.next_step
     finally:
+        if service is not None:
+            service.close()
         for scorer in scorers:
             scorer.close()
         metrics.close()
@@ -413,9 +434,9 @@ def _run_scoring_only(
     scoring: ScoringStage,
     streams: Streams,
     store: PositionStore,
-    metrics: MetricsLogger,
     counters: Counters,
     stop: Callable[[], bool],
+    log_scoring: Callable[[int, int | None], None],
 ) -> None:
     """Preprocessors 1..n-1: score batches and hand them to preprocessor 0."""
     if partitions.reader is None:
@@ -435,7 +456,7 @@ def _run_scoring_only(
         out.flush()
         store.save({"actor": actor.position()})
         streams.trim_below(Topic.ACTOR, actor.position())
-        _log_scoring(metrics, counters, actor.dead_letters, None)
+        log_scoring(actor.dead_letters, None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,9 +50,8 @@ class Outcome(StrEnum):
     last = "last"
 
 
-def step_ends(completion_ids: list[int], separator: list[int]) -> list[int]:
-    """Index of the last token of each step: the end of each separator occurrence, and the
-    completion's last token unless a separator ends it."""
+def separator_ends(completion_ids: list[int], separator: list[int]) -> list[int]:
+    """Index of the last token of each occurrence of `separator`: the steps completed so far."""
     ends, n, t = [], len(separator), 0
     while n and t + n <= len(completion_ids):
         if completion_ids[t : t + n] == separator:
@@ -60,6 +59,13 @@ def step_ends(completion_ids: list[int], separator: list[int]) -> list[int]:
             t += n
         else:
             t += 1
+    return ends
+
+
+def step_ends(completion_ids: list[int], separator: list[int]) -> list[int]:
+    """Index of the last token of each step: the end of each separator occurrence, and the
+    completion's last token unless a separator ends it."""
+    ends = separator_ends(completion_ids, separator)
     if completion_ids and (not ends or ends[-1] != len(completion_ids) - 1):
         ends.append(len(completion_ids) - 1)
     return ends

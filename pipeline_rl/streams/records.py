@@ -190,9 +190,52 @@ class ActorCount:
     kind: str = Kind.ACTOR_COUNT
 
 
+@dataclass
+class StepRequest:
+    """Step guidance (pipeline_rl/actor/step_guide.py): one attempt's completion up to the end of
+    one of its steps, to be scored while the attempt goes on."""
+
+    key: str
+    """The attempt: "GROUP_ID/CALL/INDEX" (its group, the generate call within the rollout, the
+    sequence within the call)."""
+    actor: int
+    step: int
+    """Which step of the attempt (0 is the first) ends at the last of `completion_ids`."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sent_at: float
+    """When the actor wrote it (time.time()): verdicts report their age."""
+    kind: str = Kind.STEP_REQUEST
+
+
+@dataclass
+class StepVerdict:
+    """A step scorer's score of one StepRequest, back to its actor."""
+
+    key: str
+    step: int
+    end: int
+    """Completion tokens up to and including the step's last one."""
+    score: float
+    """In [0, 1]: how likely the attempt is still right after this step."""
+    sent_at: float
+    """The request's `sent_at`."""
+    kind: str = Kind.STEP_VERDICT
+
+
 RECORD_TYPES = {
     t.__dataclass_fields__["kind"].default: t
-    for t in (RolloutGroup, MicroBatch, WeightUpdate, Metrics, DeadLetter, GroupsLost, ActorCount)
+    for t in (
+        RolloutGroup,
+        MicroBatch,
+        WeightUpdate,
+        Metrics,
+        DeadLetter,
+        GroupsLost,
+        ActorCount,
+        StepRequest,
+        StepVerdict,
+    )
 }
 
 # Token-level fields whose length must equal the owner's reference field.

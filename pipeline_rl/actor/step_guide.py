@@ -1,0 +1,124 @@
+"""Step guidance (`step_guidance.mode: cut`): an actor's attempts scored at each step boundary
+while they are generated, and stopped at a step scored below `step_guidance.cut_below`.
+
+Every POLL_S the guide takes a snapshot of its groups' generate calls (`LLMClient.snapshot`,
+between two engine steps, without holding the engine), finds the steps each sequence has
+completed since the last look (a step ends with the separator's token ids), and writes one
+StepRequest per new step to partition `actor` of Topic.STEP_REQUESTS. A preprocessor scores it
+(pipeline_rl/preprocess/step_service.py) and writes a StepVerdict to partition `actor` of
+Topic.STEP_VERDICTS. A verdict below the threshold cuts its sequence (`LLMClient.cut`) after the
+scored step's last token: the sequence returns with finish_reason "cut", and the tokens the
+engine generated past that step while the verdict was on its way are thrown away and counted.
+Scoring does not hold generation up: an attempt goes on until its verdict says otherwise.
+
+A verdict for an attempt that has ended (finished, cut at an earlier step, or its group
+written) is ignored and counted as late, as is one for a group of an earlier incarnation of the
+actor. Evaluation is not guided: it measures the policy itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline_rl.actor.in_flight_keeper import GroupRun
+from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.scorers.process_reward import separator_ends
+from pipeline_rl.streams import Streams
+from pipeline_rl.streams.records import StepRequest, StepVerdict
+from pipeline_rl.wire import Topic
+
+POLL_S = 0.05
+"""How often the guide looks for completed steps and verdicts (a tiny model's decode step is a
+few ms; a large model's tens)."""
+
+
+@dataclass
+class Attempt:
+    """One sequence of a generate call that the guide watches."""
+
+    call: Any
+    """The call's handle (engine/sequences.py CallGroup), for `LLMClient.cut`."""
+    index: int
+    prompt_ids: list[int]
+    sent: int = 0
+    """Steps requested so far."""
+    ended: bool = False
+
+
+class StepGuide:
+    def __init__(self, cfg: RunConfig, llm: Any, streams: Streams, actor: int, actors: int):
+        guidance = cfg.step_guidance
+        self.separator: list[int] = llm.tokenizer.encode(guidance.separator, add_special_tokens=False)
+        if not self.separator:
+            raise ConfigError(f"'step_guidance.separator' {guidance.separator!r} encodes to no token of the policy")
+        self.llm, self.actor, self.cut_below = llm, actor, guidance.cut_below
+        self.requests = streams.writer(Topic.STEP_REQUESTS, partitions=actors)
+        self.verdicts = streams.reader(Topic.STEP_VERDICTS, StepVerdict, partitions=(actor,))
+        self.attempts: dict[str, Attempt] = {}
+        self.next_poll = 0.0
+        self.steps_sent = self.verdicts_taken = self.cuts = self.late_verdicts = 0
+        self.verdict_age_s: list[float] = []
+        """Request-to-verdict time of each verdict taken since the last metrics record."""
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_poll
+
+    async def poll(self, runs: Sequence[GroupRun]) -> None:
+        """Request the steps completed since the last poll; act on the verdicts that came."""
+        self.next_poll = time.monotonic() + POLL_S
+        await self._request(runs)
+        for entry in self.verdicts.read(timeout=0):
+            self._take(entry.record)
+
+    async def _request(self, runs: Sequence[GroupRun]) -> None:
+        calls = [(run, k, h) for run in runs for k, h in enumerate(run.generator.handles)]
+        parts = await self.llm.snapshot([h for *_, h in calls]) if calls else []
+        watched: dict[str, Attempt] = {}
+        for (run, k, handle), sequences in zip(calls, parts):
+            prompt_ids = run.generator.prompts[k][0]
+            for i, part in enumerate(sequences):
+                key = f"{run.group_id}/{k}/{i}"
+                attempt = watched[key] = self.attempts.get(key) or Attempt(handle, i, prompt_ids)
+                if part is None or attempt.ended:
+                    continue
+                if part.finish_reason:
+                    attempt.ended = True
+                    continue
+                ends = separator_ends(part.token_ids, self.separator)
+                for step in range(attempt.sent, len(ends)):
+                    ids = part.token_ids[: ends[step] + 1]
+                    self.requests.write(StepRequest(key, self.actor, step, prompt_ids, ids, time.time()), self.actor)
+                self.steps_sent += len(ends) - attempt.sent
+                attempt.sent = len(ends)
+        # The attempts of groups that have been written are no longer watched: their verdicts are late.
+        self.attempts = watched
+
+    def _take(self, verdict: StepVerdict) -> None:
+        attempt = self.attempts.get(verdict.key)
+        if attempt is None or attempt.ended:
+            self.late_verdicts += 1
+            return
+        self.verdicts_taken += 1
+        self.verdict_age_s.append(time.time() - verdict.sent_at)
+        if verdict.score < self.cut_below:
+            self.llm.cut(attempt.call, attempt.index, verdict.end)
+            attempt.ended = True
+            self.cuts += 1
+
+    def values(self) -> dict[str, float]:
+        """Totals, and the mean verdict age since the last call."""
+        ages, self.verdict_age_s = self.verdict_age_s, []
+        values: dict[str, float] = {
+            "step_guidance/steps_sent_total": self.steps_sent,
+            "step_guidance/verdicts_total": self.verdicts_taken,
+            "step_guidance/cuts_total": self.cuts,
+            "step_guidance/late_verdicts_total": self.late_verdicts,
+            "step_guidance/cuts_missed_total": self.llm.cuts_missed,
+            "step_guidance/tokens_cut_total": self.llm.tokens_cut,
+        }
+        if ages:
+            values["step_guidance/verdict_age_s"] = sum(ages) / len(ages)
+        return values
