@@ -159,8 +159,13 @@ class Actor:
         unsaved = len(landed)
         if unsaved:
             log.info("%d groups reached the stream after the last position save: counted as written", unsaved)
-        # Routing replay would need each saved token's experts to continue a group.
-        continuable = is_continuable(self.rollout) and not cfg.shared.routing_replay
+        # Routing replay would need each saved token's experts to continue a group; a branch adds
+        # a sequence to a call, which a continued rollout could not replay.
+        continuable = (
+            is_continuable(self.rollout)
+            and not cfg.shared.routing_replay
+            and cfg.step_guidance.mode != StepGuidanceMode.branch
+        )
         self.keeper = InFlightKeeper(run_dir, self.name, self.llm, continuable, cfg.actor.in_flight_save_s)
         self.to_continue = self.keeper.saved(self.partition.landed_since)
         counts = resume(saved, first_group, unsaved, continued=len(self.to_continue))

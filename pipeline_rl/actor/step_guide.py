@@ -1,5 +1,5 @@
-"""Step guidance (`step_guidance.mode: cut`): an actor's attempts scored at each step boundary
-while they are generated, and stopped at a step scored below `step_guidance.cut_below`.
+"""Step guidance (`step_guidance.mode: cut` or `branch`): an actor's attempts scored at each step
+boundary while they are generated, and stopped at a step scored below `step_guidance.cut_below`.
 
 Every POLL_S the guide takes a snapshot of its groups' generate calls (`LLMClient.snapshot`,
 between two engine steps, without holding the engine), finds the steps each sequence has
@@ -11,6 +11,11 @@ scored step's last token: the sequence returns with finish_reason "cut", and the
 engine generated past that step while the verdict was on its way are thrown away and counted.
 Scoring does not hold generation up: an attempt goes on until its verdict says otherwise.
 
+Branch: a cut attempt's call also gets a new attempt, which continues the call's best-scored
+prefix (the highest step score among its attempts' verdicts at or above the threshold, the
+longest of equals), while the call's `step_guidance.branch_tokens` last; the new attempt's steps
+within the prefix are not scored again.
+
 A verdict for an attempt that has ended (finished, cut at an earlier step, or its group
 written) is ignored and counted as late, as is one for a group of an earlier incarnation of the
 actor. Evaluation is not guided: it measures the policy itself.
@@ -20,11 +25,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline_rl.actor.in_flight_keeper import GroupRun
-from pipeline_rl.config import ConfigError, RunConfig
+from pipeline_rl.config import ConfigError, RunConfig, StepGuidanceMode
+from pipeline_rl.engine.sequences import Completion
 from pipeline_rl.scorers.process_reward import separator_ends
 from pipeline_rl.streams import Streams
 from pipeline_rl.streams.records import StepRequest, StepVerdict
@@ -46,6 +52,10 @@ class Attempt:
     sent: int = 0
     """Steps requested so far."""
     ended: bool = False
+    part: Completion | None = None
+    """The sequence as the last snapshot showed it."""
+    good: list[tuple[float, int]] = field(default_factory=list)
+    """(score, completion tokens to the step's end) of each step scored at or above the threshold."""
 
 
 class StepGuide:
@@ -55,6 +65,9 @@ class StepGuide:
         if not self.separator:
             raise ConfigError(f"'step_guidance.separator' {guidance.separator!r} encodes to no token of the policy")
         self.llm, self.actor, self.cut_below = llm, actor, guidance.cut_below
+        self.branch_tokens = guidance.branch_tokens if guidance.mode == StepGuidanceMode.branch else 0
+        self.budgets: dict[int, int] = {}
+        """Branch tokens left, per call (by id of its handle; pruned to the calls watched)."""
         self.requests = streams.writer(Topic.STEP_REQUESTS, partitions=actors)
         self.verdicts = streams.reader(Topic.STEP_VERDICTS, StepVerdict, partitions=(actor,))
         self.attempts: dict[str, Attempt] = {}
@@ -81,8 +94,15 @@ class StepGuide:
             prompt_ids = run.generator.prompts[k][0]
             for i, part in enumerate(sequences):
                 key = f"{run.group_id}/{k}/{i}"
-                attempt = watched[key] = self.attempts.get(key) or Attempt(handle, i, prompt_ids)
-                if part is None or attempt.ended:
+                if part is None:
+                    continue
+                attempt = self.attempts.get(key)
+                if attempt is None:  # a branch's steps within its prefix were scored in its parent
+                    shared = len(separator_ends(part.token_ids[: part.shared], self.separator))
+                    attempt = Attempt(handle, i, prompt_ids, sent=shared)
+                watched[key] = attempt
+                attempt.part = part
+                if attempt.ended:
                     continue
                 if part.finish_reason:
                     attempt.ended = True
@@ -95,6 +115,8 @@ class StepGuide:
                 attempt.sent = len(ends)
         # The attempts of groups that have been written are no longer watched: their verdicts are late.
         self.attempts = watched
+        live = {id(h) for *_, h in calls}
+        self.budgets = {call: left for call, left in self.budgets.items() if call in live}
 
     def _take(self, verdict: StepVerdict) -> None:
         attempt = self.attempts.get(verdict.key)
@@ -103,10 +125,28 @@ class StepGuide:
             return
         self.verdicts_taken += 1
         self.verdict_age_s.append(time.time() - verdict.sent_at)
-        if verdict.score < self.cut_below:
-            self.llm.cut(attempt.call, attempt.index, verdict.end)
-            attempt.ended = True
-            self.cuts += 1
+        if verdict.score >= self.cut_below:
+            attempt.good.append((verdict.score, verdict.end))
+            return
+        self.llm.cut(
+            attempt.call, attempt.index, verdict.end, self._refill(attempt.call) if self.branch_tokens else None
+        )
+        attempt.ended = True
+        self.cuts += 1
+
+    def _refill(self, call: Any) -> Completion | None:
+        """The call's best-scored prefix, when a branch from it fits in the call's budget."""
+        scored = [(score, end, a) for a in self.attempts.values() if a.call is call for score, end in a.good]
+        if not scored:
+            return None
+        _, end, source = max(scored, key=lambda s: (s[0], s[1]))
+        left = self.budgets.setdefault(id(call), self.branch_tokens)
+        cost = call.max_tokens - end
+        part = source.part
+        if cost > left or part is None or len(part.token_ids) < end:
+            return None
+        self.budgets[id(call)] = left - cost
+        return Completion(part.token_ids[:end], part.logprobs[:end], part.versions[:end], "", "")
 
     def values(self) -> dict[str, float]:
         """Totals, and the mean verdict age since the last call."""
@@ -115,6 +155,7 @@ class StepGuide:
             "step_guidance/steps_sent_total": self.steps_sent,
             "step_guidance/verdicts_total": self.verdicts_taken,
             "step_guidance/cuts_total": self.cuts,
+            "step_guidance/branches_total": self.llm.branches,
             "step_guidance/late_verdicts_total": self.late_verdicts,
             "step_guidance/cuts_missed_total": self.llm.cuts_missed,
             "step_guidance/tokens_cut_total": self.llm.tokens_cut,

@@ -38,6 +38,14 @@ class StepGuidanceMode(StrEnum):
     up to the step stay in its group and are trained with the domain's reward of the partial
     completion (a failure on the built-in tasks), so the tokens the scorer judged wrong are
     pushed down and leaving them out does not raise the group's baseline."""
+    branch = "branch"
+    """As cut, and the call gets a new attempt in place of each cut one, continuing the call's
+    best-scored prefix (its highest-scored step, the latest of equals), while the call's
+    `step_guidance.branch_tokens` last: the group's attempts then differ where it matters. A
+    branch's tokens taken from the prefix are trained once, in the attempt they come from (mask 0
+    in the branch), and its own tokens with its own advantage, against the whole group's mean.
+    Groups in flight at a stop are not continued (counted lost): a branch adds a sequence to a call
+    that a continued rollout could not replay. Single-turn domains (`make_rollout`)."""
 
 
 class LrBySignal(StrEnum):

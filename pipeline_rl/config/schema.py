@@ -206,14 +206,19 @@ class WorldConfig:
 @dataclass
 class StepGuidanceConfig:
     mode: StepGuidanceMode = StepGuidanceMode.none
-    """none, or cut (config/choices.py StepGuidanceMode): each attempt is scored at every step
-    boundary while it is generated (pipeline_rl/actor/step_guide.py), by `scorer` in the
-    preprocessor pool, and stopped at a step scored below `cut_below`."""
+    """none, cut or branch (config/choices.py StepGuidanceMode): each attempt is scored at every
+    step boundary while it is generated (pipeline_rl/actor/step_guide.py), by `scorer` in the
+    preprocessor pool, and stopped at a step scored below `cut_below`; branch also refills the
+    call from its best-scored prefix."""
     separator: str = "\n"
     """What ends a step, as text; matched in the policy's token ids (the ids its tokenizer gives
     the separator), as the process reward scorer cuts steps."""
     cut_below: float = bounded(0.5, ge=0, le=1)
-    """A step scored below this stops its attempt (mode cut)."""
+    """A step scored below this stops its attempt (modes cut and branch)."""
+    branch_tokens: int = bounded(0, ge=0)
+    """Mode branch: tokens each generate call may spend on branches. A branch is started when the
+    tokens it may generate (the call's max_tokens less the prefix it continues) fit in what is
+    left, and they are charged at once."""
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     """The step scorer: `module:Class`, built as `Class(cfg, **kwargs)` by each preprocessor
     (pipeline_rl/scorers/step_scorer.py)."""

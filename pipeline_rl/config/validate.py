@@ -84,11 +84,14 @@ def validate(cfg: RunConfig) -> None:
         if ":" not in cfg.step_guidance.scorer.cls:
             raise ConfigError(
                 f"bad value for 'step_guidance.scorer.cls': {cfg.step_guidance.scorer.cls!r}, expected module:Class "
-                "(a step scorer, needed by 'step_guidance.mode' cut)"
+                f"(a step scorer, needed by 'step_guidance.mode' {cfg.step_guidance.mode})"
             )
+        if cfg.step_guidance.mode == StepGuidanceMode.branch and cfg.step_guidance.branch_tokens == 0:
+            raise ConfigError("'step_guidance.mode' branch needs 'step_guidance.branch_tokens' > 0")
         if cfg.shared.routing_replay:
             raise ConfigError(
-                "'step_guidance.mode' cut cannot run with 'shared.routing_replay': a cut attempt has no routes"
+                f"'step_guidance.mode' {cfg.step_guidance.mode} cannot run with 'shared.routing_replay': "
+                "a cut attempt has no routes"
             )
     if cfg.model.lora is not None and not cfg.model.lora.target_modules:
         raise ConfigError("bad value for 'model.lora.target_modules': empty, name at least one linear layer")

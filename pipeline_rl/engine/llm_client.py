@@ -89,11 +89,13 @@ class LLMClient:
         self._incoming: list[tuple[str, list[int], Any, SequenceRequest]] = []
         self._aborts: list[str] = []
         self._snapshots: list[tuple[list[CallGroup], bool, CallGroup]] = []
-        self._cuts: list[tuple[CallGroup, int, int]] = []
+        self._cuts: list[tuple[CallGroup, int, int, Completion | None]] = []
         self.cuts_missed = 0
         """Cuts of sequences that had finished (or been cut) by the time the engine came to them."""
         self.tokens_cut = 0
         """Tokens generated past the end a cut kept (thrown away)."""
+        self.branches = 0
+        """Sequences a cut added to its call (step guidance's branch)."""
         self._held = False
         """Set by a holding snapshot: the engine takes no more steps."""
         self._cv = threading.Condition()
@@ -212,7 +214,7 @@ class LLMClient:
             )
 
         loop = asyncio.get_running_loop()
-        group = CallGroup(loop.create_future(), loop, [None] * n, n)
+        group = CallGroup(loop.create_future(), loop, [None] * n, n, [], list(prompt_ids), params, max_tokens)
         if handle is not None:
             handle.append(group)
         ids = []
@@ -243,8 +245,6 @@ class LLMClient:
             raise
 
     def _run_engine(self) -> None:
-        from vllm.inputs.engine import tokens_input
-
         try:
             while True:
                 with self._cv:
@@ -266,18 +266,7 @@ class LLMClient:
                     if incoming:
                         self._held = False  # a new call after a holding snapshot: serving again
                 for rid, prompt_ids, params, request in incoming:
-                    request.segments.append((0, self.hook.version))
-                    # Prefix-cache blocks are keyed by the policy version that admitted the request:
-                    # a new request never reuses prompt KV computed by older weights (a group's
-                    # samples still share theirs). Requests in flight keep their own KV by design.
-                    prompt = tokens_input(prompt_ids, cache_salt=f"policy-v{self.hook.version}")
-                    try:
-                        request.engine_id = self.engine.add_request(rid, prompt, params, lora_request=self.lora)
-                    except Exception as e:
-                        post(request.group, None, e)
-                        continue
-                    self._requests[rid] = request
-                    request.group.requests.append(request)
+                    self._add(rid, prompt_ids, params, request)
                 aborted = [self._requests.pop(rid, None) for rid in aborts]
                 aborts = [rid for rid, request in zip(aborts, aborted) if request is not None]
                 for request in aborted:
@@ -287,8 +276,8 @@ class LLMClient:
                             self.routes.forget(request.engine_id)
                 if aborts:
                     self.engine.abort_request(aborts)
-                for group, index, keep in cuts:
-                    self._cut(group, index, keep)
+                for group, index, keep, refill in cuts:
+                    self._cut(group, index, keep, refill)
                 for groups, hold, done in snapshots:
                     self._held = self._held or hold
                     post(done, [parts_so_far(g, self.engine.output_processor.request_states) for g in groups])
@@ -300,6 +289,22 @@ class LLMClient:
             self._fail_pending(RuntimeError(f"the vLLM engine failed: {e!r}"))
             return
         self._fail_pending(RuntimeError("LLMClient closed"))
+
+    def _add(self, rid: str, prompt_ids: list[int], params: Any, request: SequenceRequest) -> None:
+        from vllm.inputs.engine import tokens_input
+
+        request.segments.append((0, self.hook.version))
+        # Prefix-cache blocks are keyed by the policy version that admitted the request: a new
+        # request never reuses prompt KV computed by older weights (a group's samples still share
+        # theirs). Requests in flight keep their own KV by design.
+        prompt = tokens_input(prompt_ids, cache_salt=f"policy-v{self.hook.version}")
+        try:
+            request.engine_id = self.engine.add_request(rid, prompt, params, lora_request=self.lora)
+        except Exception as e:
+            post(request.group, None, e)
+            return
+        self._requests[rid] = request
+        request.group.requests.append(request)
 
     def _fail(self, error: BaseException) -> None:
         """The weight receiver thread failed: this engine would keep its weights for good."""
@@ -335,16 +340,18 @@ class LLMClient:
             self._cv.notify()
         return await done.future
 
-    def cut(self, group: CallGroup, index: int, keep: int) -> None:
+    def cut(self, group: CallGroup, index: int, keep: int, refill: Completion | None = None) -> None:
         """End sequence `index` of a generate call (`group`, its handle) with its first `keep`
         tokens and finish_reason "cut" (step guidance: a step scored too low); what it generated
-        after them is thrown away. A sequence that has finished by then is left as it is
-        (`cuts_missed`)."""
+        after them is thrown away. With `refill` (a part of a sequence of the same call), the
+        call gets one more sequence, which continues `refill` with the call's sampling settings;
+        its Completion's `shared` counts the tokens it took from `refill`. A sequence that has
+        finished by then is left as it is, and refilled by none (`cuts_missed`)."""
         with self._cv:
-            self._cuts.append((group, index, keep))
+            self._cuts.append((group, index, keep, refill))
             self._cv.notify()
 
-    def _cut(self, group: CallGroup, index: int, keep: int) -> None:
+    def _cut(self, group: CallGroup, index: int, keep: int, refill: Completion | None) -> None:
         request = next((r for r in group.requests if r.index == index), None)
         if request is None:
             self.cuts_missed += 1
@@ -361,7 +368,17 @@ class LLMClient:
         self.tokens_cut += max(0, len(part.token_ids) - keep)
         ids = part.token_ids[:keep]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        group.completions[index] = Completion(ids, part.logprobs[:keep], part.versions[:keep], "cut", text)
+        cut = Completion(ids, part.logprobs[:keep], part.versions[:keep], "cut", text, shared=min(part.shared, keep))
+        group.completions[index] = cut
+        if refill is not None:
+            ids_in = group.prompt_ids + refill.token_ids
+            shared = len(refill.token_ids)
+            slot = len(group.completions)
+            branch = SequenceRequest(group, slot, [], prompt_len=len(ids_in), prefix=refill, shared=shared)
+            group.completions.append(None)
+            group.remaining += 1
+            self.branches += 1
+            self._add(str(next(self._ids)), ids_in, group.params(refill), branch)
         group.remaining -= 1
         if group.remaining == 0:
             post(group, group.completions)

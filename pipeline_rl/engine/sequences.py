@@ -29,6 +29,9 @@ class Completion:
     routes: np.ndarray | None = None
     """With routing replay: the experts each token was routed to, uint8 (tokens, MoE layers,
     top_k), NO_ROUTE for the last token (engine/routes.py)."""
+    shared: int = 0
+    """Leading tokens copied from another sequence of the same call (step guidance's branch,
+    `LLMClient.cut`): trained as that sequence's, not as this one's."""
 
 
 @dataclass
@@ -43,7 +46,10 @@ class SequenceRequest:
     """vLLM's internal request id (the scheduler's key)."""
     prompt_len: int = 0
     prefix: Completion | None = None
-    """A continued sequence's saved part, re-entered after the prompt (`generate(resume=...)`)."""
+    """A continued sequence's saved part, re-entered after the prompt (`generate(resume=...)`), or
+    the part of another sequence a branch continues."""
+    shared: int = 0
+    """A branch's tokens taken from another sequence (Completion.shared)."""
 
     def versions(self, n: int) -> list[int]:
         versions = [self.segments[0][1]] * n
@@ -57,7 +63,8 @@ class SequenceRequest:
         if self.prefix is None:
             return Completion(token_ids, logprobs, versions, finish_reason, text)
         p = self.prefix
-        return Completion(p.token_ids + token_ids, p.logprobs + logprobs, p.versions + versions, finish_reason, text)
+        joined = p.token_ids + token_ids, p.logprobs + logprobs, p.versions + versions
+        return Completion(*joined, finish_reason, text, shared=self.shared)
 
 
 @dataclass
@@ -70,6 +77,10 @@ class CallGroup:
     remaining: int
     requests: list[SequenceRequest] = field(default_factory=list)
     """Its sequences still in the engine."""
+    prompt_ids: list[int] = field(default_factory=list)
+    params: Any = None
+    """The call's SamplingParams for a sequence that continues a part (a function of the part)."""
+    max_tokens: int = 0
 
 
 def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:

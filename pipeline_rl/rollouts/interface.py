@@ -27,11 +27,14 @@ class Sample(Protocol):
     versions: list[int]
     """Policy version of the forward pass that produced each token."""
     finish_reason: str
-    """stop, length, or abort."""
+    """stop, length, abort, or cut (step guidance stopped it after a step scored wrong)."""
     text: str
     routes: Any
     """With routing replay, the experts each token was routed to (a uint8 numpy array of
     tokens x MoE layers x top_k); else None."""
+    shared: int
+    """Leading tokens this sequence took from another of its call (step guidance's branch): they
+    are trained as that sequence's (mask 0 here)."""
 
 
 class Generator(Protocol):

@@ -75,14 +75,14 @@ class Engine:
     def __init__(self, tokenizer, parts):
         self.tokenizer = tokenizer
         self.parts = parts
-        self.cuts: list[tuple[object, int, int]] = []
-        self.cuts_missed = self.tokens_cut = 0
+        self.cuts: list[tuple[object, int, int, Completion | None]] = []
+        self.cuts_missed = self.tokens_cut = self.branches = 0
 
     async def snapshot(self, groups, hold=False):
         return [self.parts[id(g)] for g in groups]
 
-    def cut(self, group, index, keep):
-        self.cuts.append((group, index, keep))
+    def cut(self, group, index, keep, refill=None):
+        self.cuts.append((group, index, keep, refill))
 
 
 class Tokenizer:
@@ -120,12 +120,81 @@ def test_the_guide_requests_each_step_once_cuts_at_the_scored_step_and_counts_la
     verdicts.write(StepVerdict("actor1-old-0/0/0", 0, 2, 0.0, time.time()), partition=1)  # no longer watched
     verdicts.flush()
     asyncio.run(guide.poll([run]))
-    assert engine.cuts == [(handle, 0, 5)]
+    assert engine.cuts == [(handle, 0, 5, None)]
     values = guide.values()
     assert values["step_guidance/cuts_total"] == 1
     assert values["step_guidance/verdicts_total"] == 2
     assert values["step_guidance/late_verdicts_total"] == 3
     streams.close()
+
+
+def test_a_branch_continues_the_calls_best_scored_prefix_while_the_calls_budget_lasts(tmp_path):
+    nl = ord("\n")
+    handle = SimpleNamespace(max_tokens=12)
+    parts = [
+        Completion([5, nl, 6, nl, 7, nl], [-0.5] * 6, [3] * 6, "", ""),
+        Completion([8, nl, 9, 9, nl, 4], [-0.25] * 6, [4] * 6, "", ""),
+        Completion([2, nl, 3, nl], [-0.1] * 4, [4] * 4, "", ""),
+    ]
+    # 12 tokens of branches per call: one branch from a 5-token prefix costs 7, a second no longer fits.
+    cfg = service_config(tmp_path, **{"step_guidance.mode": "branch", "step_guidance.branch_tokens": 12})
+    streams = open_streams(cfg)
+    engine = Engine(Tokenizer(), {id(handle): parts})
+    guide = StepGuide(cfg, engine, streams, actor=0, actors=2)
+    run = run_of("actor0-x-0", handle, [1])
+    asyncio.run(guide.poll([run]))
+    verdicts = streams.writer(Topic.STEP_VERDICTS, partitions=2)
+    for key, step, end, score in [
+        ("actor0-x-0/0/0", 0, 2, 0.9),
+        ("actor0-x-0/0/1", 0, 2, 0.9),
+        ("actor0-x-0/0/1", 1, 5, 0.9),  # as good as the others' best, and longer: the prefix
+        ("actor0-x-0/0/0", 1, 4, 0.2),  # cut, refilled
+        ("actor0-x-0/0/2", 0, 2, 0.7),
+        ("actor0-x-0/0/2", 1, 4, 0.1),  # cut; 5 tokens of budget left, a branch may need 7
+    ]:
+        verdicts.write(StepVerdict(key, step, end, score, time.time()), partition=0)
+    verdicts.flush()
+    asyncio.run(guide.poll([run]))
+    (_, index, keep, refill), (_, index2, keep2, refill2) = engine.cuts
+    assert (index, keep, index2, keep2, refill2) == (0, 4, 2, 4, None)
+    assert refill is not None and refill.token_ids == [8, nl, 9, 9, nl] and refill.finish_reason == ""
+    assert refill.logprobs == [-0.25] * 5 and refill.versions == [4] * 5
+    # The branch, once it shows in a snapshot, is not asked about the steps of its prefix again.
+    engine.parts[id(handle)] = parts + [Completion([8, nl, 9, 9, nl, 6, nl], [-0.25] * 7, [4] * 7, "", "", shared=5)]
+    asyncio.run(guide.poll([run]))
+    sent = [e.record for e in streams.reader(Topic.STEP_REQUESTS, StepRequest, partitions=(0,)).read(0.5)]
+    assert [(r.key, r.step) for r in sent if r.key.endswith("/3")] == [("actor0-x-0/0/3", 2)]
+    streams.close()
+
+
+def test_a_branched_pair_trains_its_shared_tokens_once_in_the_parent():
+    # The parent failed; its branch shares its first 2 tokens and succeeded; a third attempt failed.
+    parent = Completion([1, 2, 3, 4], [-1.0] * 4, [0] * 4, "stop", "")
+    branch = Completion([1, 2, 7, 8], [-1.0] * 4, [0, 0, 1, 1], "stop", "", shared=2)
+    other = Completion([5, 6, 3], [-1.0] * 3, [0] * 3, "stop", "")
+    rollouts = [make_rollout([0], c, r) for c, r in ((parent, 0.0), (branch, 1.0), (other, 0.0))]
+    assert rollouts[1].mask == [0, 0, 1, 1] and rollouts[1].versions == [-1, -1, 1, 1]
+    advantages = group_advantages(RolloutGroup("p", "g", rollouts), AdvantageConfig())
+    # Mean baseline 1/3 over the three; the shared tokens carry no advantage in the branch.
+    assert advantages == pytest.approx([[-1 / 3] * 4, [0.0, 0.0, 2 / 3, 2 / 3], [-1 / 3] * 3])
+    mask = [m for r in rollouts for m in (r.mask or [1] * len(r.completion_ids))]
+    lp = torch.full((11,), -1.0, requires_grad=True)
+    inputs = LossInputs(
+        logprobs=lp,
+        entropy=torch.zeros(11),
+        old_logprobs=torch.full((11,), -1.0),
+        advantages=torch.tensor([a for row in advantages for a in row]),
+        loss_mask=torch.tensor(mask),
+        seq_index=torch.tensor([0] * 4 + [1] * 4 + [2] * 3),
+        step_tokens=sum(mask),  # 9: the shared tokens count once
+        step_samples=3,
+    )
+    loss, _ = policy_loss(inputs, LossConfig(kind="reinforce"))
+    loss.backward()
+    assert lp.grad is not None
+    # d loss / d logprob = -A / 9 on trained tokens, 0 on the branch's shared ones.
+    expected = [1 / 27] * 4 + [0.0, 0.0, -2 / 27, -2 / 27] + [1 / 27] * 3
+    torch.testing.assert_close(lp.grad, torch.tensor(expected))
 
 
 def test_a_cut_attempt_is_trained_as_a_failure_and_keeps_the_groups_baseline():
@@ -159,9 +228,11 @@ def test_a_cut_attempt_is_trained_as_a_failure_and_keeps_the_groups_baseline():
     torch.testing.assert_close(lp.grad, torch.tensor([-2 / 24] * 3 + [1 / 24] * 3 + [1 / 24] * 2))
 
 
-def test_step_guidance_needs_a_step_scorer_and_no_routing_replay(tmp_path):
+def test_step_guidance_needs_a_step_scorer_a_branch_budget_and_no_routing_replay(tmp_path):
     with pytest.raises(ConfigError, match=r"step_guidance\.scorer\.cls"):
         load_config("tiny", [f"run_dir={tmp_path}", "step_guidance.mode=cut"])
+    with pytest.raises(ConfigError, match="branch_tokens"):
+        service_config(tmp_path, **{"step_guidance.mode": "branch"})
     with pytest.raises(ConfigError, match="routing_replay"):
         service_config(tmp_path, **{"shared.routing_replay": "true"})
     cfg = load_config("tiny_long_cut", [f"run_dir={tmp_path}"])

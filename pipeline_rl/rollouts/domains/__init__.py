@@ -113,16 +113,20 @@ def make_rollout(
     prompt_ids: list[int], completion: Sample, reward: float, error: str | None = None, **metadata: Any
 ) -> Rollout:
     """A single-turn Rollout from an LLMClient Completion; `error` (a failed reward check) is
-    kept in metadata["reward_error"]."""
+    kept in metadata["reward_error"]. The tokens a branch shares with another sequence of its
+    call (`Completion.shared`, step guidance) get mask 0: they are trained once, in that sequence."""
     if error is not None:
         metadata["reward_error"] = error
+    shared = getattr(completion, "shared", 0)  # a plug-in's own Sample may predate branches
+    n = len(completion.token_ids)
     return Rollout(
         prompt_ids=list(prompt_ids),
         completion_ids=list(completion.token_ids),
-        logprobs=list(completion.logprobs),
-        versions=list(completion.versions),
+        logprobs=[0.0] * shared + list(completion.logprobs[shared:]),
+        versions=[-1] * shared + list(completion.versions[shared:]),
         reward=float(reward),
         finish_reason=completion.finish_reason,
+        mask=[0] * shared + [1] * (n - shared) if shared else None,
         routes=_routes(completion),
         metadata=metadata,
     )
