@@ -144,7 +144,7 @@ def test_a_branch_continues_the_calls_best_scored_prefix_while_the_calls_budget_
     run = run_of("actor0-x-0", handle, [1])
     asyncio.run(guide.poll([run]))
     verdicts = streams.writer(Topic.STEP_VERDICTS, partitions=2)
-    for key, step, end, score in [
+    for key, step, end, value in [
         ("actor0-x-0/0/0", 0, 2, 0.9),
         ("actor0-x-0/0/1", 0, 2, 0.9),
         ("actor0-x-0/0/1", 1, 5, 0.9),  # as good as the others' best, and longer: the prefix
@@ -152,7 +152,7 @@ def test_a_branch_continues_the_calls_best_scored_prefix_while_the_calls_budget_
         ("actor0-x-0/0/2", 0, 2, 0.7),
         ("actor0-x-0/0/2", 1, 4, 0.1),  # cut; 5 tokens of budget left, a branch may need 7
     ]:
-        verdicts.write(StepVerdict(key, step, end, score, time.time()), partition=0)
+        verdicts.write(StepVerdict(key, step, end, value, time.time()), partition=0)
     verdicts.flush()
     asyncio.run(guide.poll([run]))
     (_, index, keep, refill), (_, index2, keep2, refill2) = engine.cuts
