@@ -30,7 +30,8 @@ from enum import StrEnum
 from pipeline_rl.config import RunConfig
 from pipeline_rl.scorers.base import Scorer, ScorerOutput
 from pipeline_rl.scorers.hf import load_model, load_tokenizer, packed_logits, scorer_device
-from pipeline_rl.streams.records import Rollout, RolloutGroup
+from pipeline_rl.scorers.step_scorer import StepScorer
+from pipeline_rl.streams.records import Rollout, RolloutGroup, StepRequest
 
 
 class PrmKind(StrEnum):
@@ -178,3 +179,25 @@ class ProcessRewardScorer(Scorer):
 
     def close(self) -> None:
         del self.model
+
+
+class ProcessRewardStepScorer(StepScorer):
+    """The PRM as a step scorer (step guidance, pipeline_rl/scorers/step_scorer.py): kwargs as
+    ProcessRewardScorer's model keys (`path`, `kind`, `marker`, `separator` or `separator_token`,
+    `correct_label`, `good_token`, `bad_token`). A request's score is the PRM's score of its last
+    step, read with every step before it in the PRM's input, as ProcessRewardScorer reads a
+    finished rollout's."""
+
+    def __init__(self, cfg: RunConfig, **kwargs):
+        super().__init__(cfg)
+        self.prm = ProcessRewardScorer(cfg, **kwargs)
+
+    def score_steps(self, requests: list[StepRequest]) -> list[float]:
+        rollouts = [
+            Rollout(r.prompt_ids, r.completion_ids, [0.0] * len(r.completion_ids), [0] * len(r.completion_ids), 0.0, "")
+            for r in requests
+        ]
+        return [row[-1] for _, row in self.prm.step_scores(rollouts)]
+
+    def close(self) -> None:
+        self.prm.close()

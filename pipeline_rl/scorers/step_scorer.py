@@ -6,7 +6,9 @@ completion that ends with a step), how likely the attempt is still right after t
 [0, 1]. A scorer that raises stops its preprocessor, which names it: a run whose attempts are
 no longer scored would silently turn into an unguided one.
 
-Built-ins: `pipeline_rl.demo.long_chain:StepChecker` (exact, by rule, for conf=tiny_long).
+Built-ins: `pipeline_rl.scorers:ProcessRewardStepScorer` (a process reward model, as
+`ProcessRewardScorer` reads it) and `pipeline_rl.demo.long_chain:StepChecker` (exact, by rule,
+for conf=tiny_long).
 """
 
 from __future__ import annotations

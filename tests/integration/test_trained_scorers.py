@@ -18,8 +18,8 @@ from pipeline_rl.config import RunConfig
 from pipeline_rl.demo import outcome_rm, prm
 from pipeline_rl.demo.multistep import make_problems
 from pipeline_rl.demo.tiny_model import make_tokenizer
-from pipeline_rl.scorers import ProcessRewardScorer, RewardModelScorer
-from pipeline_rl.streams.records import Rollout, RolloutGroup
+from pipeline_rl.scorers import ProcessRewardScorer, ProcessRewardStepScorer, RewardModelScorer
+from pipeline_rl.streams.records import Rollout, RolloutGroup, StepRequest
 
 # The quick PRM (prm.QUICK) and outcome RM (outcome_rm.QUICK, from the quick PRM), kept in
 # tests/models (fixtures.helpers.kept_model).
@@ -127,6 +127,32 @@ def test_trained_prm_scores_wrong_steps_low_on_their_last_token(tiny_model, prm_
     assert len(intermediate[0]) > 50 and len(intermediate[1]) > 50
     assert sum(intermediate[0]) / len(intermediate[0]) < sum(intermediate[1]) / len(intermediate[1])
     scorer.close()
+
+
+def test_the_prm_as_a_step_scorer_scores_each_prefix_as_the_scorer_scores_its_finished_rollout(tiny_model, prm_dir):
+    """Step guidance asks about a prefix that ends with a step: the PRM's score of that step is
+    the one ProcessRewardScorer gives the same step of the finished rollout."""
+    kwargs = {"path": str(prm_dir), "kind": "token_classification", "marker": "\n", "separator": "\n"}
+    cfg = policy_config(tiny_model)
+    whole = ProcessRewardScorer(cfg, **kwargs, step_reward="none")
+    steps = ProcessRewardStepScorer(cfg, **kwargs)
+    tok = make_tokenizer()
+    solutions = held_out_solutions(seed=54321)[:64]
+    rollouts = [rollout(tok, p, c) for p, c, _, _ in solutions]
+    whole.score([RolloutGroup(problem_id="p", group_id="g", rollouts=rollouts)])
+    newline = tok.encode("\n", add_special_tokens=False)
+    requests = []
+    for r in rollouts:
+        end = r.completion_ids.index(newline[0])
+        requests.append(StepRequest("k", 0, 0, r.prompt_ids, r.completion_ids[: end + 1], 0.0))
+    scores = steps.score_steps(requests)
+    # The same tokens before the step's marker (the PRM attends causally), packed into other rows:
+    # float32 round-off of the logits' sums, far below 1e-4 in a probability.
+    assert scores == pytest.approx([r.metadata["prm_step_scores"][0] for r in rollouts], abs=1e-4)
+    labels = [first for _, _, (first, *_), _ in solutions]
+    assert 0 < sum(labels) < len(labels)  # both right and wrong first steps are asked about
+    whole.close()
+    steps.close()
 
 
 def test_trained_outcome_rm_scores_wrong_answers_below_right_ones(tiny_model, rm_dir):
