@@ -4,7 +4,7 @@ reward and time budget.
 
     python scripts/bench_learning.py [--budget-s 600] [--out runs/bench_learning]
         [--conf tiny] [--models NAME,...|--family] [--reuse]
-        [--variant NAME:KEY=VALUE,KEY=VALUE ...] [override ...]
+        [--variant NAME:KEY=VALUE,KEY=VALUE ... [--against NAME]] [override ...]
 
 Runs `launch.py conf=tiny` with actor.mode=async, then with actor.mode=sync, then
 scripts/bench_trl.py (when the `bench` extra is installed: `bash scripts/setup_cpu.sh --bench`).
@@ -25,7 +25,10 @@ initialisation and batch order, built before its runs: models no default was cho
 again, so that a table can be built over several sessions and a sweep pays for TRL once (TRL
 does not depend on pipeline_rl's settings). Overrides apply to the pipeline_rl runs. With
 --variant, runs the named pipeline_rl variants instead (e.g. `--variant sample:actor.admission_lag=2 --variant
-token:actor.admission_lag=2,trainer.lag_gate=token`), with dropped samples and masked tokens.
+token:actor.admission_lag=2,trainer.lag_gate=token`), with dropped samples and masked tokens;
+--against NAME compares each other variant with NAME's run as with TRL's (time to its final
+reward, the final against it). Each run also reports the tokens its engines generated per
+trained token and, with step guidance, the attempts cut and the step scorer's share of the CPU.
 """
 
 from __future__ import annotations
@@ -412,7 +415,7 @@ def save_lag0_plot(results: list[dict], path: Path) -> None:
     save_figure(plt, fig, path)
 
 
-def report(results: list[dict], out: Path, conf: str) -> None:
+def report(results: list[dict], out: Path, conf: str, against: str | None = None) -> None:
     print(f"\n=== bench_learning: held-out mean reward (T=1), conf={conf}, {out.name} ===")
     print(f"(rewards are moving averages of {learning_curve.WINDOW} evaluations; drop: the worst fall after the best)")
     for r in results:
@@ -469,6 +472,14 @@ def report(results: list[dict], out: Path, conf: str) -> None:
     for name, pipe in by.items():
         if trl and name != "trl":
             goals(pipe, trl)
+        if against in by and name not in (against, "trl"):
+            g = against_trl(pipe, by[against])
+            span, t = by[against]["eval_span_s"], g["time_to_trl"]
+            print(
+                f"{name} vs {against}'s final {fmt(by[against]['final_eval'], '.3f')}: reached at "
+                f"{fmt(t, '.0f', ' s', 'never')} ({fmt(span / t if t else None, '.2f', 'x', 'never')} sooner); final - "
+                f"{against}'s = {fmt(g['gain'], '+.3f')}; worst drop {g['drop']:.3f}"
+            )
         # Each pipelined run "async<suffix>" is compared with the sync run of the same suffix.
         sync = by.get("sync" + name[len("async") :]) if name.startswith("async") else None
         if sync:
@@ -500,11 +511,11 @@ def goals(pipe: dict, trl: dict) -> None:
     )
 
 
-def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> list[dict]:
-    """One row per model and pipeline_rl run, against TRL's run on that model: the figures
-    docs/learning.md's family table is made of (scripts/bench_tables.py), written as JSON, with
-    the machine and commit the pipeline_rl run was measured on (none where its run predates
-    their recording)."""
+def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, against: str | None = None) -> list[dict]:
+    """One row per model and pipeline_rl run, against TRL's run on that model (and with `against`,
+    against that variant's run): the figures docs/learning.md's tables are made of
+    (scripts/bench_tables.py), written as JSON, with the machine and commit the pipeline_rl run
+    was measured on (none where its run predates their recording)."""
     rows = []
     for model, results in per_model:
         by = {r["mode"]: r for r in results}
@@ -513,6 +524,8 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> lis
             if mode == "trl":
                 continue
             g = against_trl(r, trl) if trl else {}
+            base = by.get(against) if against else None
+            vs = against_trl(r, base) if base is not None and mode != against else {}
             rows.append(
                 {
                     "model": model,
@@ -529,6 +542,22 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float) -> lis
                     "trl_completions_per_s": trl["completions_per_s"] if trl else None,
                     "time_to_trl_s": g.get("time_to_trl"),
                     "gain": g.get("gain"),
+                    **(
+                        {
+                            "against": against,
+                            "against_final": base["final_eval"],
+                            "against_span_s": base["eval_span_s"],
+                            "time_to_against_s": vs.get("time_to_trl"),
+                            "gain_against": vs.get("gain"),
+                        }
+                        if base is not None
+                        else {}
+                    ),
+                    "tokens_per_trained": r["tokens_generated"] / r["trained_tokens"]
+                    if r.get("tokens_generated") and r.get("trained_tokens")
+                    else None,
+                    "cuts": r.get("cuts"),
+                    "scorer_share": r["scorer_s"] / r["cpu_s"] if r.get("scorer_s") and r.get("cpu_s") else None,
                     **(r.get("provenance") or {}),
                 }
             )
@@ -671,6 +700,11 @@ def main() -> None:
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL run")
     parser.add_argument(
+        "--against",
+        metavar="VARIANT",
+        help="also compare every other variant with this one's run, as with TRL's (time to its final, the gain over it)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         help="also keep the per-model rows in this JSON, replacing those of the same model and variant (OUT/results.json is always written)",
@@ -721,9 +755,9 @@ def main() -> None:
         ]
         if with_trl:
             results.append(run_trl(args.conf, args.budget_s, out, overrides, args.reuse, provenance))
-        report(results, out, args.conf)
+        report(results, out, args.conf, args.against)
         per_model.append((model.name, results))
-    rows = result_rows(per_model, args.budget_s)
+    rows = result_rows(per_model, args.budget_s, args.against)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"results: {args.out / 'results.json'}")
     if args.json:

@@ -178,6 +178,39 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
     return markdown(header + ["measured on"], [row(r) for r in rows])
 
 
+def guidance_table(rows: list[dict]) -> str:
+    """scripts/bench_learning.py's rows with `--against`: each variant against the run it names
+    (step guidance against the plain pipelined run: its final reached 1.3x sooner or more, a
+    final no lower, no fall of more than 0.05), with what each run generated per trained token,
+    the attempts it cut and the step scorer's share of the run's CPU."""
+
+    def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
+        return missing if x is None else f"{x:{spec}}"
+
+    def row(r: dict) -> list[str]:
+        own = r["mode"] == r["against"]
+        t, span = r.get("time_to_against_s"), r["against_span_s"]
+        gain = "" if own or r["gain_against"] is None else f" ({r['gain_against']:+.3f})"
+        return [
+            f"`{r['model']}`",
+            r["mode"],
+            cell(r["start"], ".3f"),
+            "-" if own else f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
+            "(the bar)" if own else (f"{span / t:.2f}x" if t and span else "never"),
+            f"{cell(r['final'], '.3f')}{gain}",
+            f"{r['worst_drop']:.3f}",
+            cell(r.get("tokens_per_trained"), ".2f"),
+            cell(r.get("cuts"), ".0f", "0"),
+            cell(None if r.get("scorer_share") is None else 100 * r["scorer_share"], ".1f", "0") + " %",
+            cell(r["versions_per_s"], ".2f"),
+            measured_on(r),
+        ]
+
+    header = ["model", "variant", "start", "time to the bar's final", "sooner", "final (vs the bar)", "worst drop"]
+    header += ["generated / trained tokens", "attempts cut", "step scorer's CPU", "versions/s", "measured on"]
+    return markdown(header, [row(r) for r in rows])
+
+
 def swap_table(rows: list[dict]) -> str:
     """scripts/bench_actor.py's rows: the swap's lock hold against a memcpy of the update, how long
     a swap waited against the engine call it found running, decode with updates against without."""
