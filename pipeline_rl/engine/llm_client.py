@@ -214,7 +214,10 @@ class LLMClient:
             )
 
         loop = asyncio.get_running_loop()
-        group = CallGroup(loop.create_future(), loop, [None] * n, n, [], list(prompt_ids), params, max_tokens)
+        future = loop.create_future()
+        group = CallGroup(
+            future, loop, [None] * n, n, prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens
+        )
         if handle is not None:
             handle.append(group)
         ids = []
@@ -456,7 +459,6 @@ class LLMClient:
             "step_p50_s": step50,
             "step_p99_s": step99,
             "running_requests": len(self._requests),
-            "tokens_cut": self.tokens_cut,
         }
 
     def close(self) -> None:
