@@ -36,9 +36,9 @@ from pipeline_rl.streams import Streams
 from pipeline_rl.streams.records import StepRequest, StepVerdict
 from pipeline_rl.wire import Topic
 
-POLL_S = 0.05
-"""How often the guide looks for completed steps and verdicts (a tiny model's decode step is a
-few ms; a large model's tens)."""
+POLL_S = 0.1
+"""How often the guide looks for completed steps and verdicts: a step of a few tokens takes
+several decode steps of a full engine, and each look copies every sequence's tokens so far."""
 
 
 @dataclass
@@ -51,6 +51,10 @@ class Attempt:
     prompt_ids: list[int]
     sent: int = 0
     """Steps requested so far."""
+    ends: list[int] = field(default_factory=list)
+    """Index of the last token of each step found so far."""
+    scanned: int = 0
+    """Tokens searched for the separator so far."""
     ended: bool = False
     part: Completion | None = None
     """The sequence as the last snapshot showed it."""
@@ -98,8 +102,8 @@ class StepGuide:
                     continue
                 attempt = self.attempts.get(key)
                 if attempt is None:  # a branch's steps within its prefix were scored in its parent
-                    shared = len(separator_ends(part.token_ids[: part.shared], self.separator))
-                    attempt = Attempt(handle, i, prompt_ids, sent=shared)
+                    attempt = Attempt(handle, i, prompt_ids)
+                    attempt.sent = len(self._scan(attempt, part.token_ids[: part.shared]))
                 watched[key] = attempt
                 attempt.part = part
                 if attempt.ended:
@@ -107,7 +111,7 @@ class StepGuide:
                 if part.finish_reason:
                     attempt.ended = True
                     continue
-                ends = separator_ends(part.token_ids, self.separator)
+                ends = self._scan(attempt, part.token_ids)
                 for step in range(attempt.sent, len(ends)):
                     ids = part.token_ids[: ends[step] + 1]
                     self.requests.write(StepRequest(key, self.actor, step, prompt_ids, ids, time.time()), self.actor)
@@ -117,6 +121,14 @@ class StepGuide:
         self.attempts = watched
         live = {id(h) for *_, h in calls}
         self.budgets = {call: left for call, left in self.budgets.items() if call in live}
+
+    def _scan(self, attempt: Attempt, ids: list[int]) -> list[int]:
+        """The attempt's step ends in `ids`, searching only what earlier looks had not."""
+        n = len(self.separator)
+        start = max(attempt.ends[-1] + 1 if attempt.ends else 0, attempt.scanned - n + 1)
+        attempt.ends += [start + e for e in separator_ends(ids[start:], self.separator)]
+        attempt.scanned = len(ids)
+        return attempt.ends
 
     def _take(self, verdict: StepVerdict) -> None:
         attempt = self.attempts.get(verdict.key)
