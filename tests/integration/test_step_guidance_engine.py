@@ -53,10 +53,10 @@ def guided(engine, run_dir, *overrides):
             *base,
             "step_guidance.scorer.cls=fixtures.step_scorers:WrongFromStep",
             "step_guidance.scorer.kwargs.bad=1",
-            f"step_guidance.separator='{llm.tokenizer.decode([common])}'",
             *overrides,
         ],
     )
+    cfg.step_guidance.separator = llm.tokenizer.decode([common])  # any character, unquoted
     streams = open_streams(cfg)
     service = StepService(cfg, streams, index=0, actors=1).start()
     guide = StepGuide(cfg, llm, streams, actor=0, actors=1)
