@@ -107,6 +107,7 @@ def test_the_guide_requests_each_step_once_cuts_at_the_scored_step_and_counts_la
     run = run_of("actor1-x-0", handle, [1, 2])
     asyncio.run(guide.poll([run]))
     asyncio.run(guide.poll([run]))  # nothing new: no request twice
+    guide.requests.flush()
     sent = [e.record for e in streams.reader(Topic.STEP_REQUESTS, StepRequest, partitions=(1,)).read(0.5)]
     assert [(r.key, r.step, r.completion_ids) for r in sent] == [
         ("actor1-x-0/0/0", 0, [5, 6, nl]),
@@ -162,6 +163,7 @@ def test_a_branch_continues_the_calls_best_scored_prefix_while_the_calls_budget_
     # The branch, once it shows in a snapshot, is not asked about the steps of its prefix again.
     engine.parts[id(handle)] = parts + [Completion([8, nl, 9, 9, nl, 6, nl], [-0.25] * 7, [4] * 7, "", "", shared=5)]
     asyncio.run(guide.poll([run]))
+    guide.requests.flush()
     sent = [e.record for e in streams.reader(Topic.STEP_REQUESTS, StepRequest, partitions=(0,)).read(0.5)]
     assert [(r.key, r.step) for r in sent if r.key.endswith("/3")] == [("actor0-x-0/0/3", 2)]
     streams.close()
@@ -176,7 +178,9 @@ def test_a_branched_pair_trains_its_shared_tokens_once_in_the_parent():
     assert rollouts[1].mask == [0, 0, 1, 1] and rollouts[1].versions == [-1, -1, 1, 1]
     advantages = group_advantages(RolloutGroup("p", "g", rollouts), AdvantageConfig())
     # Mean baseline 1/3 over the three; the shared tokens carry no advantage in the branch.
-    assert advantages == pytest.approx([[-1 / 3] * 4, [0.0, 0.0, 2 / 3, 2 / 3], [-1 / 3] * 3])
+    assert [a for row in advantages for a in row] == pytest.approx(
+        [-1 / 3] * 4 + [0.0, 0.0, 2 / 3, 2 / 3] + [-1 / 3] * 3
+    )
     mask = [m for r in rollouts for m in (r.mask or [1] * len(r.completion_ids))]
     lp = torch.full((11,), -1.0, requires_grad=True)
     inputs = LossInputs(
@@ -209,7 +213,8 @@ def test_a_cut_attempt_is_trained_as_a_failure_and_keeps_the_groups_baseline():
     assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0]
     advantages = group_advantages(RolloutGroup("p", "g", rollouts), AdvantageConfig())
     # Mean baseline 1/3: the cut attempt's tokens are pushed down as the wrong finished one's are.
-    assert advantages == pytest.approx([[2 / 3] * 3, [-1 / 3] * 3, [-1 / 3] * 2])
+    assert [len(row) for row in advantages] == [3, 3, 2]
+    assert [a for row in advantages for a in row] == pytest.approx([2 / 3] * 3 + [-1 / 3] * 3 + [-1 / 3] * 2)
     lp = torch.full((8,), -1.0, requires_grad=True)
     inputs = LossInputs(
         logprobs=lp,
