@@ -32,7 +32,7 @@ def engine(tiny_model, tmp_path_factory):
     from pipeline_rl.engine.llm_client import LLMClient
 
     run_dir = tmp_path_factory.mktemp("run")
-    base = [f"model.path={tiny_model}", "actor.llm.kv_cache_gib=0.25"]
+    base = [f"model.path={tiny_model}", "actor.llm.kv_cache_gib=0.25", "actor.llm.max_model_len=256"]
     llm = LLMClient.create(load_config("tiny", [f"run_dir={run_dir}", *base]), str(tiny_model), version=0)
     prompt_ids = llm.tokenizer.encode(PROMPT)
     free = asyncio.run(llm.generate(prompt_ids, N, MAX_TOKENS, 1.0, ignore_eos=True))
