@@ -165,7 +165,7 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
             cell(r["start"], ".3f"),
             cell(r["trl_final"], ".3f"),
             f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
-            f"{span / t:.1f}x" if t and span else "never",
+            f"{span / t:.2f}x" if t and span else "never",
             f"{cell(r['final'], '.3f')}{gain}",
             f"{r['worst_drop']:.3f}",
             f"{r['early_fall']:.3f}",

@@ -105,9 +105,9 @@ def test_a_learning_table_is_made_from_its_rows():
     never = LEARNING_ROW | {"model": "m2", "time_to_trl_s": None, "final": 0.7, "gain": -0.1}
     measured = LEARNING_ROW | {"machine": "m", "commit": "abc1234"}
     lines = bench_tables.learning_table([measured, never]).splitlines()
-    # 590 s of TRL's evaluations / 236 s = 2.5x sooner.
+    # 590 s of TRL's evaluations / 236 s = 2.50x sooner (two decimals: 1.97x is not 2x).
     assert lines[2] == (
-        "| `family_char_brief` | 0.300 | 0.800 | 236 s | 2.5x | 0.900 (+0.100) | 0.010 | 0.000 | 2.50 | m, abc1234 |"
+        "| `family_char_brief` | 0.300 | 0.800 | 236 s | 2.50x | 0.900 (+0.100) | 0.010 | 0.000 | 2.50 | m, abc1234 |"
     )
     assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 | not recorded |"
 
