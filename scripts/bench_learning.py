@@ -469,14 +469,15 @@ def report(results: list[dict], out: Path, conf: str, against: str | None = None
         print(f"KL between engine and trainer on unswapped lag-0 tokens: {out / 'unswapped_kl.png'}")
     by = {r["mode"]: r for r in results}
     trl = by.get("trl")
+    base = by.get(against) if against else None
     for name, pipe in by.items():
         if trl and name != "trl":
             goals(pipe, trl)
-        if against in by and name not in (against, "trl"):
-            g = against_trl(pipe, by[against])
-            span, t = by[against]["eval_span_s"], g["time_to_trl"]
+        if base is not None and name != against and name != "trl":
+            g = against_trl(pipe, base)
+            span, t = base["eval_span_s"], g["time_to_trl"]
             print(
-                f"{name} vs {against}'s final {fmt(by[against]['final_eval'], '.3f')}: reached at "
+                f"{name} vs {against}'s final {fmt(base['final_eval'], '.3f')}: reached at "
                 f"{fmt(t, '.0f', ' s', 'never')} ({fmt(span / t if t else None, '.2f', 'x', 'never')} sooner); final - "
                 f"{against}'s = {fmt(g['gain'], '+.3f')}; worst drop {g['drop']:.3f}"
             )
