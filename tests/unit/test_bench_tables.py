@@ -112,6 +112,22 @@ def test_a_learning_table_is_made_from_its_rows():
     assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 | not recorded |"
 
 
+def test_the_guidance_table_sets_each_variant_against_the_run_it_names():
+    bar = LEARNING_ROW | {"mode": "plain", "against": "plain", "against_span_s": 600.0, "time_to_against_s": None}
+    bar |= {"gain_against": None, "tokens_per_trained": 1.25, "cuts": 0, "scorer_share": None}
+    cut = bar | {"mode": "cut", "time_to_against_s": 240.0, "gain_against": 0.05, "final": 0.95}
+    cut |= {"tokens_per_trained": 1.5, "cuts": 1234, "scorer_share": 0.0125}
+    lines = bench_tables.guidance_table([bar, cut]).splitlines()
+    assert lines[2] == (
+        "| `family_char_brief` | plain | 0.300 | - | (the bar) | 0.900 | 0.010 | 1.25 | 0 | 0 % | 2.50 | not recorded |"
+    )
+    # 600 s of the bar's evaluations / 240 s = 2.50x; the scorer's CPU share in percent.
+    assert lines[3] == (
+        "| `family_char_brief` | cut | 0.300 | 240 s | 2.50x | 0.950 (+0.050) | 0.010 | 1.50 | 1234 | 1.2 % | 2.50 "
+        "| not recorded |"
+    )
+
+
 def test_a_kept_json_gathers_the_runs_of_one_benchmark_a_row_each(tmp_path):
     path = tmp_path / "bench.json"
     bench_tables.keep(path, [{"name": "TP=1", "x": 1.0}])
