@@ -169,6 +169,28 @@ def test_a_branch_continues_the_calls_best_scored_prefix_while_the_calls_budget_
     streams.close()
 
 
+def on_policy_gradient(rollouts, advantages) -> torch.Tensor:
+    """d policy_loss / d logprob of a group's tokens, trained on policy (reinforce), the step's
+    denominators its trained tokens and its samples."""
+    mask = [m for r in rollouts for m in (r.mask or [1] * len(r.completion_ids))]
+    n = len(mask)
+    lp = torch.full((n,), -1.0, requires_grad=True)
+    inputs = LossInputs(
+        logprobs=lp,
+        entropy=torch.zeros(n),
+        old_logprobs=torch.full((n,), -1.0),
+        advantages=torch.tensor([a for row in advantages for a in row]),
+        loss_mask=torch.tensor(mask),
+        seq_index=torch.tensor([i for i, r in enumerate(rollouts) for _ in r.completion_ids]),
+        step_tokens=sum(mask),
+        step_samples=len(rollouts),
+    )
+    loss, _ = policy_loss(inputs, LossConfig(kind="reinforce"))
+    loss.backward()
+    assert lp.grad is not None
+    return lp.grad
+
+
 def test_a_branched_pair_trains_its_shared_tokens_once_in_the_parent():
     # The parent failed; its branch shares its first 2 tokens and succeeded; a third attempt failed.
     parent = Completion([1, 2, 3, 4], [-1.0] * 4, [0] * 4, "stop", "")
@@ -181,24 +203,9 @@ def test_a_branched_pair_trains_its_shared_tokens_once_in_the_parent():
     assert [a for row in advantages for a in row] == pytest.approx(
         [-1 / 3] * 4 + [0.0, 0.0, 2 / 3, 2 / 3] + [-1 / 3] * 3
     )
-    mask = [m for r in rollouts for m in (r.mask or [1] * len(r.completion_ids))]
-    lp = torch.full((11,), -1.0, requires_grad=True)
-    inputs = LossInputs(
-        logprobs=lp,
-        entropy=torch.zeros(11),
-        old_logprobs=torch.full((11,), -1.0),
-        advantages=torch.tensor([a for row in advantages for a in row]),
-        loss_mask=torch.tensor(mask),
-        seq_index=torch.tensor([0] * 4 + [1] * 4 + [2] * 3),
-        step_tokens=sum(mask),  # 9: the shared tokens count once
-        step_samples=3,
-    )
-    loss, _ = policy_loss(inputs, LossConfig(kind="reinforce"))
-    loss.backward()
-    assert lp.grad is not None
-    # d loss / d logprob = -A / 9 on trained tokens, 0 on the branch's shared ones.
+    # d loss / d logprob = -A / 9 on the trained tokens (shared ones count once), 0 on the shared ones here.
     expected = [1 / 27] * 4 + [0.0, 0.0, -2 / 27, -2 / 27] + [1 / 27] * 3
-    torch.testing.assert_close(lp.grad, torch.tensor(expected))
+    torch.testing.assert_close(on_policy_gradient(rollouts, advantages), torch.tensor(expected))
 
 
 def test_a_cut_attempt_is_trained_as_a_failure_and_keeps_the_groups_baseline():
@@ -215,22 +222,9 @@ def test_a_cut_attempt_is_trained_as_a_failure_and_keeps_the_groups_baseline():
     # Mean baseline 1/3: the cut attempt's tokens are pushed down as the wrong finished one's are.
     assert [len(row) for row in advantages] == [3, 3, 2]
     assert [a for row in advantages for a in row] == pytest.approx([2 / 3] * 3 + [-1 / 3] * 3 + [-1 / 3] * 2)
-    lp = torch.full((8,), -1.0, requires_grad=True)
-    inputs = LossInputs(
-        logprobs=lp,
-        entropy=torch.zeros(8),
-        old_logprobs=torch.full((8,), -1.0),
-        advantages=torch.tensor([a for row in advantages for a in row]),
-        loss_mask=torch.ones(8, dtype=torch.long),
-        seq_index=torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]),
-        step_tokens=8,
-        step_samples=3,
-    )
-    loss, _ = policy_loss(inputs, LossConfig(kind="reinforce"))
-    loss.backward()
-    assert lp.grad is not None
     # d loss / d logprob = -A / (tokens of the step), on policy.
-    torch.testing.assert_close(lp.grad, torch.tensor([-2 / 24] * 3 + [1 / 24] * 3 + [1 / 24] * 2))
+    expected = [-2 / 24] * 3 + [1 / 24] * 3 + [1 / 24] * 2
+    torch.testing.assert_close(on_policy_gradient(rollouts, advantages), torch.tensor(expected))
 
 
 def test_step_guidance_needs_a_step_scorer_a_branch_budget_and_no_routing_replay(tmp_path):
