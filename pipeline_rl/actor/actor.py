@@ -40,13 +40,9 @@ those in flight over to the actors that stay (a continuable domain's; else lets 
 leaves the weight-update group and ends (exit 0). An actor added to a running job counts its
 groups from the trainer's latest version.
 
-Resume: RUN_DIR/positions/actorI.json holds how many groups the actor has written, how many
-problems it has drawn, how many of its groups were reported lost (with its position in the
-"lost" stream), how many were in flight, and the share its counts were made at (the actor count
-and admission's offset); a restarted actor (the run resumed, or the launcher replaced a dead
-one) goes on from there (and counts groups from at least checkpoint version x share, see
-admission.py). The file and the arithmetic of the counts it resumes with: actor/resume.py; the
-partition's end they go with: actor/partition.py.
+Resume: a restarted actor (the run resumed, or the launcher replaced a dead one) goes on from its
+position file, RUN_DIR/positions/actorI.json; what the file holds and the counts it resumes with
+are in actor/resume.py, the partition's end they go with in actor/partition.py.
 
 Rollouts in flight (actor/in_flight.py): every `actor.in_flight_save_s` and at a graceful stop
 the actor saves its groups in flight to RUN_DIR/in_flight/actorI.json; the next actor in its
