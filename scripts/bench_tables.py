@@ -147,14 +147,16 @@ def step_tally_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
+    """`x` formatted by `spec`, or `missing` where a row has no figure."""
+    return missing if x is None else f"{x:{spec}}"
+
+
 def learning_table(rows: list[dict], variants: bool = False) -> str:
     """scripts/bench_learning.py's rows: each model's pipeline_rl run against TRL's, with the goals
     (TRL's final reached in at most half its budget, ended >= +0.05 above it, no fall of more than
     0.05 after the best, none below the start - 0.05 in the first minute); with `variants`, a
     column naming each row's `--variant`."""
-
-    def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
-        return missing if x is None else f"{x:{spec}}"
 
     def row(r: dict) -> list[str]:
         t, span = r["time_to_trl_s"], r["trl_span_s"]
@@ -183,9 +185,6 @@ def guidance_table(rows: list[dict]) -> str:
     (step guidance against the plain pipelined run: its final reached 1.3x sooner or more, a
     final no lower, no fall of more than 0.05), with what each run generated per trained token,
     the attempts it cut and the step scorer's share of the run's CPU."""
-
-    def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
-        return missing if x is None else f"{x:{spec}}"
 
     def row(r: dict) -> list[str]:
         own = r["mode"] == r["against"]
