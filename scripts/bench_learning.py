@@ -745,6 +745,10 @@ def main() -> None:
     else:
         names = [m for m in args.models.split(",") if m]
     default = Path(cfg.model.path)
+    if not names:  # the config's own model, built now if missing (as --models does), not inside a timed run
+        from pipeline_rl.demo import ensure_built
+
+        ensure_built(default)
     models = [model_path(n, default) for n in names] or [default]
     provenance = {"machine": machine(), "commit": commit()}  # before the runs: what they ran
     per_model = []
