@@ -13,7 +13,8 @@ scripts/bench_learning.py --family judges learning on (pipeline_rl/demo/family.p
 NAME_sSEED any of them made afresh from another seed; tools_policy is the tool-use demo's policy (conf=tiny_tools,
 pipeline_rl/demo/tools_policy.py); tiny_moe is the mixture-of-experts policy
 (pipeline_rl/demo/tiny_moe.py); long_chain_policy is the long, uneven task's policy
-(conf=tiny_long, pipeline_rl/demo/long_chain.py). A model's prerequisites are built first when missing.
+(conf=tiny_long, pipeline_rl/demo/long_chain.py) and long_chain_prm its process reward model
+(conf=tiny_long_prm, pipeline_rl/demo/long_chain_prm.py). A model's prerequisites are built first when missing.
 
 DIR defaults to $PIPELINE_RL_CACHE, else <repo>/.cache.
 """

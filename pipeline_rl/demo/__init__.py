@@ -22,6 +22,7 @@ BUILT = (
     "tools_policy",
     "tiny_moe",
     "long_chain_policy",
+    "long_chain_prm",
 )
 """Directory names under the cache that `build_named` can make (and any family member's fresh
 copy, NAME_sSEED: pipeline_rl/demo/family.py)."""
@@ -29,7 +30,7 @@ copy, NAME_sSEED: pipeline_rl/demo/family.py)."""
 
 def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     """Build the demo model called `name` (one of BUILT) under `cache_dir`, with what it comes with."""
-    from pipeline_rl.demo import family, long_chain, multistep, outcome_rm, prm, tiny_model, tiny_moe, tools_policy
+    from pipeline_rl.demo import family, long_chain, long_chain_prm, multistep, outcome_rm, prm, tiny_model, tiny_moe, tools_policy
 
     if (member := family.member(name)) is not None:
         family.build(cache_dir, seed, member)
@@ -41,6 +42,8 @@ def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
         tiny_moe.build(cache_dir, seed)
     elif name == long_chain.NAME:
         long_chain.build(cache_dir, seed)
+    elif name == long_chain_prm.NAME:
+        long_chain_prm.build(cache_dir, seed)
     elif name == tools_policy.NAME:
         tools_policy.build(cache_dir, seed)
     elif name in (prm.FULL.name, prm.QUICK.name):

@@ -1,6 +1,6 @@
 """The builders of the models kept in tests/models, each run briefly and chained as
 scripts/make_tiny_model.py chains them: the tiny model (with its data set), the quick PRM from
-it, the quick outcome RM from that. Each writes a model transformers loads, with the tokenizer
+it, the quick outcome RM from that, and the long task's PRM (here from the tiny model). Each writes a model transformers loads, with the tokenizer
 and the report of its build. (The kept models are those builders' full recipes; the tests that
 use them hold them to their floors.)"""
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pipeline_rl.demo import outcome_rm, prm, tiny_model
+from pipeline_rl.demo import long_chain, long_chain_prm, outcome_rm, prm, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +32,17 @@ def test_the_builders_chain_on_short_recipes(tmp_path):
 
     scorer = prm.build(tmp_path, 0, replace(prm.QUICK, steps=steps, eval_every=10))
     rm = outcome_rm.build(tmp_path, 0, replace(outcome_rm.QUICK, steps=steps, eval_every=10))
+    long_prm = long_chain_prm.build(
+        tmp_path, 0, replace(long_chain_prm.FULL, steps=steps, eval_every=10), base=tiny_model.TINY.name
+    )
+    # Judged on the base model's own attempts: every held-out problem sampled once.
+    judged = json.loads((long_prm / "report.json").read_text())["on_policy_attempts"]
+    assert judged["attempts"] == long_chain.TEST_PROBLEMS, judged
     ids = torch.tensor([[1, 2, 3]])
     for path, auto, labels in (
         (scorer, AutoModelForTokenClassification, 2),
         (rm, AutoModelForSequenceClassification, 1),
+        (long_prm, AutoModelForTokenClassification, 2),
     ):
         report = json.loads((path / "report.json").read_text())
         # A fixed recipe runs all its steps and keeps its best evaluation's weights.
