@@ -30,7 +30,17 @@ copy, NAME_sSEED: pipeline_rl/demo/family.py)."""
 
 def build_named(cache_dir: Path, name: str, seed: int = 0) -> None:
     """Build the demo model called `name` (one of BUILT) under `cache_dir`, with what it comes with."""
-    from pipeline_rl.demo import family, long_chain, long_chain_prm, multistep, outcome_rm, prm, tiny_model, tiny_moe, tools_policy
+    from pipeline_rl.demo import (
+        family,
+        long_chain,
+        long_chain_prm,
+        multistep,
+        outcome_rm,
+        prm,
+        tiny_model,
+        tiny_moe,
+        tools_policy,
+    )
 
     if (member := family.member(name)) is not None:
         family.build(cache_dir, seed, member)
