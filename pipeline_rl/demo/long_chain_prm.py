@@ -1,6 +1,8 @@
 """The process reward model of the long, uneven task (pipeline_rl/demo/long_chain.py), as
 `ProcessRewardStepScorer(kind=token_classification)` reads it: a token classifier whose label 1
-at the newline after a line is "every line so far is the worked solution's".
+at the newline after a line is "this line is what the line before it asks for". Step guidance
+reads a line's score only while every line before it is right (an attempt is cut at its first
+line scored wrong), and there this is "every line so far is the worked solution's".
 
 The scorer's input here is the policy's own text: the prompt, then each line with the marker
 "\\n" after it, "Q: 3+5 to d=a3+5=8\\nb5+8=3\\n".
@@ -10,13 +12,16 @@ what was written (a wrong result is carried into the next line, as the policy ca
 slip swaps one character of a line for another of its kind (the letter, an operand, the result,
 a sign), or, as the softened policy's own slips mostly do, writes a stray character in a line's
 place, inserts one or drops one. Labels:
-- at the newline after each line: 1 while every line so far is right (what step guidance cuts on);
+- at the newline after each line: 1 when every character of the line is right (below); a
+  label "every line so far is right" would ask the model to carry an earlier slip along 140
+  tokens, which step guidance never needs, and held-out steps stalled near 60 % caught with it;
 - at each character of a line ("local" labels, as pipeline_rl/demo/prm.py puts them at each
   digit): 1 when it is what its place asks for given the line before it as written: the line's
   letter (not past the one the prompt names), the previous line's second operand and result,
   the signs, the sum of this line's operands modulo 10; in a malformed line, 0 at a stray
-  character, and at an inserted one or where one is missing with nothing checked after it. Each check reads a fixed
-  offset back, which a small model learns; the newline's label then only has to gather them.
+  character, and at an inserted one or where one is missing with nothing checked after it.
+  Each check reads a fixed offset back, which a small model learns; the newline's label then
+  only has to gather its line's.
 
 `build(cache_dir, seed, recipe)` fine-tunes the long task's policy (built first if missing) as a
 2-label `Qwen2ForTokenClassification` until its step rates on held-out solutions reach the
@@ -39,10 +44,9 @@ from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
 
 NAME = "long_chain_prm"
 MARKER = "\n"
-SLIP_P = 0.6
-"""Share of training solutions with at least one slip."""
-MORE_SLIPS_P = 0.3
-"""Probability of each further slip in a solution that has one."""
+SLIP_P = 0.25
+"""Probability that a line slips: about the softened policy's own rate (its exact T=1 accuracy
+falls by a factor of about 0.7 a line)."""
 PAST_END_P = 0.1
 """Share of training solutions that go on for a line past the letter the prompt names."""
 SLIP_KINDS = ("swap", "garbage", "insert", "delete")
@@ -91,31 +95,24 @@ def slip(line: list[str], labels: list[int], rng: random.Random) -> bool:
 
 def written(problem: dict, rng: random.Random) -> tuple[list[str], list[list[int]], list[int]]:
     """A solution of `problem` as a slipping writer writes it: its lines, per line the local
-    label of each character (IGNORE where nothing is checked), and per line the exact label (1
-    while every line so far is the worked solution's)."""
+    label of each character (IGNORE where nothing is checked), and per line the step's label (1
+    when the line is what the line before it, as written, asks for)."""
     a, b, last = _prompt(problem["prompt"])
-    solution = long_chain.chain(a, b, problem["steps"])[1].split("\n")
     lines = problem["steps"] + (rng.random() < PAST_END_P)
-    slips = set()
-    if rng.random() < SLIP_P:
-        slips.add(rng.randrange(lines))
-        while rng.random() < MORE_SLIPS_P:
-            slips.add(rng.randrange(lines))
     out, labels, exact = [], [], []
-    x, y, right = a, b, True
+    x, y = a, b
     for k in range(lines):
         letter = letter_of(k)
         line = [letter, str(x), "+", str(y), "=", str((x + y) % 10)]
         local = local_labels(line, letter, x, y, last)
         carried = True
-        if k in slips:
+        if rng.random() < SLIP_P:
             carried = slip(line, local, rng)
             if carried:
                 local = local_labels(line, letter, x, y, last)
-        right = right and k < len(solution) and "".join(line) == solution[k]
         out.append("".join(line))
         labels.append(local)
-        exact.append(int(right))
+        exact.append(int(carried and all(local)))
         x, y = (int(line[3]), int(line[5])) if carried else (y, (x + y) % 10)
     return out, labels, exact
 
@@ -136,8 +133,9 @@ def local_labels(line: list[str], letter: str, x: int, y: int, last: str) -> lis
 
 
 def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], list[int], list[int]]:
-    """(token ids, labels, marker positions) of one written solution of `problem`; a character
-    of several tokens (GARBAGE's replacement character) has its label on each."""
+    """(token ids, labels, the positions of the newlines step guidance reads: up to and
+    including the first wrong line's) of one written solution of `problem`; a character of
+    several tokens (GARBAGE's replacement character) has its label on each."""
     lines, local, exact = written(problem, rng)
     ids = tokenizer.encode(problem["prompt"], add_special_tokens=False)
     labels = [IGNORE] * len(ids)
@@ -149,7 +147,8 @@ def example(problem: dict, rng: random.Random, tokenizer) -> tuple[list[int], li
             labels += [label] * len(char_ids)
         ids += tokenizer.encode(MARKER, add_special_tokens=False)
         labels.append(right)
-        marks.append(len(ids) - 1)
+        if len(marks) == 0 or labels[marks[-1]] == 1:
+            marks.append(len(ids) - 1)
     return ids, labels, marks
 
 

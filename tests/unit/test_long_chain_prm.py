@@ -12,7 +12,7 @@ from pipeline_rl.demo.long_chain import StepChecker
 from pipeline_rl.demo.tiny_model import make_tokenizer
 
 
-def test_the_newline_label_is_the_exact_checkers_verdict_on_every_prefix():
+def test_the_newline_label_is_the_exact_checkers_verdict_on_every_prefix_guidance_reads():
     tok = make_tokenizer()
     train, _ = long_chain.make_problems(seed=0)
     rng = random.Random(1)
@@ -25,7 +25,7 @@ def test_the_newline_label_is_the_exact_checkers_verdict_on_every_prefix():
             assert labels[m] == StepChecker.check(prompt, prefix), (prompt, prefix)
             seen[labels[m]] += 1
     # Both kinds of step are common enough to learn from.
-    assert min(seen.values()) > 0.2 * sum(seen.values()), seen
+    assert min(seen.values()) > 0.1 * sum(seen.values()), seen
 
 
 def test_a_malformed_slip_is_wrong_where_it_happens_and_unchecked_after_it():
@@ -54,11 +54,12 @@ def test_local_labels_mark_the_slipped_character_and_later_lines_carry_it():
     class Slips(random.Random):
         """Slips the result of line b into 9 and nothing else; no extra line."""
 
-        def random(self):
-            return 0.5  # < SLIP_P: one slip; >= MORE_SLIPS_P and PAST_END_P: no more, no extra line
+        calls = 0
 
-        def randrange(self, n):
-            return 1
+        def random(self):
+            # No extra line, then line b alone slips (a swap: not a sign).
+            self.calls += 1
+            return 0.0 if self.calls == 3 else 0.5
 
         def choices(self, population, weights):
             return ["swap"]
@@ -68,7 +69,8 @@ def test_local_labels_mark_the_slipped_character_and_later_lines_carry_it():
 
     lines, local, exact = long_chain_prm.written(problem, Slips())
     assert lines == ["a3+5=8", "b5+8=9", "c8+9=7", "d9+7=6"]
-    assert local == [[1] * 6, [1, 1, 1, 1, 1, 0], [1] * 6, [1] * 6] and exact == [1, 0, 0, 0]
+    # A step's label is its own line's: c is what b, as written, asks for.
+    assert local == [[1] * 6, [1, 1, 1, 1, 1, 0], [1] * 6, [1] * 6] and exact == [1, 0, 1, 1]
     # A line past the letter the prompt names is wrong at its letter.
     assert long_chain_prm.local_labels(list("e7+6=3"), "e", 7, 6, "d") == [0, 1, 1, 1, 1, 1]
     # A copied operand that is not the previous line's is wrong there, and the result is
