@@ -379,6 +379,7 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
         "docs/learning.md",
     ),
     "learning_step_guidance": ("docs/bench_learning_step_guidance.json", guidance_table, "docs/learning.md"),
+    "learning_step_guidance_prm": ("docs/bench_learning_step_guidance_prm.json", guidance_table, "docs/learning.md"),
     "learning_count_filtered": (
         "docs/bench_learning_count_filtered.json",
         functools.partial(learning_table, variants=True),

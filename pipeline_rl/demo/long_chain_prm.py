@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from pipeline_rl.demo import long_chain, prm
-from pipeline_rl.demo.tiny_model import make_tokenizer, save_model
+from pipeline_rl.demo.tiny_model import make_tokenizer, sample_once, save_model
 
 NAME = "long_chain_prm"
 MARKER = "\n"
@@ -164,32 +164,6 @@ def letter_of(k: int) -> str:
     return chr(ord("a") + k)
 
 
-@torch.no_grad()
-def policy_attempts(policy, tokenizer, problems: list[dict], seed: int) -> list[str]:
-    """One completion per problem from `policy` at temperature 1 (EOS and what follows removed)."""
-    torch.manual_seed(seed)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = policy.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=long_chain.MAX_NEW_TOKENS,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    texts = []
-    for generated in out[:, width:].tolist():
-        texts.append(tokenizer.decode(generated[: generated.index(eos)] if eos in generated else generated))
-    return texts
-
-
 def guided_steps(prompt: str, completion: str) -> list[tuple[str, int]]:
     """The prefixes step guidance scores in an attempt (each ending with a line's newline), up
     to and including the first wrong line (a cut ends the attempt there), with the exact label."""
@@ -271,7 +245,9 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL, base: str =
     if recipe.steps is not None:
         report = best.restore(model)
     policy = AutoModelForCausalLM.from_pretrained(cache_dir / base, dtype=torch.float32).eval()
-    attempts = policy_attempts(policy, tokenizer, test, seed + POLICY_SAMPLES_SEED)
+    attempts = [
+        text for text, _ in sample_once(policy, tokenizer, test, long_chain.MAX_NEW_TOKENS, seed + POLICY_SAMPLES_SEED)
+    ]
     model.eval()
     report.update(steps=step, seconds=round(time.time() - start, 1), marker=MARKER, seed=seed)
     report.update(target=recipe.target, class_target=recipe.class_target)

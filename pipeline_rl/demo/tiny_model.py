@@ -255,12 +255,10 @@ def sampled_accuracy(model, tokenizer, problems: list[dict], seed: int, max_new_
 
 
 @torch.no_grad()
-def sampled_reward(
-    model, tokenizer, problems: list[dict], score: Callable[[str, str, str], float], max_new_tokens: int, seed=None
-) -> float:
-    """Mean reward of one sample per problem at T=1, scored as the actor's evaluation scores it
-    (`score(text, finish_reason, answer)`, a domain's). Prompts are left-padded into one batch.
-    `seed` reseeds torch's generator first (the same draws for the same seed); None leaves it."""
+def sample_once(model, tokenizer, problems: list[dict], max_new_tokens: int, seed=None) -> list[tuple[str, bool]]:
+    """One completion per problem at T=1 (prompts left-padded into one batch): its text up to
+    EOS, and whether EOS stopped it. `seed` reseeds torch's generator first (the same draws for
+    the same seed); None leaves it."""
     if seed is not None:
         torch.manual_seed(seed)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -279,11 +277,24 @@ def sampled_reward(
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    total = 0.0
-    for problem, generated in zip(problems, out[:, width:].tolist(), strict=True):
+    samples = []
+    for generated in out[:, width:].tolist():
         stopped = eos in generated
         text = tokenizer.decode(generated[: generated.index(eos)] if stopped else generated, skip_special_tokens=True)
-        total += score(text, "stop" if stopped else "length", problem["answer"])
+        samples.append((text, stopped))
+    return samples
+
+
+def sampled_reward(
+    model, tokenizer, problems: list[dict], score: Callable[[str, str, str], float], max_new_tokens: int, seed=None
+) -> float:
+    """Mean reward of one sample per problem at T=1 (`sample_once`), scored as the actor's
+    evaluation scores it (`score(text, finish_reason, answer)`, a domain's)."""
+    samples = sample_once(model, tokenizer, problems, max_new_tokens, seed)
+    total = sum(
+        score(text, "stop" if stopped else "length", problem["answer"])
+        for problem, (text, stopped) in zip(problems, samples, strict=True)
+    )
     return total / len(problems)
 
 
