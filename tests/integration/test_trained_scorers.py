@@ -14,11 +14,12 @@ import random
 import pytest
 from fixtures.helpers import kept_model
 
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import RunConfig, load_config
 from pipeline_rl.demo import outcome_rm, prm
 from pipeline_rl.demo.multistep import make_problems
 from pipeline_rl.demo.tiny_model import make_tokenizer
 from pipeline_rl.scorers import ProcessRewardScorer, ProcessRewardStepScorer, RewardModelScorer
+from pipeline_rl.scorers.step_scorer import step_scorer_class
 from pipeline_rl.streams.records import Rollout, RolloutGroup, StepRequest
 
 # The quick PRM (prm.QUICK) and outcome RM (outcome_rm.QUICK, from the quick PRM), kept in
@@ -131,8 +132,11 @@ def test_trained_prm_scores_wrong_steps_low_on_their_last_token(tiny_model, prm_
 
 def test_the_prm_as_a_step_scorer_scores_each_prefix_as_the_scorer_scores_its_finished_rollout(tiny_model, prm_dir):
     """Step guidance asks about a prefix that ends with a step: the PRM's score of that step is
-    the one ProcessRewardScorer gives the same step of the finished rollout."""
-    kwargs = {"path": str(prm_dir), "kind": "token_classification", "marker": "\n", "separator": "\n"}
+    the one ProcessRewardScorer gives the same step of the finished rollout. The scorer's
+    settings are conf=tiny_long_prm's, its PRM the quick one (the same tokenizer)."""
+    shipped = load_config("tiny_long_prm")
+    assert step_scorer_class(shipped) is ProcessRewardStepScorer
+    kwargs = dict(shipped.step_guidance.scorer.kwargs, path=str(prm_dir))
     cfg = policy_config(tiny_model)
     whole = ProcessRewardScorer(cfg, **kwargs, step_reward="none")
     steps = ProcessRewardStepScorer(cfg, **kwargs)
