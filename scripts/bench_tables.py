@@ -210,6 +210,37 @@ def guidance_table(rows: list[dict]) -> str:
     return markdown(header, [row(r) for r in rows])
 
 
+def step_scorer_table(report: dict) -> str:
+    """A PRM build's report (pipeline_rl/demo/long_chain_prm.py): its step rates on held-out
+    written solutions and on the policy's own attempts, at a score of 0.5."""
+
+    def row(what: str, r: dict, attempts: bool) -> list[str]:
+        return [
+            what,
+            f"{r['held_out_wrong'] + r['held_out_right']:,} ({r['held_out_wrong']:,} wrong)",
+            f"{r['accuracy']:.3f}",
+            f"{r['wrong_caught']:.3f}",
+            f"{r['right_kept']:.3f}",
+            f"{r['first_wrong_step_caught']:.3f}" if attempts else "-",
+            f"{r['attempts_cut_while_right']:.3f}" if attempts else "-",
+        ]
+
+    header = ["judged on", "steps", "accuracy", "wrong steps caught", "right steps kept"]
+    header += ["attempts' first wrong step caught", "attempts cut while right"]
+    own = report["on_policy_attempts"]
+    return markdown(
+        header,
+        [
+            row(
+                f"held-out written solutions (best of {report['steps']} steps: step {report['kept_step']})",
+                report,
+                False,
+            ),
+            row(f"the policy's own attempts ({own['attempts']}, T=1)", own, True),
+        ],
+    )
+
+
 def swap_table(rows: list[dict]) -> str:
     """scripts/bench_actor.py's rows: the swap's lock hold against a memcpy of the update, how long
     a swap waited against the engine call it found running, decode with updates against without."""
@@ -379,6 +410,7 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
         "docs/learning.md",
     ),
     "learning_step_guidance": ("docs/bench_learning_step_guidance.json", guidance_table, "docs/learning.md"),
+    "long_chain_prm": ("docs/long_chain_prm_report.json", step_scorer_table, "docs/learning.md"),
     "learning_step_guidance_prm": ("docs/bench_learning_step_guidance_prm.json", guidance_table, "docs/learning.md"),
     "learning_count_filtered": (
         "docs/bench_learning_count_filtered.json",
