@@ -8,7 +8,9 @@ pipeline_rl/scorers/step_scorer.py) and writes each verdict to its actor's parti
 Topic.STEP_VERDICTS at once (an actor cuts an attempt only as soon as its verdict comes).
 
 A request older than STALE_S when it is read (a restarted preprocessor reading what its
-predecessor left, or a backlog) is not scored: its attempt has moved on or ended. It is counted.
+predecessor left, or a backlog) is not scored: its attempt has moved on or ended, and a scorer
+slower than the actors' steps then spends itself on the newest requests, whose verdicts can still
+cut, instead of on a backlog whose verdicts all come too late. It is counted.
 A scorer that raises stops the service; the preprocessor's loop then raises its error
 (`check`), so the run stops naming it instead of going on unguided.
 """
@@ -29,7 +31,7 @@ log = logging.getLogger("pipeline_rl.preprocess.step_service")
 
 BATCH = 256
 """Most requests scored together."""
-STALE_S = 30.0
+STALE_S = 5.0
 """A request older than this is skipped (counted)."""
 READ_S = 0.2
 """Longest wait for requests before the thread looks at its stop flag again."""

@@ -1,6 +1,6 @@
 """What the built-in model scorers share: loading a Hugging Face model where the preprocessor
-runs, the policy's tokenizer, and packing sequences into rows of at most
-`preprocess.seq_length` tokens for one forward pass each.
+runs, the policy's tokenizer, packing sequences into rows of at most `preprocess.seq_length`
+tokens for one forward pass each, and batching them by length (`batched_logits`).
 
 Packed rows restart position_ids at 0 for each sequence and pass no attention mask and no
 cache: transformers then attends within each sequence only (see
@@ -60,17 +60,26 @@ def pack_rows(lengths: list[int], seq_length: int) -> list[list[int]]:
     return rows
 
 
-def packed_logits(model: torch.nn.Module, sequences: list[list[int]], seq_length: int, device: torch.device):
+def batched_logits(model: torch.nn.Module, sequences: list[list[int]], max_tokens: int, device: torch.device):
     """Per sequence, the model's logits at each of its positions ([len, C] float32 tensors on
-    the CPU), computed over packed rows."""
+    the CPU). Sequences go longest first into right-padded batches of at most `max_tokens`
+    tokens, padding included, with an attention mask: a batch of sequences of about one length
+    costs their attention alone, where one packed row of `max_tokens` would attend over all of
+    its tokens (on CPU, several times slower for the short prefixes step guidance scores)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    for row in pack_rows([len(s) for s in sequences], seq_length):
-        ids = torch.tensor([[t for i in row for t in sequences[i]]], device=device)
-        pos = torch.tensor([[p for i in row for p in range(len(sequences[i]))]], device=device)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]), reverse=True)
+    while order:
+        width = len(sequences[order[0]])
+        size = max(1, max_tokens // max(width, 1))
+        batch, order = order[:size], order[size:]
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            mask[row, : len(sequences[i])] = 1
         with torch.no_grad():
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float().cpu()
-        start = 0
-        for i in row:
-            out[i] = logits[start : start + len(sequences[i])]
-            start += len(sequences[i])
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        logits = logits.float().cpu()
+        for row, i in enumerate(batch):
+            out[i] = logits[row, : len(sequences[i])]
     return out

@@ -13,7 +13,7 @@ read at the last token of the k-th marker:
 - `kind: causal_lm` (Math-Shepherd style, `AutoModelForCausalLM`): the probability of
   `good_token` against `bad_token` (a softmax over those two logits).
 
-Rows of sequences are packed up to `preprocess.seq_length` tokens per forward pass.
+Sequences are batched by length, up to `preprocess.seq_length` tokens per forward pass.
 
 What the step scores s_1..s_K (each in [0, 1]) do, both optional:
 - `step_reward: raw` adds `step_weight * s_k` to `token_rewards` at step k's last token;
@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.scorers.base import Scorer, ScorerOutput
-from pipeline_rl.scorers.hf import load_model, load_tokenizer, packed_logits, scorer_device
+from pipeline_rl.scorers.hf import batched_logits, load_model, load_tokenizer, scorer_device
 from pipeline_rl.scorers.step_scorer import StepScorer
 from pipeline_rl.streams.records import Rollout, RolloutGroup, StepRequest
 
@@ -148,7 +148,7 @@ class ProcessRewardScorer(Scorer):
         """Per rollout, the last token of each step and the PRM's score of that step."""
         ends = [step_ends(r.completion_ids, self.separator) for r in rollouts]
         inputs = [self.prm_input(r, e) for r, e in zip(rollouts, ends)]
-        logits = packed_logits(self.model, [ids for ids, _ in inputs], self.cfg.preprocess.seq_length, self.device)
+        logits = batched_logits(self.model, [ids for ids, _ in inputs], self.cfg.preprocess.seq_length, self.device)
         out = []
         for e, (_, positions), row in zip(ends, inputs, logits):
             at = row[positions]
