@@ -2,15 +2,15 @@
 preprocessor scores the steps that its actors' attempts complete while they are generated.
 
 Preprocessor i of n serves the actors whose groups it reads (partitions_for(i, n, actors) of
-Topic.STEP_REQUESTS), on a thread of its own beside its scoring of finished groups: it reads up
-to BATCH requests at a time, scores them with the step scorer (`step_guidance.scorer`,
+Topic.STEP_REQUESTS), on a thread of its own beside its scoring of finished groups: it reads the
+requests waiting, scores the newest BATCH of them with the step scorer (`step_guidance.scorer`,
 pipeline_rl/scorers/step_scorer.py) and writes each verdict to its actor's partition of
 Topic.STEP_VERDICTS at once (an actor cuts an attempt only as soon as its verdict comes).
 
 A request older than STALE_S when it is read (a restarted preprocessor reading what its
-predecessor left, or a backlog) is not scored: its attempt has moved on or ended, and a scorer
-slower than the actors' steps then spends itself on the newest requests, whose verdicts can still
-cut, instead of on a backlog whose verdicts all come too late. It is counted.
+predecessor left), or passed over for newer ones, is not scored, and is counted: a scorer slower
+than the actors' steps then spends itself on the newest requests, whose verdicts can still cut,
+instead of on a backlog whose verdicts all come after their attempts have ended.
 A scorer that raises stops the service; the preprocessor's loop then raises its error
 (`check`), so the run stops naming it instead of going on unguided.
 """
@@ -29,8 +29,11 @@ from pipeline_rl.wire import Topic
 
 log = logging.getLogger("pipeline_rl.preprocess.step_service")
 
-BATCH = 256
-"""Most requests scored together."""
+BATCH = 64
+"""Most requests scored together: the newest of those waiting (a verdict's delay is about one
+batch's scoring)."""
+BACKLOG = 16 * BATCH
+"""Most requests read at a time: all that wait, in practice, so that the newest are scored."""
 STALE_S = 5.0
 """A request older than this is skipped (counted)."""
 READ_S = 0.2
@@ -58,9 +61,10 @@ class StepService:
         return self
 
     def serve(self, requests: list[StepRequest]) -> list[StepVerdict]:
-        """Score `requests` (the stale ones skipped, counted) and write their verdicts."""
+        """Score the newest BATCH of `requests` and write their verdicts; the stale ones and
+        those passed over for newer ones are skipped (counted)."""
         now = time.time()
-        fresh = [r for r in requests if now - r.sent_at <= STALE_S]
+        fresh = sorted((r for r in requests if now - r.sent_at <= STALE_S), key=lambda r: r.sent_at)[-BATCH:]
         self.stale += len(requests) - len(fresh)
         if not fresh:
             return []
@@ -83,7 +87,7 @@ class StepService:
         assert self.requests is not None
         try:
             while not self._stop.is_set():
-                entries = self.requests.read(timeout=READ_S, max_count=BATCH)
+                entries = self.requests.read(timeout=READ_S, max_count=BACKLOG)
                 if entries:
                     self.serve([e.record for e in entries])
         except BaseException as e:

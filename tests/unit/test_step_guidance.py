@@ -17,7 +17,7 @@ from pipeline_rl.config import AdvantageConfig, ConfigError, LossConfig, load_co
 from pipeline_rl.demo.long_chain import StepChecker, chain
 from pipeline_rl.engine.sequences import Completion
 from pipeline_rl.preprocess.advantages import group_advantages
-from pipeline_rl.preprocess.step_service import STALE_S, StepService
+from pipeline_rl.preprocess.step_service import BATCH, STALE_S, StepService
 from pipeline_rl.rollouts.domains import make_rollout
 from pipeline_rl.rollouts.domains.multistep import score
 from pipeline_rl.streams import open_streams
@@ -66,6 +66,20 @@ def test_the_service_answers_each_actor_on_its_own_partition_and_skips_stale_req
     }
     assert [(v.key, v.end, v.score) for v in read[0]] == [("g0/0/0", 3, 1.0)]
     assert [(v.key, v.end, v.score) for v in read[1]] == [("g1/0/3", 5, 0.0)]
+    streams.close()
+
+
+def test_a_backlog_is_served_newest_first_and_what_is_passed_over_counted(tmp_path):
+    cfg = service_config(tmp_path)
+    streams = open_streams(cfg)
+    service = StepService(cfg, streams, index=0, actors=2)
+    now = time.time()
+    # BATCH + 3 requests, read newest first (the order of two partitions may be any).
+    requests = [StepRequest(f"g0/0/{i}", i % 2, i, [1], [5, 9], now - 1 + i / 1000) for i in range(BATCH + 3)]
+    service.serve(requests[::-1])
+    assert sorted(service.scorer.seen) == list(range(3, BATCH + 3))  # pyright: ignore[reportAttributeAccessIssue]
+    assert service.values()["step_guidance/stale_requests_total"] == 3
+    assert service.values()["step_guidance/steps_scored_total"] == BATCH
     streams.close()
 
 
