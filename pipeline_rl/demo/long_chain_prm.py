@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline_rl.demo import long_chain, prm
+from pipeline_rl.demo import ensure_built, long_chain, prm
 from pipeline_rl.demo.tiny_model import make_tokenizer, sample_once, save_model
 
 NAME = "long_chain_prm"
@@ -59,20 +59,17 @@ GARBAGE = [chr(c) for c in range(128) if chr(c) != "\n"] + ["\ufffd"]
 """What a malformed slip writes: any ASCII character but the newline, or the replacement
 character that a byte the policy samples outside UTF-8 decodes to (the scorer reads the policy's
 text, decoded)."""
-STEPS = 900
-FULL = prm.Recipe(NAME, target=0.95, class_target=0.85, lr=1e-3, eval_every=100, steps=STEPS)
+FULL = prm.Recipe(NAME, target=0.95, class_target=0.85, lr=1e-3, eval_every=100, steps=900)
 """The demo's PRM (conf=tiny_long_prm), a fixed recipe (the same work on every CPU) whose learning
 rate decays linearly over its last third (at a constant rate the held-out rates stalled:
 docs/learning.md). The targets are the floors its report is held to."""
 POLICY_SAMPLES_SEED = 7
-FIELDS = ("letter", "x", "plus", "y", "equals", "result")
-"""A well-formed line's characters, in order: "a3+5=8"."""
 IGNORE = prm.IGNORE
 
 
 def slip(line: list[str], labels: list[int], rng: random.Random) -> bool:
-    """Slip once in `line` (its characters, FIELDS' order) and `labels` (their local labels), in
-    place. Returns whether the line keeps FIELDS' form (a character swapped for another of its
+    """Slip once in `line` (its characters: letter, operand, "+", operand, "=", result) and
+    `labels` (their local labels), in place. Returns whether the line keeps that form (a character swapped for another of its
     kind: the next line copies what it says) rather than a malformed one (a character replaced by
     GARBAGE, one inserted or deleted: the next line goes on from what this one meant)."""
     kind = rng.choices(SLIP_KINDS, SLIP_WEIGHTS)[0]
@@ -119,7 +116,7 @@ def written(problem: dict, rng: random.Random) -> tuple[list[str], list[list[int
 
 
 def local_labels(line: list[str], letter: str, x: int, y: int, last: str) -> list[int]:
-    """Each character's local label in a line of FIELDS' form: 1 when it is what its place asks
+    """Each character's local label in a well-formed line: 1 when it is what its place asks
     for: the line's `letter` (not past the prompt's `last`), the operands `x` and `y` the previous
     line wrote, the signs, the sum of its operands modulo 10 as written here."""
     checks = (
@@ -216,8 +213,7 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL, base: str =
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     cache_dir = Path(cache_dir)
-    if not (cache_dir / base / "config.json").exists():
-        long_chain.build(cache_dir, seed)
+    ensure_built(cache_dir / base, seed)
     tokenizer = make_tokenizer()
     pad_id = tokenizer.pad_token_id
     assert isinstance(pad_id, int)
@@ -227,7 +223,8 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL, base: str =
     torch.manual_seed(seed)
     model = AutoModelForTokenClassification.from_pretrained(cache_dir / base, num_labels=2, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
-    steps = recipe.steps or STEPS
+    steps = recipe.steps
+    assert steps is not None, "a fixed recipe: its learning rate decays over its last third"
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / prm.WARMUP_STEPS, (steps - s) / (steps / 3), 1.0)
     )
