@@ -69,9 +69,10 @@ IGNORE = prm.IGNORE
 
 def slip(line: list[str], labels: list[int], rng: random.Random) -> bool:
     """Slip once in `line` (its characters: letter, operand, "+", operand, "=", result) and
-    `labels` (their local labels), in place. Returns whether the line keeps that form (a character swapped for another of its
-    kind: the next line copies what it says) rather than a malformed one (a character replaced by
-    GARBAGE, one inserted or deleted: the next line goes on from what this one meant)."""
+    `labels` (their local labels), in place. Returns whether the line keeps that form (a
+    character swapped for another of its kind: the next line copies what it says) rather than a
+    malformed one (a character replaced by GARBAGE, one inserted or deleted: the next line goes
+    on from what this one meant)."""
     kind = rng.choices(SLIP_KINDS, SLIP_WEIGHTS)[0]
     if kind == "swap":
         i = rng.choice((2, 4)) if rng.random() < SIGN_P else rng.choice((0, 1, 3, 5))
