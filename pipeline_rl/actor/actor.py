@@ -14,11 +14,8 @@ evaluates every `actor.eval_every_s` seconds (and once at start) on the first
 "eval/reward" with the version it evaluated; evaluation groups are never written to the stream.
 
 Weights: the engine starts from the latest checkpoint's Hugging Face model (at that version)
-or from model.path (version 0). With env PIPELINE_RL_WEIGHT_SYNC_ADDR set (the launcher sets
-it), the actor's engine joins the weight-update group (as one rank, or one per tensor-parallel
-worker: weight_sync.group_ranks) and swaps in every version the trainer announces on the
-"weights" stream. Without it the actor keeps its
-starting weights (for tests and generation-only runs).
+or from model.path (version 0), and takes the trainer's versions through the weight-update group
+(actor/weight_link.py).
 
 Failures: a reward check that fails is counted and shown with its last error text (the
 rollout gets the failure reward); a rollout that raises is logged, counted and skipped. The
@@ -53,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +64,7 @@ from pipeline_rl.actor.resume import SavedCounts, resume
 from pipeline_rl.actor.step_guide import StepGuide
 from pipeline_rl.actor.swap_metrics import SwapMetrics
 from pipeline_rl.actor.totals import Totals
+from pipeline_rl.actor.weight_link import WeightLink
 from pipeline_rl.actor.window import Window
 from pipeline_rl.collectives import prepare_collectives
 from pipeline_rl.config import RunConfig, StepGuidanceMode
@@ -79,8 +76,8 @@ from pipeline_rl.rollouts.datasets import load_problems
 from pipeline_rl.rollouts.domains import load_domain
 from pipeline_rl.rollouts.interface import is_continuable
 from pipeline_rl.streams import open_streams
-from pipeline_rl.streams.records import GroupsLost, RolloutGroup, WeightUpdate
-from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV, Topic
+from pipeline_rl.streams.records import GroupsLost, RolloutGroup
+from pipeline_rl.wire import Topic
 
 log = logging.getLogger("pipeline_rl.actor.actor")
 
@@ -88,8 +85,6 @@ MAX_CONSECUTIVE_FAILURES = 50
 POLL_S = 0.01
 """How often the loop looks for finished groups, a new version and the stop flag (short: in sync
 mode every step waits here for the new version)."""
-TRAINER_VERSION_WAIT_S = 5.0
-"""Longest wait for the sender's latest version at a rebase (a restarting trainer has none)."""
 SAVE_EVERY_S = 1.0
 """Most often the position file is rewritten (it is fsynced)."""
 
@@ -118,23 +113,7 @@ class Actor:
         self.actor_count = ActorCountWatch(self.streams, cfg.world.actors)
         if index >= self.actor_count.largest:
             raise ValueError(f"--index {index} is not below the job's {self.actor_count.count} actors (world.actors)")
-        self.receiver = None
-        self.weight_sync_addr = addr = os.environ.get(WEIGHT_SYNC_ADDR_ENV)
-        if addr:
-            from pipeline_rl.weight_sync import backend_for, transfer_timeout_s
-
-            backend = backend_for(cfg.world.gpus_per_node)
-            self.receiver = self.llm.weight_receiver(
-                addr,
-                index,
-                self.actor_count.largest,
-                backend,
-                transfer_timeout_s(cfg.world.collective_timeout_s),
-                cfg.actor.llm.stage_weights_on_host,
-            )
-            self.llm.start_receiver(self.receiver, self.streams.reader(Topic.WEIGHTS, WeightUpdate))
-        else:
-            log.warning("%s is not set: no weight updates, the actor keeps version %d", WEIGHT_SYNC_ADDR_ENV, version)
+        self.weights = WeightLink(cfg, index, self.llm, self.streams, self.actor_count.largest)
 
         self.partition = Partition(self.streams, index, run_dir / "positions" / f"{self.name}.json")
         saved = self.partition.saved()
@@ -265,24 +244,7 @@ class Actor:
     def _published_version(self) -> int:
         """The trainer's latest version, for an actor added to a running job (0 otherwise: at
         the launch the trainer may not be up yet, and a restarted actor has its saved count)."""
-        if not self.weight_sync_addr or not self.actor_count.scaled:
-            return 0
-        from pipeline_rl.weight_sync import published_version
-
-        return published_version(self.weight_sync_addr, self.cfg.world.collective_timeout_s)
-
-    def _trainer_version(self) -> int:
-        """The trainer's latest version as far as this actor can tell: the sender's, else its own."""
-        if self.weight_sync_addr:
-            from pipeline_rl.weight_sync import published_version
-
-            try:
-                return max(self.llm.version, published_version(self.weight_sync_addr, TRAINER_VERSION_WAIT_S))
-            except (RuntimeError, TimeoutError, OSError) as e:  # the trainer restarting: own version
-                log.warning(
-                    "the trainer's latest version is not known (%s): rebasing on version %d", e, self.llm.version
-                )
-        return self.llm.version
+        return self.weights.published_version() if self.actor_count.scaled else 0
 
     def _rescale(self, actors: int, present: int) -> None:
         """The job has `actors` actors, `present` of them running (core/actor_count.py): on a
@@ -290,7 +252,7 @@ class Actor:
         problems this actor's share of each epoch of all of them, from the next epoch on."""
         if present != self.admission.actors:
             log.info("%d actors generate now (was %d): rebasing admission", present, self.admission.actors)
-            trainer_version = self._trainer_version() if present < self.admission.actors else None
+            trainer_version = self.weights.trainer_version() if present < self.admission.actors else None
             self.admission.rebase(present, self.llm.version, trainer_version)
         if actors != self.order.actors:
             log.info("the job now has %d actors (was %d): rebasing the problem order", actors, self.order.actors)
@@ -303,12 +265,7 @@ class Actor:
             "the job was scaled to %d actors: %s drained after writing %d groups", count, self.name, self.totals.written
         )
         self.drained = True
-        if self.weight_sync_addr:
-            from pipeline_rl.weight_sync import group_ranks, leave_group
-
-            ranks, _ = group_ranks(self.index, self.actor_count.largest, self.cfg.shared.tensor_parallel_size)
-            if not leave_group(self.weight_sync_addr, ranks, self.cfg.world.collective_timeout_s):
-                log.warning("the weight-update group did not re-form without %s in time: leaving anyway", self.name)
+        self.weights.leave(self.actor_count.largest)
 
     def _take_lost(self) -> None:
         """Give back the admission slot of every group a preprocessor reported lost."""
@@ -443,8 +400,7 @@ class Actor:
 
     def close(self) -> None:
         self.llm.close()
-        if self.receiver is not None:
-            self.receiver.close()
+        self.weights.close()
         self.metrics.close()
         self.streams.close()
 

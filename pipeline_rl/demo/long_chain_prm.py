@@ -223,33 +223,19 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL, base: str =
     evalset = [example(p, held_out, tokenizer) for p in test for _ in range(prm.EVAL_COPIES)]
     torch.manual_seed(seed)
     model = AutoModelForTokenClassification.from_pretrained(cache_dir / base, num_labels=2, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
-    steps = recipe.steps
-    assert steps is not None, "a fixed recipe: its learning rate decays over its last third"
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / prm.WARMUP_STEPS, (steps - s) / (steps / 3), 1.0)
-    )
     rng = random.Random(seed)
-    start, step, report, best = time.time(), 0, {}, prm.Best()
-    model.train()
-    while step < steps:
+
+    def loss() -> torch.Tensor:
         ids, labels = prm.batch([example(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)], pad_id)
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        schedule.step()
-        step += 1
-        if prm.evaluates_after(step, recipe):
-            report = prm.step_accuracy(model, evalset, pad_id)
-            best.offer(step, report, model)
-            shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
-            print(f"{recipe.name}: step {step}, held-out {shown} ({time.time() - start:.0f} s)", flush=True)
-    report = best.restore(model)
+        return model(input_ids=ids, labels=labels).loss
+
+    start = time.time()
+    evaluate = lambda: prm.step_accuracy(model, evalset, pad_id)  # noqa: E731
+    report, step = prm.fit(model, list(model.parameters()), recipe, loss, evaluate, "the long task's PRM", decay=True)
     policy = AutoModelForCausalLM.from_pretrained(cache_dir / base, dtype=torch.float32).eval()
     attempts = [
         text for text, _ in sample_once(policy, tokenizer, test, long_chain.MAX_NEW_TOKENS, seed + POLICY_SAMPLES_SEED)
     ]
-    model.eval()
     report.update(steps=step, seconds=round(time.time() - start, 1), marker=MARKER, seed=seed)
     report.update(target=recipe.target, class_target=recipe.class_target)
     report["on_policy_attempts"] = on_policy_rates(model, tokenizer, test, attempts)

@@ -107,26 +107,22 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL) -> Path:
     )
     model.config.pad_token_id = pad_id
     aux_head = torch.nn.Linear(model.config.hidden_size, 2)
-    opt = torch.optim.AdamW([*model.parameters(), *aux_head.parameters()], lr=recipe.lr)
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / prm.WARMUP_STEPS))
     rng = random.Random(seed)
-    start, step, report, best = time.time(), 0, {}, prm.Best()
-    model.train()
-    while not prm.finished(step, report, recipe, MAX_STEPS, "the outcome RM"):
-        items = [labelled(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)]
-        loss(model, aux_head, items, pad_id).backward()
-        opt.step()
-        opt.zero_grad()
-        warmup.step()
-        step += 1
-        if prm.evaluates_after(step, recipe):
-            report = accuracy(model, evalset, pad_id)
-            best.offer(step, report, model)
-            shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
-            print(f"{recipe.name}: step {step}, held-out {shown}", flush=True)
-    if recipe.steps is not None:
-        report = best.restore(model)
-    model.eval()
+
+    def batch_loss() -> torch.Tensor:
+        return loss(model, aux_head, [labelled(rng.choice(train), rng, tokenizer) for _ in range(prm.BATCH)], pad_id)
+
+    start = time.time()
+    params = [*model.parameters(), *aux_head.parameters()]
+    report, step = prm.fit(
+        model,
+        params,
+        recipe,
+        batch_loss,
+        lambda: accuracy(model, evalset, pad_id),
+        "the outcome RM",
+        max_steps=MAX_STEPS,
+    )
     report.update(steps=step, seconds=round(time.time() - start, 1), seed=seed)
     report.update(target=recipe.target, class_target=recipe.class_target)
     dest = cache_dir / recipe.name

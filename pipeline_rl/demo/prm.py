@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,51 @@ def evaluates_after(step: int, recipe: Recipe) -> bool:
     return step % recipe.eval_every == 0 or step == recipe.steps
 
 
+def fit(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    recipe: Recipe,
+    loss: Callable[[], torch.Tensor],
+    evaluate: Callable[[], dict],
+    what: str,
+    decay: bool = False,
+    max_steps: int = MAX_STEPS,
+) -> tuple[dict, int]:
+    """The classifier builds' training loop (this PRM, the outcome RM, the long task's PRM): AdamW
+    on `params` at recipe.lr after WARMUP_STEPS of linear warm-up (with `decay`, falling to 0
+    over a fixed recipe's last third), one `loss()` of a fresh batch per step and `evaluate()` on
+    the held-out set at `evaluates_after`, until `finished` (a target-based build gives up after
+    `max_steps`); a fixed recipe ends on its best evaluation's weights. Returns the report of the
+    weights it ends on and the steps taken."""
+    opt = torch.optim.AdamW(params, lr=recipe.lr)
+    steps = recipe.steps
+    if decay and steps is None:
+        raise ValueError(f"{recipe.name}: a decaying learning rate needs a fixed recipe (steps)")
+
+    def factor(s: int) -> float:
+        warm = (s + 1) / WARMUP_STEPS
+        return min(warm, (steps - s) / (steps / 3), 1.0) if decay and steps else min(warm, 1.0)
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    start, step, report, best = time.time(), 0, {}, Best()
+    model.train()
+    while not finished(step, report, recipe, max_steps, what):
+        loss().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        step += 1
+        if evaluates_after(step, recipe):
+            report = evaluate()
+            best.offer(step, report, model)
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
+            print(f"{recipe.name}: step {step}, held-out {shown} ({time.time() - start:.0f} s)", flush=True)
+    if steps is not None:
+        report = best.restore(model)
+    model.eval()
+    return report, step
+
+
 def build(cache_dir: Path, seed: int = 0, recipe: Recipe = FULL) -> Path:
     """Train the PRM from cache_dir/tiny_model (built first if missing) and write
     cache_dir/<recipe.name>; raises if the targets are not reached within MAX_STEPS."""
@@ -218,26 +264,16 @@ def build(cache_dir: Path, seed: int = 0, recipe: Recipe = FULL) -> Path:
     evalset = [example(p, held_out, tokenizer) for p in test for _ in range(EVAL_COPIES)]
     torch.manual_seed(seed)
     model = AutoModelForTokenClassification.from_pretrained(base, num_labels=2, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     rng = random.Random(seed)
-    start, step, report, best = time.time(), 0, {}, Best()
-    model.train()
-    while not finished(step, report, recipe, MAX_STEPS, "the PRM"):
+
+    def loss() -> torch.Tensor:
         ids, labels = batch([example(rng.choice(train), rng, tokenizer) for _ in range(BATCH)], pad_id)
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        warmup.step()
-        step += 1
-        if evaluates_after(step, recipe):
-            report = step_accuracy(model, evalset, pad_id)
-            best.offer(step, report, model)
-            shown = ", ".join(f"{k} {v:.3f}" for k, v in report.items() if isinstance(v, float))
-            print(f"{recipe.name}: step {step}, held-out {shown}", flush=True)
-    if recipe.steps is not None:
-        report = best.restore(model)
-    model.eval()
+        return model(input_ids=ids, labels=labels).loss
+
+    start = time.time()
+    report, step = fit(
+        model, list(model.parameters()), recipe, loss, lambda: step_accuracy(model, evalset, pad_id), "the PRM"
+    )
     report.update(steps=step, seconds=round(time.time() - start, 1), marker=MARKER, seed=seed)
     report.update(target=recipe.target, class_target=recipe.class_target)
     dest = cache_dir / recipe.name

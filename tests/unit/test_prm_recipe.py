@@ -48,3 +48,48 @@ def test_best_keeps_the_evaluation_with_the_larger_worse_class_rate_and_its_weig
     kept = best.restore(model)
     assert kept == dict(offers[1][1], kept_step=200)
     assert torch.all(model.weight == 2.0)
+
+
+def test_fit_warms_up_decays_over_the_last_third_and_ends_on_the_best_evaluation(monkeypatch):
+    """A fixed recipe of 300 steps with `decay`: the lr rises linearly over WARMUP_STEPS, holds,
+    and falls to 0 over the last 100 steps; the loop ends on the weights of its best evaluation,
+    not its last, and stops a target-based recipe at its targets."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    lrs: list[float] = []
+    opt_seen: list[torch.optim.Optimizer] = []
+    real_adamw = torch.optim.AdamW
+
+    def recording_adamw(params, lr):
+        opt = real_adamw(params, lr=lr)
+        opt_seen.append(opt)
+        return opt
+
+    def loss():
+        lrs.append(opt_seen[0].param_groups[0]["lr"])
+        return (model.weight**2).sum()
+
+    evals = iter([report(0.7, 0.6, 0.9), report(0.9, 0.8, 0.9), report(0.95, 0.5, 1.0)])
+    weights_at: dict[int, float] = {}
+
+    def evaluate():
+        weights_at[len(lrs)] = model.weight.item()
+        return next(evals)
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording_adamw)  # to read the lr each step
+    kept, steps = prm.fit(model, list(model.parameters()), FIXED, loss, evaluate, "x", decay=True)
+    assert steps == 300
+    lr = FIXED.lr
+    assert lrs[0] == pytest.approx(lr / prm.WARMUP_STEPS)
+    assert lrs[prm.WARMUP_STEPS - 1] == pytest.approx(lr)
+    assert lrs[200] == pytest.approx(lr)  # the decay starts at step 200: (300 - 200) / 100 = 1
+    assert lrs[250] == pytest.approx(lr * 50 / 100)
+    assert lrs[299] == pytest.approx(lr / 100)
+    assert kept == dict(report(0.9, 0.8, 0.9), kept_step=200)
+    assert model.weight.item() == weights_at[200]
+    assert not model.training
+
+    evals = iter([report(0.5, 0.5, 0.5), report(0.8, 0.7, 0.7), report(0.99, 0.99, 0.99)])
+    kept, steps = prm.fit(
+        model, list(model.parameters()), TARGETED, lambda: (model.weight**2).sum(), lambda: next(evals), "x"
+    )
+    assert (kept, steps) == (report(0.8, 0.7, 0.7), 100)
