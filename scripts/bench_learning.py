@@ -538,6 +538,13 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
                     "early_fall": r["early_fall"],
                     "versions_per_s": r["versions_per_s"],
                     "completions_per_s": r["completions_per_s"],
+                    "actor_idle": r.get("actor_idle"),
+                    "trainer_idle": r.get("trainer_idle"),
+                    # A version's seconds waiting for its samples and training (step_split).
+                    "version_wait_s": r["step_split"][0] if r.get("step_split") else None,
+                    "version_train_s": r["step_split"][1] if r.get("step_split") else None,
+                    "dropped_samples": r.get("dropped_samples"),
+                    "samples": r.get("samples"),
                     "trl_final": trl["final_eval"] if trl else None,
                     "trl_span_s": trl["eval_span_s"] if trl else None,
                     "trl_completions_per_s": trl["completions_per_s"] if trl else None,

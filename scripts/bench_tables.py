@@ -210,6 +210,43 @@ def guidance_table(rows: list[dict]) -> str:
     return markdown(header, [row(r) for r in rows])
 
 
+def pipelining_table(rows: list[dict]) -> str:
+    """scripts/bench_learning.py's rows with `--against sync`: the pipelined and sync runs of one
+    model, each against sync's final reward and TRL's, with where a version's time goes (waiting
+    for its samples, training), the idle shares and the samples the lag gate dropped."""
+
+    def row(r: dict) -> list[str]:
+        own = r["mode"] == r["against"]
+        t, span = r.get("time_to_against_s"), r["against_span_s"]
+        trl_t, trl_span = r["time_to_trl_s"], r["trl_span_s"]
+        gain = "" if own or r["gain_against"] is None else f" ({r['gain_against']:+.3f})"
+        wait, train = r.get("version_wait_s"), r.get("version_train_s")
+        dropped, samples = r.get("dropped_samples"), r.get("samples")
+        return [
+            f"`{r['model']}`",
+            r["mode"],
+            cell(r["start"], ".3f"),
+            f"{cell(r['final'], '.3f')}{gain}",
+            "(the bar)" if own else f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
+            "-" if own else (f"{span / t:.2f}x" if t and span else "never"),
+            f"{cell(trl_t, '.0f', 'never')}{' s' if trl_t else ''} ({cell(r['trl_final'], '.3f')})",
+            f"{trl_span / trl_t:.2f}x" if trl_t and trl_span else "never",
+            f"{r['worst_drop']:.3f}",
+            f"{wait:.2f} + {train:.2f}" if wait is not None and train is not None else "n/a",
+            f"{cell(r.get('actor_idle'), '.2f')} / {cell(r.get('trainer_idle'), '.2f')}",
+            f"{dropped:,} of {dropped + samples:,}" if dropped is not None and samples else "n/a",
+            cell(r["completions_per_s"], ".0f"),
+            cell(r["versions_per_s"], ".2f"),
+            measured_on(r),
+        ]
+
+    header = ["model", "run", "start", "final (vs sync)", "time to sync's final", "sooner than sync"]
+    header += ["time to TRL's final (TRL's final)", "sooner than TRL", "worst drop"]
+    header += ["s/version: samples + training", "idle: actor / trainer", "samples dropped by the lag gate"]
+    header += ["completions/s", "versions/s", "measured on"]
+    return markdown(header, [row(r) for r in rows])
+
+
 def step_scorer_table(report: dict) -> str:
     """A PRM build's report (pipeline_rl/demo/long_chain_prm.py): its step rates on held-out
     written solutions and on the policy's own attempts, at a score of 0.5."""
@@ -410,6 +447,7 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
         "docs/learning.md",
     ),
     "learning_step_guidance": ("docs/bench_learning_step_guidance.json", guidance_table, "docs/learning.md"),
+    "learning_pipelining_tiny_long": ("docs/bench_learning_tiny_long.json", pipelining_table, "docs/learning.md"),
     "long_chain_prm": ("docs/long_chain_prm_report.json", step_scorer_table, "docs/learning.md"),
     "learning_step_guidance_prm": ("docs/bench_learning_step_guidance_prm.json", guidance_table, "docs/learning.md"),
     "learning_count_filtered": (

@@ -128,6 +128,26 @@ def test_the_guidance_table_sets_each_variant_against_the_run_it_names():
     )
 
 
+def test_the_pipelining_table_sets_the_pipelined_run_against_sync_and_trl():
+    sync = LEARNING_ROW | {"mode": "sync", "against": "sync", "against_span_s": 600.0, "time_to_against_s": None}
+    sync |= {"gain_against": None, "final": 0.6, "time_to_trl_s": 400.0, "version_wait_s": 4.5}
+    sync |= {"version_train_s": 3.0, "actor_idle": 0.4, "trainer_idle": 0.6, "dropped_samples": 0, "samples": 9000}
+    pipe = sync | {"mode": "async", "time_to_against_s": 250.0, "gain_against": 0.1, "final": 0.7}
+    pipe |= {"time_to_trl_s": 200.0, "version_wait_s": 1.5, "actor_idle": 0.05, "trainer_idle": 0.3}
+    pipe |= {"dropped_samples": 1250, "samples": 26750}
+    lines = bench_tables.pipelining_table([pipe, sync]).splitlines()
+    # 600 s of sync's evaluations / 250 s = 2.40x; 590 s of TRL's / 200 s = 2.95x; 1,250 dropped
+    # of the 28,000 samples that reached the trainer.
+    assert lines[2] == (
+        "| `family_char_brief` | async | 0.300 | 0.700 (+0.100) | 250 s | 2.40x | 200 s (0.800) | 2.95x | 0.010 "
+        "| 1.50 + 3.00 | 0.05 / 0.30 | 1,250 of 28,000 | 640 | 2.50 | not recorded |"
+    )
+    assert lines[3] == (
+        "| `family_char_brief` | sync | 0.300 | 0.600 | (the bar) | - | 400 s (0.800) | 1.48x | 0.010 "
+        "| 4.50 + 3.00 | 0.40 / 0.60 | 0 of 9,000 | 640 | 2.50 | not recorded |"
+    )
+
+
 def test_a_kept_json_gathers_the_runs_of_one_benchmark_a_row_each(tmp_path):
     path = tmp_path / "bench.json"
     bench_tables.keep(path, [{"name": "TP=1", "x": 1.0}])
