@@ -247,6 +247,46 @@ def pipelining_table(rows: list[dict]) -> str:
     return markdown(header, [row(r) for r in rows])
 
 
+HEADLINE = (
+    ("`conf=tiny`: 2-digit addition, answers of 2-3 tokens", "family_char_base", "ent", "(not tuned on)"),
+    ("`conf=tiny_long`: 2 to 20 worked steps, completions of 14 to 140 tokens", "long_chain_policy", "async", ""),
+)
+"""The README's rows: the task, and the model and pipelined run of the kept rows it shows (the
+first kept JSON of the table that has them)."""
+
+
+def headline_table(sources: list[list[dict]]) -> str:
+    """The README's table: per demo task, its pipelined run against the sync run beside it (where
+    one was run) and against TRL's, from the kept learning rows."""
+
+    def find(model: str, mode: str) -> dict | None:
+        return next((r for rows in sources for r in rows if (r["model"], r["mode"]) == (model, mode)), None)
+
+    def row(task: str, model: str, mode: str, note: str) -> list[str]:
+        r = find(model, mode)
+        if r is None:
+            raise KeyError(f"no kept learning row of model {model!r}, run {mode!r}")
+        sync = find(model, "sync")
+        t, span = r.get("time_to_against_s"), r.get("against_span_s")
+        versus_sync = (
+            f"sync's 10-minute reward reached {span / t:.2f}x sooner" if sync and t and span else "not measured"
+        )
+        trl_t = r["time_to_trl_s"]
+        finals = [cell(r["final"], ".3f"), cell(sync["final"], ".3f") if sync else "not measured"]
+        return [
+            task,
+            f"`{model}`{' ' + note if note else ''}",
+            versus_sync,
+            f"{cell(trl_t, '.0f', 'never')}{' s' if trl_t else ''} against TRL's {r['trl_span_s']:.0f} s",
+            " / ".join([*finals, cell(r["trl_final"], ".3f")]),
+            measured_on(r),
+        ]
+
+    header = ["task", "model", "pipelined vs sync", "pipelined vs TRL: time to TRL's 10-minute reward"]
+    header += ["final held-out reward: pipelined / sync / TRL", "measured on"]
+    return markdown(header, [row(*spec) for spec in HEADLINE])
+
+
 def step_scorer_table(report: dict) -> str:
     """A PRM build's report (pipeline_rl/demo/long_chain_prm.py): its step rates on held-out
     written solutions and on the policy's own attempts, at a score of 0.5."""
@@ -425,7 +465,12 @@ def measured_on(row: dict) -> str:
     return ", ".join(row[k] for k in ("machine", "commit") if row.get(k)) or "not recorded"
 
 
-TABLES: dict[str, tuple[str, Callable, str]] = {
+TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
+    "headline": (
+        ("docs/bench_learning_entropy.json", "docs/bench_learning_tiny_long.json"),
+        headline_table,
+        "README.md",
+    ),
     "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
     "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
@@ -456,7 +501,8 @@ TABLES: dict[str, tuple[str, Callable, str]] = {
         "docs/learning.md",
     ),
 }
-"""Table name -> (kept JSON, how it becomes the table, the page it is in)."""
+"""Table name -> (kept JSON, or a tuple of them, whose loaded list the table is made of; how it
+becomes the table; the page it is in)."""
 
 IDENTITY = ("setup", "lr", "model", "mode", "name", "lora_rank")
 """Fields that say which row is which, where a benchmark's rows have them."""
@@ -473,7 +519,11 @@ def render(page: str, root: Path = ROOT) -> str:
         if name not in TABLES:
             raise KeyError(f"a generated table names {name!r}, which is not in TABLES ({sorted(TABLES)})")
         path, make, _ = TABLES[name]
-        return m.group(1) + make(json.loads((root / path).read_text())) + "\n" + m.group(4)
+        if isinstance(path, tuple):
+            data = [json.loads((root / p).read_text()) for p in path]
+        else:
+            data = json.loads((root / path).read_text())
+        return m.group(1) + make(data) + "\n" + m.group(4)
 
     return SPAN.sub(table, page)
 

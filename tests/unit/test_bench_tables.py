@@ -148,6 +148,25 @@ def test_the_pipelining_table_sets_the_pipelined_run_against_sync_and_trl():
     )
 
 
+def test_the_headline_table_finds_each_tasks_rows_in_any_kept_json():
+    tiny = LEARNING_ROW | {"model": "family_char_base", "mode": "ent", "final": 0.97, "trl_span_s": 593.0}
+    sync = LEARNING_ROW | {"model": "long_chain_policy", "mode": "sync", "against": "sync", "final": 0.6}
+    sync |= {"against_span_s": 600.0, "time_to_against_s": None, "machine": "m", "commit": "abc1234"}
+    pipe = sync | {"mode": "async", "time_to_against_s": 250.0, "final": 0.7, "time_to_trl_s": 200.0}
+    lines = bench_tables.headline_table([[tiny], [sync, pipe]]).splitlines()
+    assert lines[2].endswith(
+        "| `family_char_base` (not tuned on) | not measured | 236 s against TRL's 593 s "
+        "| 0.970 / not measured / 0.800 | not recorded |"
+    )
+    # 600 s of sync's evaluations / 250 s = 2.40x.
+    assert lines[3].endswith(
+        "| `long_chain_policy` | sync's 10-minute reward reached 2.40x sooner | 200 s against TRL's 590 s "
+        "| 0.700 / 0.600 / 0.800 | m, abc1234 |"
+    )
+    with pytest.raises(KeyError, match="long_chain_policy"):
+        bench_tables.headline_table([[tiny]])
+
+
 def test_a_kept_json_gathers_the_runs_of_one_benchmark_a_row_each(tmp_path):
     path = tmp_path / "bench.json"
     bench_tables.keep(path, [{"name": "TP=1", "x": 1.0}])
