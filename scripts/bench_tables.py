@@ -234,7 +234,7 @@ def pipelining_table(rows: list[dict]) -> str:
             f"{r['worst_drop']:.3f}",
             f"{wait:.2f} + {train:.2f}" if wait is not None and train is not None else "n/a",
             f"{cell(r.get('actor_idle'), '.2f')} / {cell(r.get('trainer_idle'), '.2f')}",
-            f"{dropped:,} of {dropped + samples:,}" if dropped is not None and samples else "n/a",
+            f"{dropped:,.0f} of {samples:,.0f}" if dropped is not None and samples else "n/a",
             cell(r["completions_per_s"], ".0f"),
             cell(r["versions_per_s"], ".2f"),
             measured_on(r),

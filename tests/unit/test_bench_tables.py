@@ -137,10 +137,10 @@ def test_the_pipelining_table_sets_the_pipelined_run_against_sync_and_trl():
     pipe |= {"dropped_samples": 1250, "samples": 26750}
     lines = bench_tables.pipelining_table([pipe, sync]).splitlines()
     # 600 s of sync's evaluations / 250 s = 2.40x; 590 s of TRL's / 200 s = 2.95x; 1,250 dropped
-    # of the 28,000 samples that reached the trainer.
+    # of the 26,750 samples that reached the trainer.
     assert lines[2] == (
         "| `family_char_brief` | async | 0.300 | 0.700 (+0.100) | 250 s | 2.40x | 200 s (0.800) | 2.95x | 0.010 "
-        "| 1.50 + 3.00 | 0.05 / 0.30 | 1,250 of 28,000 | 640 | 2.50 | not recorded |"
+        "| 1.50 + 3.00 | 0.05 / 0.30 | 1,250 of 26,750 | 640 | 2.50 | not recorded |"
     )
     assert lines[3] == (
         "| `family_char_brief` | sync | 0.300 | 0.600 | (the bar) | - | 400 s (0.800) | 1.48x | 0.010 "
