@@ -152,6 +152,16 @@ def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
     return missing if x is None else f"{x:{spec}}"
 
 
+def seconds(t: float | None) -> str:
+    """A time to a reward, or "never" where the run did not reach it."""
+    return f"{t:.0f} s" if t else "never"
+
+
+def sooner(span: float | None, t: float | None) -> str:
+    """How much sooner a run reached a reward: the other run's evaluation span over its time."""
+    return f"{span / t:.2f}x" if t and span else "never"
+
+
 def learning_table(rows: list[dict], variants: bool = False) -> str:
     """scripts/bench_learning.py's rows: each model's pipeline_rl run against TRL's, with the goals
     (TRL's final reached in at most half its budget, ended >= +0.05 above it, no fall of more than
@@ -166,8 +176,8 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
             *([r["mode"]] if variants else []),
             cell(r["start"], ".3f"),
             cell(r["trl_final"], ".3f"),
-            f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
-            f"{span / t:.2f}x" if t and span else "never",
+            seconds(t),
+            sooner(span, t),
             f"{cell(r['final'], '.3f')}{gain}",
             f"{r['worst_drop']:.3f}",
             f"{r['early_fall']:.3f}",
@@ -194,8 +204,8 @@ def guidance_table(rows: list[dict]) -> str:
             f"`{r['model']}`",
             r["mode"],
             cell(r["start"], ".3f"),
-            "-" if own else f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
-            "(the bar)" if own else (f"{span / t:.2f}x" if t and span else "never"),
+            "-" if own else seconds(t),
+            "(the bar)" if own else sooner(span, t),
             f"{cell(r['final'], '.3f')}{gain}",
             f"{r['worst_drop']:.3f}",
             cell(r.get("tokens_per_trained"), ".2f"),
@@ -227,10 +237,10 @@ def pipelining_table(rows: list[dict]) -> str:
             r["mode"],
             cell(r["start"], ".3f"),
             f"{cell(r['final'], '.3f')}{gain}",
-            "(the bar)" if own else f"{cell(t, '.0f', 'never')}{' s' if t else ''}",
-            "-" if own else (f"{span / t:.2f}x" if t and span else "never"),
-            f"{cell(trl_t, '.0f', 'never')}{' s' if trl_t else ''} ({cell(r['trl_final'], '.3f')})",
-            f"{trl_span / trl_t:.2f}x" if trl_t and trl_span else "never",
+            "(the bar)" if own else seconds(t),
+            "-" if own else sooner(span, t),
+            f"{seconds(trl_t)} ({cell(r['trl_final'], '.3f')})",
+            sooner(trl_span, trl_t),
             f"{r['worst_drop']:.3f}",
             f"{wait:.2f} + {train:.2f}" if wait is not None and train is not None else "n/a",
             f"{cell(r.get('actor_idle'), '.2f')} / {cell(r.get('trainer_idle'), '.2f')}",
@@ -269,7 +279,7 @@ def headline_table(sources: list[list[dict]]) -> str:
         sync = find(model, "sync")
         t, span = r.get("time_to_against_s"), r.get("against_span_s")
         versus_sync = (
-            f"sync's 10-minute reward reached {span / t:.2f}x sooner" if sync and t and span else "not measured"
+            f"sync's 10-minute reward reached {sooner(span, t)} sooner" if sync and t and span else "not measured"
         )
         trl_t = r["time_to_trl_s"]
         finals = [cell(r["final"], ".3f"), cell(sync["final"], ".3f") if sync else "not measured"]
@@ -277,7 +287,7 @@ def headline_table(sources: list[list[dict]]) -> str:
             task,
             f"`{model}`{' ' + note if note else ''}",
             versus_sync,
-            f"{cell(trl_t, '.0f', 'never')}{' s' if trl_t else ''} against TRL's {r['trl_span_s']:.0f} s",
+            f"{seconds(trl_t)} against TRL's {r['trl_span_s']:.0f} s",
             " / ".join([*finals, cell(r["trl_final"], ".3f")]),
             measured_on(r),
         ]

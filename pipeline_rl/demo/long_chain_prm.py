@@ -230,8 +230,15 @@ def build(cache_dir: Path, seed: int = 0, recipe: prm.Recipe = FULL, base: str =
         return model(input_ids=ids, labels=labels).loss
 
     start = time.time()
-    evaluate = lambda: prm.step_accuracy(model, evalset, pad_id)  # noqa: E731
-    report, step = prm.fit(model, list(model.parameters()), recipe, loss, evaluate, "the long task's PRM", decay=True)
+    report, step = prm.fit(
+        model,
+        list(model.parameters()),
+        recipe,
+        loss,
+        lambda: prm.step_accuracy(model, evalset, pad_id),
+        "the long task's PRM",
+        decay=True,
+    )
     policy = AutoModelForCausalLM.from_pretrained(cache_dir / base, dtype=torch.float32).eval()
     attempts = [
         text for text, _ in sample_once(policy, tokenizer, test, long_chain.MAX_NEW_TOKENS, seed + POLICY_SAMPLES_SEED)
