@@ -4,7 +4,7 @@ budget; held-out reward and policy version against time, side by side.
 
     python scripts/bench_faults.py [--conf tiny_long] [--budget-s 300]
         [--faults actor:0.15,interrupt:0.35,scale_down:0.5,trainer:0.65] [--out runs/bench_faults]
-        [override ...]
+        [--json docs/bench_faults.json] [override ...]
 
 Faults: `actor` and `trainer` kill actor0 or trainer0 (SIGKILL); `interrupt` stops the run with
 Ctrl-C and launches it again at once (it resumes from its checkpoint and continues the rollouts
@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_tables import commit, machine
 
 from pipeline_rl import learning_curve
 from pipeline_rl.metrics import read_metrics
@@ -172,7 +174,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_faults")
     parser.add_argument("--skip-clean", action="store_true", help="keep OUT/clean from an earlier run")
+    parser.add_argument("--json", type=Path, help="also keep the result here, with the machine and commit it ran on")
     args, overrides = parser.parse_known_args()
+    provenance = {"conf": args.conf, "machine": machine(), "commit": commit()}  # before the runs: what they ran
     args.out.mkdir(parents=True, exist_ok=True)
     clean_dir, faults_dir = (args.out / "clean").resolve(), (args.out / "faults").resolve()
     schedule = [(float(share) * args.budget_s, what) for what, share in (f.split(":") for f in args.faults.split(","))]
@@ -207,6 +211,8 @@ def main() -> None:
         "final_version": {"clean": clean[-1][1], "faults": faulted[-1][1]},
     }
     (args.out / "faults.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result | provenance, indent=1) + "\n")
     for c in costs:
         kept = ", ".join(f"{k} {v:g}" for k, v in c["in_flight"].items())
         print(f"{c['fault']} at {c['at_s']:.0f} s (version {c['version']}): cost {c['cost_s']:.0f} s; {kept}")

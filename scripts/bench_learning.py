@@ -450,12 +450,8 @@ def report(results: list[dict], out: Path, conf: str, against: str | None = None
                     f"a cut step; step scorer {r['scorer_s']:.0f} s of CPU, {r['scorer_s'] / r['cpu_s']:.1%} of the run's"
                 )
         if r.get("tool_calls"):
-            calls = [v for _, v in r["tool_calls"]]
-            third = max(1, len(calls) // 3)
-            print(
-                f"        tool calls per rollout: first third {sum(calls[:third]) / third:.2f}, "
-                f"last third {sum(calls[-third:]) / third:.2f}"
-            )
+            first, last = tool_calls_by_third(r)
+            print(f"        tool calls per rollout: first third {first:.2f}, last third {last:.2f}")
         rss = ", ".join(f"{p}={v:.0f}" for p, v in sorted(r["peak_rss_mb"].items()))
         if rss:
             print(f"        peak RSS MB: {rss}")
@@ -512,6 +508,16 @@ def goals(pipe: dict, trl: dict) -> None:
     )
 
 
+def tool_calls_by_third(r: dict) -> tuple[float | None, float | None]:
+    """An agent run's tool calls per training rollout, mean of the first and of the last third of
+    its metrics windows (None, None for a run without tools)."""
+    calls = [v for _, v in r.get("tool_calls") or []]
+    if not calls:
+        return None, None
+    third = max(1, len(calls) // 3)
+    return sum(calls[:third]) / third, sum(calls[-third:]) / third
+
+
 def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, against: str | None = None) -> list[dict]:
     """One row per model and pipeline_rl run, against TRL's run on that model (and with `against`,
     against that variant's run): the figures docs/learning.md's tables are made of
@@ -536,6 +542,7 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
                     "final": r["final_eval"],
                     "worst_drop": r["worst_drop"],
                     "early_fall": r["early_fall"],
+                    **{f"time_to_{t}_s": r["reach"][t] for t in THRESHOLDS},
                     "versions_per_s": r["versions_per_s"],
                     "completions_per_s": r["completions_per_s"],
                     "actor_idle": r.get("actor_idle"),
@@ -565,6 +572,8 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
                     if r.get("tokens_generated") and r.get("trained_tokens")
                     else None,
                     "cuts": r.get("cuts"),
+                    "tool_calls_first_third": tool_calls_by_third(r)[0],
+                    "tool_calls_last_third": tool_calls_by_third(r)[1],
                     "scorer_share": r["scorer_s"] / r["cpu_s"] if r.get("scorer_s") and r.get("cpu_s") else None,
                     **(r.get("provenance") or {}),
                 }

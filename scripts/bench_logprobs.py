@@ -11,6 +11,7 @@ bandwidth), while on a CPU the products dominate the whole head's time.
 
     python scripts/bench_logprobs.py                        # CPU, float32, 512 tokens (about 2 minutes)
     python scripts/bench_logprobs.py --tokens 8192 --dtype bfloat16   # on a GPU
+    python scripts/bench_logprobs.py --json docs/bench_logprobs.json   # keep the rows (docs/gpu.md's table)
 
 The shapes default to Qwen2.5-0.5B's output layer (152k vocabulary, width 896); the trainer's
 head runs on the trained half of the tokens only, with `--chunk` rows at a time, and computes
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_tables import commit, keep, machine  # noqa: E402
 
 from pipeline_rl.core.logprobs import token_logprobs  # noqa: E402
 
@@ -158,7 +160,9 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=2048, help="model.logprob_chunk_tokens")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="keep a row per head in this JSON (bench_tables.keep)"
+    )
     parser.add_argument("--variant", choices=VARIANTS, help="measure this one in this process (internal)")
     args = parser.parse_args()
     if args.variant:
@@ -176,7 +180,9 @@ def main() -> int:
             return 1
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        setup = f"{args.dtype}, {args.tokens} tokens, vocabulary {args.vocab}, width {args.hidden}"
+        provenance = {"setup": setup, "machine": machine(), "commit": commit()}
+        keep(args.json, [provenance | {"name": variant} | r for variant, r in results.items()])
     bare = results["bare"]["seconds"]
     print(
         f"output layer + logprobs, {args.tokens} tokens ({args.tokens - args.tokens // 2} trained), "

@@ -147,6 +147,142 @@ def step_tally_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+GPU_RUNS = {
+    "bare8": "bare loop",
+    "bare8b": "bare loop, again",
+    "z2noovf": "ZeRO-2, as shipped (no overflow check)",
+    "z2": "ZeRO-2 with DeepSpeed's overflow check",
+    "z2host": "ZeRO-2 with the overflow check, host profiled",
+    "z2nocontig": "ZeRO-2, overflow check, `contiguous_gradients: false`",
+    "z2sync": "ZeRO-2, overflow check, synchronisations counted",
+    "z3": "ZeRO-3 (overflow check on)",
+    "z3host": "ZeRO-3, host profiled",
+    "z2lora": "ZeRO-2, LoRA r16",
+    "z2ck32": "ZeRO-2, 32k, gradient checkpointing",
+}
+"""The runs of the GPU calls' scripts (docs/gpu.md's commands), by the name each call's log gives."""
+
+
+def logged_results(text: str) -> dict[str, dict]:
+    """The result JSON a GPU check printed, one per line as `NAME {...}` (gpu_check.py --suite) or
+    `call N NAME: {...}` (the scripts that ran several checks in one call), by that name."""
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"(.+?):? (\{.*\})$", line)
+        if m:
+            found[m.group(1)] = json.loads(m.group(2))
+    return found
+
+
+def peak_gib(r: dict) -> float:
+    """What the device held at a run's peak: the allocator's peak and what lies outside it."""
+    return r["peak_gpu_gib"] + r["outside_allocator_gib"]
+
+
+def gpu_calls_table(results: dict[str, dict]) -> str:
+    """Trainer runs of several GPU calls: tokens/s against the bare loop of the same call (the mean
+    of the call's bare-loop runs), MFU, and peak device memory against the memory plan."""
+    rows = []
+    for key, r in results.items():
+        if "tokens_per_s" not in r:
+            continue
+        call, name = key.split(" ", 2)[1:]
+        bare = [b["tokens_per_s"] for k, b in results.items() if k.startswith(f"call {call} bare")]
+        plan = r.get("plan_gib")
+        rows.append(
+            [
+                call,
+                GPU_RUNS.get(name, name),
+                f"{r['seq_length'] // 1024}k",
+                f"{r['tokens_per_s'] / 1e3:.1f}k",
+                f"{r['tokens_per_s'] / (sum(bare) / len(bare)):.2f}",
+                f"{r['mfu']:.3f}",
+                f"{peak_gib(r):.2f}",
+                cell(plan, ".2f", "-"),
+            ]
+        )
+    return markdown(
+        ["call", "run", "tokens a micro-batch", "tokens/s", "of the bare loop", "MFU", "peak GiB", "plan GiB"], rows
+    )
+
+
+def gpu_swap_table(results: dict[str, dict]) -> str:
+    """`gpu_swap_check.py --concurrent`'s runs: forward passes against weight transfers on one device."""
+    rows = [
+        [
+            "ordered" if r["ordered"] else "`--unordered`",
+            str(r["forward_passes"]),
+            str(r["passes_on_device_during_transfers"]),
+            str(r["torn_reads"]),
+            str(r["stale_reads"]),
+            f"{r['transfer_ms_p50']:.1f}",
+        ]
+        for r in results.values()
+        if "ordered" in r
+    ]
+    header = [
+        "transfers",
+        "forward passes",
+        "on the device during a transfer",
+        "torn reads",
+        "stale reads",
+        "transfer ms, p50",
+    ]
+    return markdown(header, rows)
+
+
+def logprobs_table(rows: list[dict]) -> str:
+    """scripts/bench_logprobs.py's rows: each head against the bare loop's of the same setup and
+    machine, the whole head and its arithmetic alone."""
+    bare = {(r["setup"], r["machine"]): r for r in rows if r["name"] == "bare"}
+    table = []
+    for r in rows:
+        b = bare[(r["setup"], r["machine"])]
+        table.append(
+            [
+                r["setup"],
+                HEADS.get(r["name"], r["name"]),
+                f"{r['seconds']:.3f}",
+                f"{b['seconds'] / r['seconds']:.2f}",
+                f"{r['arithmetic_s']:.3f}",
+                f"{b['arithmetic_s'] / r['arithmetic_s']:.2f}",
+                f"{r['peak_added_mib']:,}",
+                measured_on(r),
+            ]
+        )
+    header = ["setup", "head", "s / micro-batch", "of bare", "arithmetic s", "of bare", "peak added MiB", "measured on"]
+    return markdown(header, table)
+
+
+HEADS = {"bare": "bare loop's (every token's logits)", "eager": "trainer's, eager", "compiled": "trainer's, compiled"}
+
+
+def faults_table(result: dict) -> str:
+    """scripts/bench_faults.py's result: each fault, what it cost against the clean run's pace and
+    what became of the rollouts in flight; each restart's recovery; both runs' ends."""
+    rows = []
+    for c in result["faults"]:
+        kept = ", ".join(f"{k.replace('_', ' ')} {v:,.0f}" for k, v in c["in_flight"].items() if v) or "none"
+        rows.append([c["fault"], f"{c['at_s']:.0f} s (version {c['version']})", f"{c['cost_s']:.0f} s", kept])
+    for r in result["restarts"]:
+        rows.append([f"restart of {r['what']}", "", f"back in {r['recovered_s']} s", f"{r['died']} lost"])
+    for name in ("clean", "faults"):
+        final = f"held-out {cell(result['final_reward'][name], '.3f')}, version {result['final_version'][name]}"
+        rows.append([f"end, {'with faults' if name == 'faults' else 'clean run'}", "", "", final])
+    table = markdown(["fault", "at", "cost", "rollouts in flight"], rows)
+    return table + f"\n\n`conf={result['conf']}`, {result['budget_s']:.0f} s a run; {measured_on(result)}."
+
+
+def gpu_memory_table(results: dict[str, dict]) -> str:
+    """`gpu_check.py --suite`'s trainer runs: peak device memory against the memory plan."""
+    rows = [
+        [name, f"{peak_gib(r):.2f}", f"{r['plan_gib']:.2f}", f"{peak_gib(r) / r['plan_gib']:.3f}"]
+        for name, r in results.items()
+        if r.get("loop") == "trainer" and not name.startswith("profile")
+    ]
+    return markdown(["run", "peak GiB", "plan GiB", "peak / plan"], rows)
+
+
 def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
     """`x` formatted by `spec`, or `missing` where a row has no figure."""
     return missing if x is None else f"{x:{spec}}"
@@ -188,6 +324,38 @@ def learning_table(rows: list[dict], variants: bool = False) -> str:
     header = ["model", *(["variant"] if variants else []), "start", "TRL final", "time to TRL's final"]
     header += ["sooner than TRL", "final (vs TRL)", "worst drop after best", "first-minute fall", "versions/s"]
     return markdown(header + ["measured on"], [row(r) for r in rows])
+
+
+def variants_table(rows: list[dict], columns: tuple[str, ...] = ()) -> str:
+    """scripts/bench_learning.py's rows of `--variant` runs without TRL: per model and variant, the
+    start, times to 0.7 and 0.9, the final reward, the worst drop and the pace, and the optional
+    `columns`: "dropped" (the share of samples the lag gate dropped), "tool_calls" (tool calls per
+    training rollout, first third of the run -> last third)."""
+
+    def row(r: dict) -> list[str]:
+        counted = r.get("dropped_samples") is not None and r.get("samples")
+        extra = {
+            "dropped": cell(100 * r["dropped_samples"] / r["samples"] if counted else None, ".1f") + " %",
+            "tool_calls": f"{cell(r.get('tool_calls_first_third'), '.2f')} -> {cell(r.get('tool_calls_last_third'), '.2f')}",
+        }
+        return [
+            f"`{r['model']}`",
+            r["mode"],
+            cell(r["start"], ".3f"),
+            seconds(r.get("time_to_0.7_s")),
+            seconds(r.get("time_to_0.9_s")),
+            cell(r["final"], ".3f"),
+            f"{r['worst_drop']:.3f}",
+            cell(r["completions_per_s"], ".0f"),
+            cell(r["versions_per_s"], ".2f"),
+            *(extra[c] for c in columns),
+            measured_on(r),
+        ]
+
+    header = ["model", "variant", "start", "time to 0.7", "time to 0.9", "final", "worst drop", "completions/s"]
+    names = {"dropped": "samples dropped by the lag gate", "tool_calls": "tool calls a rollout, first -> last third"}
+    header += ["versions/s", *(names[c] for c in columns), "measured on"]
+    return markdown(header, [row(r) for r in rows])
 
 
 def guidance_table(rows: list[dict]) -> str:
@@ -483,6 +651,9 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     ),
     "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
+    "gpu_calls": ("docs/gpu_host_waits_h200.log", gpu_calls_table, "docs/gpu.md"),
+    "gpu_swap": ("docs/gpu_host_waits_h200.log", gpu_swap_table, "docs/gpu.md"),
+    "gpu_memory": ("docs/gpu_check_suite_h200.log", gpu_memory_table, "docs/gpu.md"),
     "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
     "bench_streams": ("docs/bench_streams.json", streams_table, "docs/performance.md"),
     "bench_trainer": ("docs/bench_trainer.json", trainer_table, "docs/performance.md"),
@@ -511,8 +682,8 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         "docs/learning.md",
     ),
 }
-"""Table name -> (kept JSON, or a tuple of them, whose loaded list the table is made of; how it
-becomes the table; the page it is in)."""
+"""Table name -> (kept JSON, or a tuple of them, whose loaded list the table is made of, or a GPU
+call's kept log, whose result lines it is made of; how it becomes the table; the page it is in)."""
 
 IDENTITY = ("setup", "lr", "model", "mode", "name", "lora_rank")
 """Fields that say which row is which, where a benchmark's rows have them."""
@@ -531,6 +702,8 @@ def render(page: str, root: Path = ROOT) -> str:
         path, make, _ = TABLES[name]
         if isinstance(path, tuple):
             data = [json.loads((root / p).read_text()) for p in path]
+        elif path.endswith(".log"):
+            data = logged_results((root / path).read_text())
         else:
             data = json.loads((root / path).read_text())
         return m.group(1) + make(data) + "\n" + m.group(4)

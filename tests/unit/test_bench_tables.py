@@ -250,3 +250,77 @@ def test_the_lora_table_sets_each_adapter_run_against_the_full_run_of_its_model_
 def test_the_digits_table_shows_each_share_of_a_row():
     row = {"name": "m built", "exact": 0.25, "length": 1.0, "first_digit": 0.9375, "last_digit": 0.3, "agreement": 0.5}
     assert bench_tables.digits_table([row]).splitlines()[2] == "| m built | 0.250 | 1.000 | 0.938 | 0.300 | 0.500 |"
+
+
+def test_the_gpu_tables_are_made_from_the_result_lines_of_a_calls_log():
+    run = {"seq_length": 8192, "mfu": 0.1, "peak_gpu_gib": 20.0, "outside_allocator_gib": 1.5}
+    log = "\n".join(
+        [
+            "# a comment, and a line of a profile: neither is a result",
+            "   12    0.009    0.001    0.236    0.020 comm.py:111(log_wrapper)",
+            "call 1 bare8: " + json.dumps(run | {"tokens_per_s": 90000.0}),
+            "call 1 bare8b: " + json.dumps(run | {"tokens_per_s": 70000.0}),
+            "call 1 z2: " + json.dumps(run | {"tokens_per_s": 40000.0, "plan_gib": 20.0, "loop": "trainer"}),
+            "call 1 swap_concurrent: "
+            + json.dumps(
+                {"ordered": True, "forward_passes": 9, "passes_on_device_during_transfers": 2}
+                | {"torn_reads": 0, "stale_reads": 1, "transfer_ms_p50": 19.76}
+            ),
+        ]
+    )
+    results = bench_tables.logged_results(log)
+    assert list(results) == ["call 1 bare8", "call 1 bare8b", "call 1 z2", "call 1 swap_concurrent"]
+    lines = bench_tables.gpu_calls_table(results).splitlines()
+    # 40k against the mean of the call's two bare runs, 80k; peak 20 + 1.5 outside the allocator
+    assert lines[4] == "| 1 | ZeRO-2 with DeepSpeed's overflow check | 8k | 40.0k | 0.50 | 0.100 | 21.50 | 20.00 |"
+    assert len(lines) == 5  # the swap check's result has no tokens/s
+    assert bench_tables.gpu_swap_table(results).splitlines()[2:] == ["| ordered | 9 | 2 | 0 | 1 | 19.8 |"]
+    suite = bench_tables.logged_results("ZeRO-2 8k " + json.dumps(run | {"plan_gib": 20.0, "loop": "trainer"}))
+    assert bench_tables.gpu_memory_table(suite).splitlines()[2:] == ["| ZeRO-2 8k | 21.50 | 20.00 | 1.075 |"]
+
+
+def test_the_logprobs_table_sets_each_head_against_the_bare_one_of_its_setup_and_machine():
+    row = {"setup": "float32", "machine": "m", "commit": "abc", "peak_added_mib": 1200}
+    rows = [
+        row | {"name": "bare", "seconds": 4.0, "arithmetic_s": 0.3},
+        row | {"name": "compiled", "seconds": 2.0, "arithmetic_s": 0.1},
+        row | {"setup": "bfloat16", "name": "bare", "seconds": 1.0, "arithmetic_s": 0.5},
+    ]
+    lines = bench_tables.logprobs_table(rows).splitlines()
+    assert lines[3] == "| float32 | trainer's, compiled | 2.000 | 2.00 | 0.100 | 3.00 | 1,200 | m, abc |"
+    assert lines[4].split(" | ")[3:6] == ["1.00", "0.500", "1.00"]
+
+
+def test_the_variants_table_shows_each_run_and_the_columns_asked_for():
+    row = {"model": "tiny_model", "mode": "lora8", "start": 0.3, "final": 0.8, "worst_drop": 0.0}
+    row |= {"time_to_0.7_s": 145.2, "time_to_0.9_s": None, "completions_per_s": 40.4, "versions_per_s": 2.991}
+    row |= {"dropped_samples": 54, "samples": 1000, "tool_calls_first_third": 0.02, "tool_calls_last_third": 1.7}
+    lines = bench_tables.variants_table([row], columns=("dropped", "tool_calls")).splitlines()
+    # 54 of 1,000 samples dropped: 5.4 %
+    assert (
+        lines[2]
+        == "| `tiny_model` | lora8 | 0.300 | 145 s | never | 0.800 | 0.000 | 40 | 2.99 | 5.4 % | 0.02 -> 1.70 | not recorded |"
+    )
+    assert (
+        bench_tables.variants_table([row | {"dropped_samples": 0}], columns=("dropped",))
+        .splitlines()[2]
+        .split(" | ")[9]
+        == "0.0 %"
+    )
+
+
+def test_the_faults_table_prices_each_fault_and_names_what_its_rollouts_became():
+    fault = {"fault": "actor", "at_s": 45.2, "version": 15, "cost_s": -6.0}
+    fault |= {"in_flight": {"groups_lost/stopped": 0.0, "groups_continued": 3.0, "tokens_continued": 1416.0}}
+    result = {"conf": "tiny_long", "budget_s": 300.0, "machine": "m", "commit": "abc", "faults": [fault]}
+    result |= {"restarts": [{"what": "actor0", "died": "exit -9", "recovered_s": 12.8}]}
+    result |= {"final_reward": {"clean": 0.47, "faults": None}, "final_version": {"clean": 66, "faults": 83}}
+    lines = bench_tables.faults_table(result).splitlines()
+    # counters that did not grow are left out
+    assert lines[2] == "| actor | 45 s (version 15) | -6 s | groups continued 3, tokens continued 1,416 |"
+    assert lines[3] == "| restart of actor0 |  | back in 12.8 s | exit -9 lost |"
+    assert lines[4:6] == [
+        "| end, clean run |  |  | held-out 0.470, version 66 |",
+        "| end, with faults |  |  | held-out n/a, version 83 |",
+    ]
+    assert lines[-1] == "`conf=tiny_long`, 300 s a run; m, abc."
