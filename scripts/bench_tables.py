@@ -652,6 +652,7 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "bench_delta": ("docs/bench_delta.json", delta_table, "docs/performance.md"),
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
     "gpu_calls": ("docs/gpu_host_waits_h200.log", gpu_calls_table, "docs/gpu.md"),
+    "bench_logprobs": ("docs/bench_logprobs.json", logprobs_table, "docs/gpu.md"),
     "gpu_swap": ("docs/gpu_host_waits_h200.log", gpu_swap_table, "docs/gpu.md"),
     "gpu_memory": ("docs/gpu_check_suite_h200.log", gpu_memory_table, "docs/gpu.md"),
     "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
@@ -669,6 +670,11 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "learning_family": ("docs/bench_learning_family.json", learning_table, "docs/learning.md"),
     "learning_entropy": (
         "docs/bench_learning_entropy.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
+    "learning_two_actors": (
+        "docs/bench_learning_two_actors.json",
         functools.partial(learning_table, variants=True),
         "docs/learning.md",
     ),

@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
                     failed.append(f"{what} does not fit (above)")
             for failure in failed:
                 print(f"config error: {failure}", file=sys.stderr)
-            return 2 if failed else 0
+            return ExitCode.CONFIG_ERROR if failed else ExitCode.OK
         timeout, margin = checkpoint_timeout(cfg)
         if timeout != cfg.world.collective_timeout_s:
             print(margin, flush=True)
