@@ -59,7 +59,7 @@ from pipeline_rl.actor.evaluation import evaluate
 from pipeline_rl.actor.in_flight import ContinuationMismatch, RecordingGenerator
 from pipeline_rl.actor.in_flight_keeper import GroupRun, InFlightKeeper
 from pipeline_rl.actor.partition import Partition
-from pipeline_rl.actor.problems import ProblemOrder
+from pipeline_rl.actor.problems import ProblemOrder, SolvedSkip
 from pipeline_rl.actor.resume import SavedCounts, resume
 from pipeline_rl.actor.step_guide import StepGuide
 from pipeline_rl.actor.swap_metrics import SwapMetrics
@@ -121,6 +121,7 @@ class Actor:
         # The share this actor's saved counts were made at; rebased to the job's below.
         actors = saved.actors or self.actor_count.count
         self.order = ProblemOrder(self.problems, cfg.seed, index, actors)
+        self.solved = SolvedSkip(cfg.actor.skip_solved, f"{cfg.seed}/skip/{index}")
         self.admission = Admission(cfg.shared.groups_per_step, saved.present or actors, admission_lag(cfg))
         # Groups the preprocessors reported lost give their admission slots back (see admission.py).
         self.lost_reader = self.streams.reader(
@@ -197,9 +198,9 @@ class Actor:
                         break
                     blocked_since = self._unblock(blocked_since)
                     self.admission.start()
-                    group_id = f"{self.name}-{self.incarnation}-{self.drawn}"
-                    self._start(tasks, GroupRun(group_id, self.order[self.drawn], RecordingGenerator(self.llm)))
-                    self.drawn += 1
+                    number, problem = self._draw()
+                    group_id = f"{self.name}-{self.incarnation}-{number}"
+                    self._start(tasks, GroupRun(group_id, problem, RecordingGenerator(self.llm)))
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 else:
@@ -289,6 +290,15 @@ class Actor:
         self.totals.blocked_s += now - since
         return now if reopen else None
 
+    def _draw(self) -> tuple[int, dict]:
+        """The next training problem past those `self.solved` passes over, and its draw's number
+        (every draw is numbered, a passed-over one too)."""
+        while True:
+            number, problem = self.drawn, self.order[self.drawn]
+            self.drawn += 1
+            if not self.solved.skip(problem["id"]):
+                return number, problem
+
     def _finish(self, task: asyncio.Task, run: GroupRun) -> None:
         """Write a finished group."""
         try:
@@ -317,6 +327,7 @@ class Actor:
                 ) from e
             return
         self.totals.group_written(self.window.add(group, self.llm.version))
+        self.solved.record(group)
         for rollout in group.rollouts:
             self.agent_stats.add(rollout.metadata)
 
@@ -326,6 +337,7 @@ class Actor:
             **self.window.values(),
             **self.totals.values(),
             "groups_started_total": self.admission.started,
+            "skipped_solved_total": self.solved.skipped,
             "groups_in_flight": in_flight,
             "tokens_generated_total": self.llm.tokens_generated,
             "waiting_on": self._waiting_on(in_flight),

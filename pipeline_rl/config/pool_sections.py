@@ -70,6 +70,11 @@ class ActorConfig:
     """Longest completion."""
     max_groups_in_flight: int = bounded(64, ge=1)
     """Most groups one actor generates at once (continuous batching fills the engine)."""
+    skip_solved: float = bounded(0.0, ge=0, lt=1)
+    """Probability of passing over a training problem whose last group had every attempt at the
+    best reward seen in the run (pipeline_rl/actor/problems.py: no advantage, so no gradient).
+    The draw goes to the next problem; each one passed over is counted (`skipped_solved_total`).
+    Judged on the actor's own rewards, so refused with `preprocess.scorers`. 0: off."""
     in_flight_save_s: float = bounded(10.0, ge=0)
     """How often an actor saves its rollouts in flight (pipeline_rl/actor/in_flight.py), so that
     a restarted actor continues them instead of generating them again: a killed actor loses at

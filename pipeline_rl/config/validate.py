@@ -63,6 +63,11 @@ def validate(cfg: RunConfig) -> None:
     for i, scorer in enumerate(cfg.preprocess.scorers):
         if ":" not in scorer.cls:
             raise ConfigError(f"bad value for 'preprocess.scorers.{i}.cls': {scorer.cls!r}, expected module:Class")
+    if cfg.actor.skip_solved > 0 and cfg.preprocess.scorers:
+        raise ConfigError(
+            "'actor.skip_solved' judges groups by the actor's rewards, which 'preprocess.scorers' may change: "
+            "set it to 0 with scorers"
+        )
     if len(cfg.trainer.optimizer.betas) != 2:
         raise ConfigError(
             f"bad value for 'trainer.optimizer.betas': {cfg.trainer.optimizer.betas}, expected [beta1, beta2]"
