@@ -661,6 +661,11 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "streams_routes": ("docs/bench_streams.json", routes_table, "docs/moe.md"),
     "streams_codec": ("docs/bench_streams.json", codec_table, "docs/moe.md"),
     "bench_lora": ("docs/bench_lora.json", lora_table, "docs/lora.md"),
+    "learning_lora": (
+        "docs/bench_learning_lora.json",
+        functools.partial(variants_table, columns=("dropped",)),
+        "docs/lora.md",
+    ),
     "answer_digits_family": ("docs/answer_digits_family.json", digits_table, "docs/learning.md"),
     "learning_lr_by_signal": (
         "docs/bench_learning_lr_by_signal.json",
