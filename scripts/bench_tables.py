@@ -653,6 +653,7 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "step_tally": ("docs/step_tally_cpu.json", step_tally_table, "docs/gpu.md"),
     "gpu_calls": ("docs/gpu_host_waits_h200.log", gpu_calls_table, "docs/gpu.md"),
     "bench_logprobs": ("docs/bench_logprobs.json", logprobs_table, "docs/gpu.md"),
+    "bench_faults": ("docs/bench_faults.json", faults_table, "docs/running.md"),
     "gpu_swap": ("docs/gpu_host_waits_h200.log", gpu_swap_table, "docs/gpu.md"),
     "gpu_memory": ("docs/gpu_check_suite_h200.log", gpu_memory_table, "docs/gpu.md"),
     "bench_actor": ("docs/bench_actor.json", swap_table, "docs/performance.md"),
