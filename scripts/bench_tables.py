@@ -679,6 +679,11 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         functools.partial(learning_table, variants=True),
         "docs/learning.md",
     ),
+    "learning_skip_solved": (
+        "docs/bench_learning_skip_solved.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
     "learning_two_actors": (
         "docs/bench_learning_two_actors.json",
         functools.partial(learning_table, variants=True),

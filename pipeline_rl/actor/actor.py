@@ -59,7 +59,7 @@ from pipeline_rl.actor.evaluation import evaluate
 from pipeline_rl.actor.in_flight import ContinuationMismatch, RecordingGenerator
 from pipeline_rl.actor.in_flight_keeper import GroupRun, InFlightKeeper
 from pipeline_rl.actor.partition import Partition
-from pipeline_rl.actor.problems import ProblemOrder, SolvedSkip
+from pipeline_rl.actor.problems import ProblemOrder, SolvedSkip, next_problem
 from pipeline_rl.actor.resume import SavedCounts, resume
 from pipeline_rl.actor.step_guide import StepGuide
 from pipeline_rl.actor.swap_metrics import SwapMetrics
@@ -198,7 +198,8 @@ class Actor:
                         break
                     blocked_since = self._unblock(blocked_since)
                     self.admission.start()
-                    number, problem = self._draw()
+                    number, problem = next_problem(self.order, self.drawn, self.solved)
+                    self.drawn = number + 1
                     group_id = f"{self.name}-{self.incarnation}-{number}"
                     self._start(tasks, GroupRun(group_id, problem, RecordingGenerator(self.llm)))
                 if tasks:
@@ -289,15 +290,6 @@ class Actor:
         self.window.blocked_s += now - since
         self.totals.blocked_s += now - since
         return now if reopen else None
-
-    def _draw(self) -> tuple[int, dict]:
-        """The next training problem past those `self.solved` passes over, and its draw's number
-        (every draw is numbered, a passed-over one too)."""
-        while True:
-            number, problem = self.drawn, self.order[self.drawn]
-            self.drawn += 1
-            if not self.solved.skip(problem["id"]):
-                return number, problem
 
     def _finish(self, task: asyncio.Task, run: GroupRun) -> None:
         """Write a finished group."""

@@ -69,3 +69,11 @@ class SolvedSkip:
             self._solved.add(group.problem_id)
         else:
             self._solved.discard(group.problem_id)
+
+
+def next_problem(order: ProblemOrder, drawn: int, solved: SolvedSkip) -> tuple[int, dict]:
+    """The number of the next draw at or after `drawn` that `solved` does not pass over, and its
+    problem (every draw is numbered, a passed-over one too)."""
+    while solved.skip(order[drawn]["id"]):
+        drawn += 1
+    return drawn, order[drawn]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_rl.actor.problems import SolvedSkip
+from pipeline_rl.actor.problems import ProblemOrder, SolvedSkip, next_problem
 from pipeline_rl.config import ConfigError, load_config
 from pipeline_rl.streams.records import Rollout, RolloutGroup
 
@@ -53,3 +53,20 @@ def test_skip_solved_is_refused_beside_scorers_and_outside_its_range():
     with pytest.raises(ConfigError, match=r"actor\.skip_solved.*< 1"):
         load_config("tiny", ["actor.skip_solved=1.0"])
     assert load_config("tiny", ["actor.skip_solved=0.5"]).actor.skip_solved == 0.5
+
+
+def test_the_draws_pass_over_the_solved_problems_and_number_every_draw():
+    problems = [{"id": f"p{i}"} for i in range(6)]
+    order = ProblemOrder(problems, seed=3, index=0, actors=1)
+    skip = SolvedSkip(0.999999, "seed")
+    solved = {order[1]["id"], order[2]["id"]}
+    for problem_id in solved:
+        skip.record(group(problem_id, 1.0, 1.0))
+    draws, drawn = [], 0
+    while drawn < 6:
+        number, problem = next_problem(order, drawn, skip)
+        draws.append((number, problem["id"]))
+        drawn = number + 1
+    # draws 1 and 2 were passed over; the numbers are the order's positions
+    assert draws == [(0, order[0]["id"]), (3, order[3]["id"]), (4, order[4]["id"]), (5, order[5]["id"])]
+    assert skip.skipped == 2
