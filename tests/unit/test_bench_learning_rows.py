@@ -18,6 +18,7 @@ def summary(mode: str, final: float, provenance: dict | None) -> dict:
     return {
         "mode": mode,
         "curve": curve,
+        "reach": {t: bench_learning.learning_curve.time_to(curve, t) for t in bench_learning.THRESHOLDS},
         "start_eval": 0.3,
         "final_eval": final,
         "worst_drop": 0.0,
@@ -41,3 +42,5 @@ def test_each_row_names_the_machine_and_commit_of_its_own_run():
     # Against TRL's final 0.5: the average of (0.3, 0.4, 0.8) = 0.5 at 20 s; async ends 0.4 above.
     assert rows["async"]["time_to_trl_s"] == 20.0
     assert rows["async"]["gain"] == pytest.approx(0.4)
+    # The average of (0.4, 0.8, 0.9) = 0.7 at 30 s; 0.9 is never reached.
+    assert rows["async"]["time_to_0.7_s"] == 30.0 and rows["async"]["time_to_0.9_s"] is None
