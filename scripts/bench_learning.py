@@ -533,6 +533,7 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
             g = against_trl(r, trl) if trl else {}
             base = by.get(against) if against else None
             vs = against_trl(r, base) if base is not None and mode != against else {}
+            calls_first, calls_last = tool_calls_by_third(r)
             rows.append(
                 {
                     "model": model,
@@ -572,8 +573,8 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
                     if r.get("tokens_generated") and r.get("trained_tokens")
                     else None,
                     "cuts": r.get("cuts"),
-                    "tool_calls_first_third": tool_calls_by_third(r)[0],
-                    "tool_calls_last_third": tool_calls_by_third(r)[1],
+                    "tool_calls_first_third": calls_first,
+                    "tool_calls_last_third": calls_last,
                     "scorer_share": r["scorer_s"] / r["cpu_s"] if r.get("scorer_s") and r.get("cpu_s") else None,
                     **(r.get("provenance") or {}),
                 }
