@@ -101,7 +101,7 @@ once, while a receiver still building the group would wait for it, and hold the 
 for the whole timeout.
 
 An actor that leaves for good (the job was scaled below it: pipeline_rl/core/actor_count.py)
-deletes its ranks' registrations (`leave_group`) and waits, still receiving, until the sender
+withdraws its ranks' registrations (`leave_group`) and waits, still receiving, until the sender
 has formed a group without them, so no transfer is left waiting for it. The sender's ranks grow
 with the job (`WeightSender.resize`).
 """

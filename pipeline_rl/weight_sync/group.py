@@ -113,8 +113,14 @@ RESYNC = "resync"
 
 def ready_key(rank: int) -> str:
     """Store key a receiver of weight-update rank `rank` sets, to a token of its own, once it
-    can join a group."""
+    can join a group; withdrawn by setting it to LEFT."""
     return f"ready/{rank}"
+
+
+LEFT = "left"
+"""The value of a withdrawn registration (ready_key). A registration is never deleted: the
+sender reads the registrations in two round trips (which keys exist, then their values), and a
+store read of a key deleted in between would wait for the whole timeout."""
 
 
 def members_key(group: str) -> str:

@@ -22,6 +22,7 @@ from pipeline_rl.weight_sync.group import (
     FROZEN_S,
     INCARNATION,
     LEAVE_POLL_S,
+    LEFT,
     RESYNC,
     Endpoint,
     Keep,
@@ -356,20 +357,26 @@ class WeightReceiver(Endpoint):
         self._store = None
 
 
+def withdraw(store: dist.Store, ranks: list[int]) -> None:
+    """Withdraw the registrations of `ranks` (group.LEFT): the sender forms no group with them
+    until they register again."""
+    for rank in ranks:
+        store.set(ready_key(rank), LEFT)
+
+
 def leave_group(addr: str, ranks: list[int], timeout_s: float) -> bool:
-    """Take the receivers of `ranks` out of the weight-update group for good: delete their
-    registrations, then wait until the sender names a group without them (it forms one at its
+    """Take the receivers of `ranks` out of the weight-update group for good: withdraw their
+    registrations (group.LEFT), then wait until the sender names a group without them (it forms one at its
     next update), at most `timeout_s`. Their receivers must keep taking part until then: a
     transfer of the current group still counts on them. Returns whether the group re-formed
     in time (False too when the sender's store is gone). A registration made again meanwhile (a
-    receiver whose transfer failed registers when it reconnects) is deleted again."""
+    receiver whose transfer failed registers when it reconnects) is withdrawn again."""
     host, port = split_host_port(addr)
     deadline = time.monotonic() + timeout_s
     try:
         store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
         while time.monotonic() < deadline:
-            for rank in ranks:
-                store.delete_key(ready_key(rank))
+            withdraw(store, ranks)
             name = store.get("group").decode() if store.check(["group"]) else ""
             if name and store.check([members_key(name)]):
                 members = json.loads(store.get(members_key(name)))

@@ -20,6 +20,7 @@ from pipeline_rl.weight_sync.group import (
     ABANDONED,
     FROZEN_S,
     INCARNATION,
+    LEFT,
     RESYNC,
     WAIT_SLICE_S,
     Endpoint,
@@ -169,12 +170,10 @@ class WeightSender(Endpoint):
         """Wait up to the timeout for every awaited receiver to register; say which did not."""
         assert self._store is not None
         awaited = self.awaited if self.awaited is not None else list(range(1, self.world_size))
-        keys = [ready_key(r) for r in awaited]
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while keys and not self._store.check(keys):
+        while missing := [r for r in awaited if r not in self._registered()]:
             if time.monotonic() >= deadline:
                 names = json.loads(self._store.get("members"))
-                missing = [r for r in awaited if not self._store.check([ready_key(r)])]
                 log.warning(
                     "the first weight update goes without %s: not registered within %g s; they join at the next version",
                     named(names, missing),
@@ -220,7 +219,8 @@ class WeightSender(Endpoint):
 
     def _registered(self, store: dist.Store | None = None) -> dict[int, str]:
         """Rank -> registration token of the receivers registered in the store (two round trips
-        when all are), through `store` (the main connection by default)."""
+        when every rank has set its key once), through `store` (the main connection by default).
+        A key once set stays (group.LEFT), so the values read exist for every key found."""
         store = store or self._store
         assert store is not None
         receivers = range(1, self.world_size)
@@ -228,15 +228,16 @@ class WeightSender(Endpoint):
         if not store.check(keys):
             receivers = [r for r in receivers if store.check([ready_key(r)])]
             keys = [ready_key(r) for r in receivers]
-        return {r: v.decode() for r, v in zip(receivers, store.multi_get(keys) if keys else [])}
+        values = [v.decode() for v in store.multi_get(keys)] if keys else []
+        return {r: token for r, token in zip(receivers, values) if token != LEFT}
 
     def _unregister(self, rank: int) -> None:
-        """Take out the registration the current group has of `rank` (not a replacement's, made
-        since under a token of its own)."""
+        """Withdraw the registration the current group has of `rank` (not a replacement's, made
+        since under a token of its own: compared and set in one step)."""
         assert self._store is not None
-        key = ready_key(rank)
-        if self._store.check([key]) and self._store.get(key).decode() == self._tokens.get(rank):
-            self._store.delete_key(key)
+        token = self._tokens.get(rank)
+        if token is not None:
+            self._store.compare_set(ready_key(rank), token, LEFT)
 
     def _announcement(
         self,

@@ -319,12 +319,12 @@ def test_the_first_update_waits_only_for_the_actors_there():
 
 
 def test_a_leaving_receiver_that_registers_again_is_still_left_out():
-    """An actor scaled away leaves the group (leave_group: its registration deleted, then the
+    """An actor scaled away leaves the group (leave_group: its registration withdrawn, then the
     wait for a group formed without it). A registration made again meanwhile, as a receiver
-    whose transfer failed makes when it reconnects, is deleted again: the next group is formed
+    whose transfer failed makes when it reconnects, is withdrawn again: the next group is formed
     without it and the leave ends there, instead of waiting for the whole timeout."""
     from pipeline_rl.weight_sync import leave_group
-    from pipeline_rl.weight_sync.group import LEAVE_POLL_S, ready_key
+    from pipeline_rl.weight_sync.group import LEAVE_POLL_S, LEFT, ready_key
 
     sender, procs, results, announce = _two_receivers(TIMEOUT_S)
     addr = f"{sender.host}:{sender.port}"
@@ -337,9 +337,9 @@ def test_a_leaving_receiver_that_registers_again_is_still_left_out():
         token = store.get(ready_key(2))
         leaving = threading.Thread(target=lambda: left.append(leave_group(addr, [2], 60.0)))
         leaving.start()
-        wait_for(lambda: not store.check([ready_key(2)]), 10.0, "the deletion of the registration")
+        wait_for(lambda: store.get(ready_key(2)).decode() == LEFT, 10.0, "the withdrawal of the registration")
         store.set(ready_key(2), token)  # registered again
-        wait_for(lambda: not store.check([ready_key(2)]), 20 * LEAVE_POLL_S, "its second deletion")
+        wait_for(lambda: store.get(ready_key(2)).decode() == LEFT, 20 * LEAVE_POLL_S, "its second withdrawal")
         sender.send(2, _weights(2), lambda update: announce(update, (1,)), bucket_mb=1)
         assert sender.members == [0, 1] and _report(results[1], 2) == "ok"
         leaving.join(10 * LEAVE_POLL_S)
@@ -676,3 +676,60 @@ def test_a_frozen_receiver_costs_one_update_not_the_zero3_trainer_pool(tmp_path)
     assert published[1]["weight_update_members"] == 2
     assert "weight_update_members" not in published[2] and published[2]["weight_update_failed_total"] == 1
     assert all(published[v]["weight_update_members"] == 1 for v in (3, 4)), published
+
+
+CHURNING = 32
+"""Receivers of the churn test: a read of the registrations checks each, so a withdrawal lands
+between a rank's check and the read of its value with probability about 1/2 (the share of
+ranks already checked)."""
+HOLD_S = 1.0
+"""How long a churning receiver stays withdrawn before it registers again."""
+
+
+def _churning_receivers(addr: str, ready, done) -> None:
+    """Receivers of ranks 1..CHURNING registered (as WeightReceiver._connect registers); then,
+    until `done`, one of them withdraws (as leave_group does) and registers again HOLD_S later."""
+    import random
+
+    from pipeline_rl.weight_sync.group import ready_key, split_host_port
+    from pipeline_rl.weight_sync.receiver import withdraw
+
+    host, port = split_host_port(addr)
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    for rank in range(1, CHURNING + 1):
+        store.set(ready_key(rank), f"token{rank}")
+    ready.set()
+    while not done.is_set():
+        rank = random.randint(1, CHURNING)
+        withdraw(store, [rank])
+        done.wait(HOLD_S)
+        store.set(ready_key(rank), f"token{rank}")
+
+
+def test_reading_the_registrations_is_not_held_up_by_a_receiver_leaving_meanwhile():
+    """The trainer reads the registrations (has_joiners, whenever it waits for data) while an
+    actor scaled away withdraws its own (leave_group): a registration seen present is still
+    readable a round trip later, so no read waits for a key (a store read of a missing key waits
+    until it is set: for an actor that left, the whole timeout, and the trainer stalls)."""
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, CHURNING + 1, "gloo", TIMEOUT_S, member_names(CHURNING, 1))
+    sender.expect([])
+    sender.send(1, _weights(1), lambda update: None, bucket_mb=1)  # formed, with no receiver
+    ready, done = _SPAWN.Event(), _SPAWN.Event()
+    proc = _SPAWN.Process(target=_churning_receivers, args=(addr, ready, done), daemon=True)
+    proc.start()
+    slowest, reads = 0.0, 0
+    try:
+        assert ready.wait(120), "the churning receivers did not start"
+        until = time.monotonic() + 8 * HOLD_S  # 8 withdrawals: a read waits on one with p ~ 1 - 2**-8
+        while time.monotonic() < until:
+            started = time.monotonic()
+            assert sender.has_joiners()  # registered since the group was formed
+            slowest, reads = max(slowest, time.monotonic() - started), reads + 1
+    finally:
+        done.set()
+        proc.join(TIMEOUT_S)
+        proc.kill()
+        sender.close()
+    assert reads > 100, reads
+    assert slowest < HOLD_S / 2, slowest  # a read of a withdrawn key waits until it is set again
