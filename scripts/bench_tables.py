@@ -667,6 +667,11 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         functools.partial(variants_table, columns=("dropped",)),
         "docs/lora.md",
     ),
+    "learning_tools": (
+        "docs/bench_learning_tools.json",
+        functools.partial(variants_table, columns=("tool_calls",)),
+        "docs/agents.md",
+    ),
     "answer_digits_family": ("docs/answer_digits_family.json", digits_table, "docs/learning.md"),
     "learning_lr_by_signal": (
         "docs/bench_learning_lr_by_signal.json",
