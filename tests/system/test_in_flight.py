@@ -29,24 +29,36 @@ LONG = [
 bound: an actor always has its groups in flight, even one whose weights fall behind (its groups
 land too stale to train, and the trainer's gate drops them: these tests look at what lands)."""
 ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+STOPS = 3
 
 
 def test_a_run_stopped_with_ctrl_c_continues_its_rollouts_in_flight_when_resumed(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    # No periodic save (actor.in_flight_save_s=0): what the resumed run continues is the stop's.
-    proc = launch(run_dir, *LONG, "shared.max_steps=100000", "actor.in_flight_save_s=0", env=ENV, wait=False)
-    try:
-        wait_until(lambda: version(run_dir) >= 4, proc, 300, "version 4", run_dir)
-        assert not (run_dir / "in_flight" / "actor0.json").exists(), "saved with actor.in_flight_save_s=0"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        stop(proc)
-    assert proc.returncode == ExitCode.INTERRUPTED, out[-4000:]
-    saved = InFlight.load(run_dir / "in_flight" / "actor0.json")
-    assert saved is not None and saved.groups, "no rollout in flight was saved at the stop"
-    parts = {(g.group_id, i): p for g in saved.groups for (call,) in [g.calls] for i, p in enumerate(call.parts) if p}
-    assert any(not p.finish_reason for p in parts.values()), "no sequence was half-way at the stop"
+    # The groups in flight generate in step (same length, started together): a stop can find every
+    # sequence just finished, its group not yet written. That stop is kept and continued too; the
+    # run is stopped again (at most STOPS times) until a stop finds sequences half-way.
+    for attempt in range(STOPS):
+        target = version(run_dir) + 4 if attempt else 4
+        # No periodic save (actor.in_flight_save_s=0): what the resumed run continues is the stop's.
+        proc = launch(run_dir, *LONG, "shared.max_steps=100000", "actor.in_flight_save_s=0", env=ENV, wait=False)
+        try:
+            wait_until(lambda: version(run_dir) >= target, proc, 300, f"version {target}", run_dir)
+            if attempt == 0:
+                assert not (run_dir / "in_flight" / "actor0.json").exists(), "saved with actor.in_flight_save_s=0"
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            stop(proc)
+        assert proc.returncode == ExitCode.INTERRUPTED, out[-4000:]
+        saved = InFlight.load(run_dir / "in_flight" / "actor0.json")
+        assert saved is not None and saved.groups, "no rollout in flight was saved at the stop"
+        parts = {
+            (g.group_id, i): p for g in saved.groups for (call,) in [g.calls] for i, p in enumerate(call.parts) if p
+        }
+        if any(not p.finish_reason for p in parts.values()):
+            break
+    else:
+        raise AssertionError(f"no sequence was half-way at any of {STOPS} stops")
     stopped_at = version(run_dir)
     before = {g["group_id"] for g in stream_records(run_dir, "actor")}
 
