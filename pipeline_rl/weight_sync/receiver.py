@@ -366,8 +366,8 @@ def withdraw(store: dist.Store, ranks: list[int]) -> None:
 
 def leave_group(addr: str, ranks: list[int], timeout_s: float) -> bool:
     """Take the receivers of `ranks` out of the weight-update group for good: withdraw their
-    registrations (group.LEFT), then wait until the sender names a group without them (it forms one at its
-    next update), at most `timeout_s`. Their receivers must keep taking part until then: a
+    registrations (group.LEFT), then wait until the sender names a group without them (it forms
+    one at its next update), at most `timeout_s`. Their receivers must keep taking part until then: a
     transfer of the current group still counts on them. Returns whether the group re-formed
     in time (False too when the sender's store is gone). A registration made again meanwhile (a
     receiver whose transfer failed registers when it reconnects) is withdrawn again."""

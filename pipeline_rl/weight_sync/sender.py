@@ -171,7 +171,7 @@ class WeightSender(Endpoint):
         assert self._store is not None
         awaited = self.awaited if self.awaited is not None else list(range(1, self.world_size))
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while missing := [r for r in awaited if r not in self._registered()]:
+        while missing := sorted(set(awaited) - self._registered().keys()):
             if time.monotonic() >= deadline:
                 names = json.loads(self._store.get("members"))
                 log.warning(
