@@ -14,7 +14,8 @@ the final reward and the worst drop after the best; completions/s, versions/s, i
 peak RSS per process; where a version's time goes; and the metrics that explain a fall
 (entropy, KL to the behaviour policy, clip fraction, ESS, gradient norm) over the run's last
 third. Then the goals against TRL and the pipelined/sync speed-up, with its bounds from
-the sync run. Variants named async<suffix> and sync<suffix> are compared the same way.
+the sync run. Each pipeline_rl run also prints its first updates' size against the later ones'
+(the behaviour KL of versions 2-5 against the median and largest after). Variants named async<suffix> and sync<suffix> are compared the same way.
 
 --models runs all of that on each named model (a directory, or a name scripts/make_tiny_model.py
 builds, built if missing) and ends with one table over the models (OUT/table.md) and their
@@ -243,6 +244,28 @@ SMOOTH_STEPS = 50
 """Steps per point of the lag-0 plot: one step's figure is near 0 or far from it, by chance."""
 
 
+FIRST_UPDATES = (2, 5)
+"""The versions (first and last) whose updates a learning-rate warm-up shrinks: Adam's moment
+estimates hold a sample or two, so an unwarmed first update moves every weight by about the lr."""
+
+
+def update_sizes(steps: list[dict]) -> dict[str, float]:
+    """How far each update moved the policy, read as the behaviour KL (between the policy that
+    generated a version's samples and the one trained on them): the largest over the first
+    updates (FIRST_UPDATES), and the median and the largest over all later ones."""
+    first, last = FIRST_UPDATES
+    kl = [
+        (r["values"]["version"], r["values"]["behaviour_kl"])
+        for r in steps
+        if isinstance(r["values"].get("behaviour_kl"), (int, float)) and "version" in r["values"]
+    ]
+    early = [k for v, k in kl if first <= v <= last]
+    later = sorted(k for v, k in kl if v > last)
+    if not early or not later:
+        return {}
+    return {"first_kl_max": max(early), "later_kl_median": later[len(later) // 2], "later_kl_max": later[-1]}
+
+
 def step_means(steps: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
     """Mean of each of `keys` over the step records that have it (keys without "mismatch/")."""
     means = {}
@@ -309,6 +332,7 @@ def summarize(name: str, run_dir: Path, wall_s: float, t0: float) -> dict:
         "costs": version_costs(records, steps),
         "late": step_means(steps[len(steps) * 2 // 3 :], STABILITY),
         "consistency": step_means(steps, CONSISTENCY),
+        "update_sizes": update_sizes(steps),
         "unswapped_kl": series(steps, t0, "mismatch/unswapped_kl"),
         "peak_rss_mb": {p: v.get("peak_rss_mb") for p, v in latest.items() if v.get("peak_rss_mb")},
         # Agent runs: the actor's tool calls per training rollout, per metrics window.
@@ -431,6 +455,13 @@ def report(results: list[dict], out: Path, conf: str, against: str | None = None
             print("        last third: " + ", ".join(f"{k} {v:.3g}" for k, v in r["late"].items()))
         if r["consistency"]:
             print("        whole run, lag 0: " + ", ".join(f"{k} {v:.3g}" for k, v in r["consistency"].items()))
+        if r.get("update_sizes"):
+            u = r["update_sizes"]
+            first, last = FIRST_UPDATES
+            print(
+                f"        behaviour KL: largest of versions {first}-{last} {u['first_kl_max']:.3g}; "
+                f"later median {u['later_kl_median']:.3g}, largest {u['later_kl_max']:.3g}"
+            )
         if r["costs"]:
             print("        s per version: " + ", ".join(f"{k} {v:.4f}" for k, v in r["costs"].items()))
         if r["mode"] != "trl":
@@ -553,6 +584,7 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
                     "version_train_s": r["step_split"][1] if r.get("step_split") else None,
                     "dropped_samples": r.get("dropped_samples"),
                     "samples": r.get("samples"),
+                    **(r.get("update_sizes") or {}),
                     "trl_final": trl["final_eval"] if trl else None,
                     "trl_span_s": trl["eval_span_s"] if trl else None,
                     "trl_completions_per_s": trl["completions_per_s"] if trl else None,

@@ -638,6 +638,29 @@ def trainer_table(rows: list[dict]) -> str:
     return markdown(["measure", "figure", "goal", "measured on"], [row(r) for r in rows])
 
 
+def update_size_table(rows: list[dict]) -> str:
+    """scripts/bench_learning.py's rows of short `--variant` runs: per model and variant, the size of
+    the first updates (the largest behaviour KL of versions 2-5) against the later ones' (their
+    median and largest), with the start, the final reward and the first-minute fall."""
+
+    def row(r: dict) -> list[str]:
+        return [
+            f"`{r['model']}`",
+            r["mode"],
+            cell(r["start"], ".3f"),
+            cell(r.get("first_kl_max"), ".4f"),
+            cell(r.get("later_kl_median"), ".4f"),
+            cell(r.get("later_kl_max"), ".4f"),
+            cell(r["final"], ".3f"),
+            f"{r['early_fall']:.3f}",
+            measured_on(r),
+        ]
+
+    header = ["model", "variant", "start", "largest KL, versions 2-5", "median KL after", "largest KL after"]
+    header += ["final", "first-minute fall", "measured on"]
+    return markdown(header, [row(r) for r in rows])
+
+
 def measured_on(row: dict) -> str:
     """The machine and commit a learning row was measured on, where the row records them."""
     return ", ".join(row[k] for k in ("machine", "commit") if row.get(k)) or "not recorded"

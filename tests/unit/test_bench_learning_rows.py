@@ -44,3 +44,26 @@ def test_each_row_names_the_machine_and_commit_of_its_own_run():
     assert rows["async"]["gain"] == pytest.approx(0.4)
     # The average of (0.4, 0.8, 0.9) = 0.7 at 30 s; 0.9 is never reached.
     assert rows["async"]["time_to_0.7_s"] == 30.0 and rows["async"]["time_to_0.9_s"] is None
+
+
+def step(version: int, kl: float | None) -> dict:
+    values = {"version": version, "compute_s": 0.1}
+    if kl is not None:
+        values["behaviour_kl"] = kl
+    return {"process": "trainer0", "time": float(version), "values": values}
+
+
+def test_the_first_updates_are_weighed_against_the_later_ones():
+    # Version 1 is the start; 2-5 are the first updates, 6-10 the later ones (one without a KL).
+    kls = {1: 9.0, 2: 0.01, 3: 0.07, 4: 0.02, 5: 0.03, 6: 0.002, 7: 0.004, 8: None, 9: 0.003, 10: 0.012}
+    sizes = bench_learning.update_sizes([step(v, k) for v, k in kls.items()])
+    assert sizes == {"first_kl_max": 0.07, "later_kl_median": 0.004, "later_kl_max": 0.012}
+    # A run too short to have later updates, or without the KL (TRL's steps), has no figures.
+    assert bench_learning.update_sizes([step(v, 0.01) for v in range(1, 6)]) == {}
+    assert bench_learning.update_sizes([step(v, None) for v in range(1, 20)]) == {}
+
+
+def test_the_update_sizes_are_kept_in_the_row():
+    results = [{**summary("warm", 0.9, None), "update_sizes": {"first_kl_max": 0.07, "later_kl_median": 0.004}}]
+    (row,) = bench_learning.result_rows([("m", results)], 120.0)
+    assert row["first_kl_max"] == 0.07 and row["later_kl_median"] == 0.004

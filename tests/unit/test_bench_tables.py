@@ -309,6 +309,16 @@ def test_the_variants_table_shows_each_run_and_the_columns_asked_for():
     )
 
 
+def test_the_update_size_table_sets_the_first_updates_beside_the_later_ones():
+    row = {"model": "family_char_brief", "mode": "no_warmup", "start": 0.32, "final": 0.7, "early_fall": 0.01}
+    row |= {"first_kl_max": 0.06953, "later_kl_median": 0.0032, "later_kl_max": 0.0125, "commit": "abc1234"}
+    (line,) = bench_tables.update_size_table([row]).splitlines()[2:]
+    assert line == "| `family_char_brief` | no_warmup | 0.320 | 0.0695 | 0.0032 | 0.0125 | 0.700 | 0.010 | abc1234 |"
+    # A run too short for later updates has no figures for them.
+    short = {k: v for k, v in row.items() if not k.endswith("_kl_max") and k != "later_kl_median"}
+    assert bench_tables.update_size_table([short]).splitlines()[2].split(" | ")[3:6] == ["n/a", "n/a", "n/a"]
+
+
 def test_the_faults_table_prices_each_fault_and_names_what_its_rollouts_became():
     fault = {"fault": "actor", "at_s": 45.2, "version": 15, "cost_s": -6.0}
     fault |= {"in_flight": {"groups_lost/stopped": 0.0, "groups_continued": 3.0, "tokens_continued": 1416.0}}
