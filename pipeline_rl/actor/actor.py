@@ -143,7 +143,7 @@ class Actor:
             and cfg.step_guidance.mode != StepGuidanceMode.branch
         )
         self.keeper = InFlightKeeper(run_dir, self.name, self.llm, continuable, cfg.actor.in_flight_save_s)
-        self.to_continue = self.keeper.saved(self.partition.landed_since)
+        self.to_continue = self.keeper.saved(self.partition.landed_since, self.partition.trimmed_after)
         counts = resume(saved, first_group, unsaved, continued=len(self.to_continue))
         self.totals.written, self.drawn, self.totals.lost_stopped = counts.written, counts.drawn, counts.lost_stopped
         self.admission.started, self.admission.offset = counts.admission_started, counts.admission_offset

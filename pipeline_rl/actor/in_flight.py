@@ -19,6 +19,9 @@ tokens generated after the stop. Only domains marked continuable are continued
 Which saved groups a restarted actor continues: those that did not land in its stream partition
 after the save (`InFlight.stream_end`). So a file read at two restarts in a row continues
 nothing twice, and an actor killed between saves loses only what it generated after the last.
+Redis streams drop what the preprocessors consumed: where groups that landed after the save are
+gone, which saved groups landed cannot be told, and none is continued (they are counted lost,
+never trained twice).
 
 Hand-over: an actor leaving a scaled-down job saves its groups into a hand-over file and leaves
 at once; an actor that stays claims the file by renaming it (one claimant) and continues them.

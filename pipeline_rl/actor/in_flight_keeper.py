@@ -43,9 +43,13 @@ class InFlightKeeper:
         self.tokens_continued_total = 0
         """Generated tokens that continued groups did not have to generate again."""
 
-    def saved(self, landed_since: Callable[[str | None], list[str]]) -> list[SavedGroup]:
+    def saved(
+        self, landed_since: Callable[[str | None], list[str]], trimmed_after: Callable[[str | None], bool]
+    ) -> list[SavedGroup]:
         """The groups of this actor's last save that did not land after it (`landed_since`: the
-        ids of the groups in this actor's partition after a stream end)."""
+        ids of the groups in this actor's partition after a stream end). Where groups that landed
+        after the save may be gone from the partition (`trimmed_after`: consumed and trimmed),
+        none is continued: one that landed would be trained twice; they are counted lost."""
         saved = InFlight.load(self.path)
         if saved is None or not saved.groups:
             return []
@@ -56,6 +60,13 @@ class InFlightKeeper:
             return []
         landed = set(landed_since(saved.stream_end))
         groups = [g for g in saved.groups if g.group_id not in landed]
+        if groups and trimmed_after(saved.stream_end):
+            log.warning(
+                "%d saved groups in flight not continued: groups that landed after the save were consumed and "
+                "trimmed from the stream, so which of these landed cannot be told",
+                len(groups),
+            )
+            return []
         log.info(
             "continuing %d groups in flight at the last stop (%d tokens)", len(groups), sum(g.tokens for g in groups)
         )

@@ -44,6 +44,11 @@ class Partition:
         reader.close()
         return landed
 
+    def trimmed_after(self, stream_end: str | None) -> bool:
+        """Whether groups that landed after `stream_end` may be gone from the partition (consumed
+        and trimmed), so that `landed_since` may not name them all."""
+        return self.streams.trimmed_after(Topic.ACTOR, self.index, stream_end)
+
     def end(self) -> str | None:
         """The partition's end after this actor's last group that landed."""
         return self.writer.ends.get(self.index, self.found_end)

@@ -346,6 +346,12 @@ class Streams:
         """Let the backend drop entries before `position` (a reader's saved position: every
         entry before it is consumed for good). JSONL files keep everything."""
 
+    def trimmed_after(self, topic: str, partition: int, position: str | None) -> bool:
+        """Whether `trim_below` may have dropped entries of `partition` that came after `position`
+        (None: any entry), so that a reader from there no longer sees every entry that landed
+        after it. JSONL files keep everything."""
+        return False
+
     def _make_writer(self, topic: str, partitions: int) -> Writer:
         raise NotImplementedError
 

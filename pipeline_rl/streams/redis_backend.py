@@ -231,6 +231,12 @@ class RedisReader(Reader):
         self._drop()
 
 
+def _entry_id(entry: str | bytes) -> tuple[int, int]:
+    """A stream entry id ("MS-SEQ") as the pair it sorts by."""
+    ms, _, seq = (entry.decode() if isinstance(entry, bytes) else entry).partition("-")
+    return int(ms), int(seq or 0)
+
+
 class RedisStreams(Streams):
     reader_class = RedisReader
 
@@ -266,6 +272,20 @@ class RedisStreams(Streams):
                 # Exact (redis-py's default is "~", which keeps whole radix-tree nodes of up to
                 # 100 entries): the memory bound the plan states counts entries, not nodes.
                 self.client.xtrim(f"{self.namespace}:{topic}:{partition}", minid=offset, approximate=False)
+
+    def trimmed_after(self, topic: str, partition: int, position: str | None) -> bool:
+        try:
+            info = self.client.xinfo_stream(f"{self.namespace}:{topic}:{partition}")
+        except redis.ResponseError:  # no such stream: nothing was written to it
+            return False
+        if info.get("entries-added") == info["length"]:
+            return False
+        if position is None:
+            return True
+        # Every entry before the first kept one is gone; whether one of them came after `position`
+        # is not recorded, so the first kept entry past `position` counts as a gap.
+        first = info["first-entry"][0] if info["length"] else info["last-generated-id"]
+        return _entry_id(first) > _entry_id(position)
 
     def _where(self) -> tuple:
         return (self.client, self.namespace)

@@ -141,6 +141,28 @@ def test_a_restarted_actor_continues_the_saved_groups_that_did_not_land_after_th
         asked.append(end)
         return ["g1"]
 
-    assert [g.group_id for g in keeper.saved(landed_since)] == ["g0", "g2"] and asked == ["41"]
+    def kept(end: str | None) -> bool:
+        return False
+
+    assert [g.group_id for g in keeper.saved(landed_since, kept)] == ["g0", "g2"] and asked == ["41"]
     # A domain that is not continuable continues none (they are counted lost by resume's arithmetic).
-    assert InFlightKeeper(tmp_path, "actor0", None, continuable=False, save_every_s=10).saved(landed_since) == []
+    assert InFlightKeeper(tmp_path, "actor0", None, continuable=False, save_every_s=10).saved(landed_since, kept) == []
+
+
+def test_no_saved_group_is_continued_where_groups_that_landed_after_the_save_may_be_gone(tmp_path):
+    """g1 is seen to have landed; g0 and g2 are not, but the partition dropped entries after the
+    save (consumed and trimmed): either may have landed, so neither is continued."""
+    groups = [SavedGroup(f"g{i}", {"q": i}, [SavedCall(PROMPT, 1, [None])]) for i in range(3)]
+    keeper = InFlightKeeper(tmp_path, "actor0", None, continuable=True, save_every_s=10)
+    keeper.path.parent.mkdir()
+    InFlight(groups, "41").save(keeper.path)
+    asked: list[str | None] = []
+
+    def trimmed(end: str | None) -> bool:
+        asked.append(end)
+        return True
+
+    assert keeper.saved(lambda end: ["g1"], trimmed) == [] and asked == ["41"]
+    # Every saved group seen to have landed: nothing to continue, whatever was trimmed.
+    assert keeper.saved(lambda end: ["g0", "g1", "g2"], trimmed) == []
+    assert asked == ["41"]
