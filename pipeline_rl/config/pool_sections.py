@@ -78,7 +78,8 @@ class ActorConfig:
     in_flight_save_s: float = bounded(10.0, ge=0)
     """How often an actor saves its rollouts in flight (pipeline_rl/actor/in_flight.py), so that
     a restarted actor continues them instead of generating them again: a killed actor loses at
-    most this long of generation; a graceful stop saves them all. 0: only at a graceful stop."""
+    most this long of generation, or on Redis streams the whole save once groups that landed
+    after it were consumed and trimmed; a graceful stop saves them all. 0: only at a graceful stop."""
     admission_lag: int | None = bounded(None, ge=0)
     """How many versions behind the trainer a group may land and still be started
     (pipeline_rl/actor/admission.py); null: shared.max_lag, so the lag gate rarely has anything
