@@ -1,7 +1,8 @@
 """Several nodes on Ray: the tiny run on a Ray cluster simulated on this machine (Ray's own
 `cluster_utils.Cluster`: one raylet per "node", each with 1 CPU, so the placement group's
-PACK strategy puts trainer0, preprocessor0 and actor0 on three different nodes), with the
-run's own Redis and gloo. A node removed mid-run (its raylet, its Ray workers and its pool
+PACK strategy puts trainer0, preprocessor0 and actor0 on three different nodes; one cluster
+serves the module's tests of one actor, the nodes a test lost replaced before the next), with
+the run's own Redis and gloo. A node removed mid-run (its raylet, its Ray workers and its pool
 processes killed) must stop the run within 45 s without restarts, naming the node and what ran
 on it; running again resumes from the last checkpoint and trains no group twice. With
 restarts, a pool process killed on a node that stays is started again there, and the actor of a
@@ -72,12 +73,36 @@ def simulated_cluster(nodes: int, **system_config):
     return c
 
 
-@pytest.fixture
-def cluster():
-    """Three nodes: one for each process of a run of one actor."""
-    c = simulated_cluster(3)
+NODES = 3
+"""One node for each process of a run of one actor."""
+
+
+@pytest.fixture(scope="module")
+def module_cluster():
+    """The cluster the module's tests of one actor share: starting one costs a head and three
+    raylets, more than a test's own work on some of them."""
+    c = simulated_cluster(NODES)
     yield c
     c.shutdown()
+
+
+@pytest.fixture
+def cluster(module_cluster):
+    """Three live 1-CPU nodes with nothing running on them: the module's cluster, the nodes an
+    earlier test removed replaced and those it added removed, every CPU free again (the earlier
+    run's Ray workers end with its driver's job)."""
+    c = module_cluster
+    while len(c.worker_nodes) > NODES:
+        c.remove_node(next(iter(c.worker_nodes)))
+    while len(c.worker_nodes) < NODES:
+        c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    # A node removed without its GCS being told stays live to it until its health checks fail.
+    c.wait_for_nodes(timeout=120)
+    deadline = time.time() + 120
+    while (free := sum(r.get("CPU", 0) for r in c.global_state.available_resources_per_node().values())) < NODES:
+        assert time.time() < deadline, f"{free:g} of {NODES} CPUs free 120 s after the earlier test ended"
+        time.sleep(0.5)
+    return c
 
 
 @pytest.fixture
