@@ -721,6 +721,7 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "learning_pipelining_tiny_long": ("docs/bench_learning_tiny_long.json", pipelining_table, "docs/learning.md"),
     "long_chain_prm": ("docs/long_chain_prm_report.json", step_scorer_table, "docs/learning.md"),
     "learning_step_guidance_prm": ("docs/bench_learning_step_guidance_prm.json", guidance_table, "docs/learning.md"),
+    "learning_warmup": ("docs/bench_learning_warmup.json", update_size_table, "docs/learning.md"),
     "learning_count_filtered": (
         "docs/bench_learning_count_filtered.json",
         functools.partial(learning_table, variants=True),
