@@ -15,7 +15,8 @@ peak RSS per process; where a version's time goes; and the metrics that explain 
 (entropy, KL to the behaviour policy, clip fraction, ESS, gradient norm) over the run's last
 third. Then the goals against TRL and the pipelined/sync speed-up, with its bounds from
 the sync run. Each pipeline_rl run also prints its first updates' size against the later ones'
-(the behaviour KL of versions 2-5 against the median and largest after). Variants named async<suffix> and sync<suffix> are compared the same way.
+(the behaviour KL of versions 2-5 against the median and largest after). Variants named
+async<suffix> and sync<suffix> are compared the same way.
 
 --models runs all of that on each named model (a directory, or a name scripts/make_tiny_model.py
 builds, built if missing) and ends with one table over the models (OUT/table.md) and their
@@ -39,6 +40,7 @@ import functools
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -260,10 +262,10 @@ def update_sizes(steps: list[dict]) -> dict[str, float]:
         if isinstance(r["values"].get("behaviour_kl"), (int, float)) and "version" in r["values"]
     ]
     early = [k for v, k in kl if first <= v <= last]
-    later = sorted(k for v, k in kl if v > last)
+    later = [k for v, k in kl if v > last]
     if not early or not later:
         return {}
-    return {"first_kl_max": max(early), "later_kl_median": later[len(later) // 2], "later_kl_max": later[-1]}
+    return {"first_kl_max": max(early), "later_kl_median": statistics.median_high(later), "later_kl_max": max(later)}
 
 
 def step_means(steps: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
