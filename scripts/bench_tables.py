@@ -26,6 +26,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import sweep_tables
+from table_cells import cell, markdown, measured_on, seconds, sooner
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -69,12 +72,6 @@ def identity(row: dict) -> tuple:
 def named(row: dict) -> str:
     """The row's identity fields, as a comparison names the row."""
     return ", ".join(f"{k}={row[k]}" for k in IDENTITY if row.get(k) is not None)
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table of `rows` under `header`."""
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def delta_table(rows: list[dict]) -> str:
@@ -281,21 +278,6 @@ def gpu_memory_table(results: dict[str, dict]) -> str:
         if r.get("loop") == "trainer" and not name.startswith("profile")
     ]
     return markdown(["run", "peak GiB", "plan GiB", "peak / plan"], rows)
-
-
-def cell(x: float | None, spec: str, missing: str = "n/a") -> str:
-    """`x` formatted by `spec`, or `missing` where a row has no figure."""
-    return missing if x is None else f"{x:{spec}}"
-
-
-def seconds(t: float | None) -> str:
-    """A time to a reward, or "never" where the run did not reach it."""
-    return f"{t:.0f} s" if t else "never"
-
-
-def sooner(span: float | None, t: float | None) -> str:
-    """How much sooner a run reached a reward: the other run's evaluation span over its time."""
-    return f"{span / t:.2f}x" if t and span else "never"
 
 
 def learning_table(rows: list[dict], variants: bool = False) -> str:
@@ -661,11 +643,6 @@ def update_size_table(rows: list[dict]) -> str:
     return markdown(header, [row(r) for r in rows])
 
 
-def measured_on(row: dict) -> str:
-    """The machine and commit a learning row was measured on, where the row records them."""
-    return ", ".join(row[k] for k in ("machine", "commit") if row.get(k)) or "not recorded"
-
-
 TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "headline": (
         ("docs/bench_learning_entropy.json", "docs/bench_learning_tiny_long.json"),
@@ -727,6 +704,21 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         functools.partial(learning_table, variants=True),
         "docs/learning.md",
     ),
+    "learning_pipelining_actors": (
+        "docs/bench_learning_pipelining_actors.json",
+        sweep_tables.pipelining_actors_table,
+        "docs/learning.md",
+    ),
+    "learning_family_sync": (
+        "docs/bench_learning_family_sync.json",
+        sweep_tables.family_sync_table,
+        "docs/learning.md",
+    ),
+    "learning_decay": ("docs/bench_learning_decay.json", sweep_tables.decay_table, "docs/learning.md"),
+    "learning_lr_sweep": ("docs/bench_learning_lr_sweep.json", sweep_tables.lr_sweep_table, "docs/learning.md"),
+    "learning_moe": ("docs/bench_learning_moe.json", sweep_tables.moe_table, "docs/learning.md"),
+    "learning_moe_sync": ("docs/bench_learning_moe_sync.json", sweep_tables.moe_sync_table, "docs/learning.md"),
+    "learning_tiny_long_lag8": ("docs/bench_learning_tiny_long_lag8.json", sweep_tables.lag_table, "docs/learning.md"),
 }
 """Table name -> (kept JSON, or a tuple of them, whose loaded list the table is made of, or a GPU
 call's kept log, whose result lines it is made of; how it becomes the table; the page it is in)."""

@@ -12,6 +12,7 @@ from fixtures.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_tables
+import sweep_tables
 
 ROW = {
     "setup": "1 rank(s), ZeRO-2",
@@ -334,3 +335,38 @@ def test_the_faults_table_prices_each_fault_and_names_what_its_rollouts_became()
         "| end, with faults |  |  | held-out n/a, version 83 |",
     ]
     assert lines[-1] == "`conf=tiny_long`, 300 s a run; m, abc."
+
+
+def test_the_lag_table_marks_the_shares_past_max_lag_as_dropped():
+    row = {"mode": "lag1", "max_lag": 1, "final": 0.5, "worst_drop": 0.0, "versions_per_s": 0.23, "mean_lag": 0.98}
+    row |= {"lag_shares": [0.06, 0.9, 0.04, 0, 0], "behaviour_kl_last_third": 1.8e-5, "clipped_last_third": 4e-5}
+    row |= {"masked_range": None, "machine": "m", "recorded_in": "abc1234"}
+    cells = sweep_tables.lag_table([row]).splitlines()[2].split(" | ")
+    assert cells[4] == "6 / 90 / 4 (dropped) / 0 / 0 %"
+    assert cells[7] == "0.004 %"
+    assert cells[8] == "m, recorded in abc1234 |"
+    # At max_lag 8 no share is past the limit; a masked range is shown beside the clipped share.
+    lag8 = row | {"max_lag": 8, "lag_shares": [0.02, 0.24, 0.58, 0.15, 0.001], "masked_range": [0.001, 0.007]}
+    cells = sweep_tables.lag_table([lag8]).splitlines()[2].split(" | ")
+    assert cells[4] == "2 / 24 / 58 / 15 / 0.1 %"
+    assert cells[7] == "0.004 % (masked 0.1-0.7 %)"
+
+
+def test_the_sweep_table_sets_each_variant_in_one_line_across_the_models():
+    base = {"final": 0.768, "time_to_0.7_s": 97.0, "time_to_0.9_s": None, "machine": "m"}
+    rows = [base | {"model": "a", "mode": "shipped"}, base | {"model": "b", "mode": "shipped", "time_to_0.9_s": 156.0}]
+    rows.append(base | {"model": "a", "mode": "lr 1e-3", "final": 0.465, "time_to_0.7_s": None})
+    lines = sweep_tables.lr_sweep_table(rows).splitlines()
+    assert lines[0] == "| variant | `a` | `b` | measured on |"
+    assert lines[2] == "| shipped | 0.768, 97 s | 0.768, 97 s (0.9 at 156 s) | m |"
+    assert lines[3] == "| lr 1e-3 | 0.465, not reached | not run | m |"
+
+
+def test_the_family_sync_table_sets_the_two_modes_side_by_side():
+    row = {"model": "m", "sync_time_to_0.7_s": 169, "async_time_to_0.7_s": 89, "sync_time_to_0.9_s": 329}
+    row |= {"async_time_to_0.9_s": None, "sync_final": 0.97, "async_final": 0.988, "versions_ratio": 1.46}
+    row |= {"overlap_cap": 1.36}
+    # 169 / 89 = 1.90x; a time the pipelined run never reached has no ratio.
+    assert sweep_tables.family_sync_table([row]).splitlines()[2] == (
+        "| `m` | 169 s / 89 s (1.90x) | 329 s / never | 0.970 / 0.988 | 1.46x (1.36x) | not recorded |"
+    )
