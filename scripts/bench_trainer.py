@@ -199,7 +199,7 @@ def real_trainer(cfg, run_dir: Path) -> tuple[float, float, int, float]:
         WORLD_SIZE="1",
         LOCAL_RANK="0",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+        MASTER_PORT="0",  # one rank: its store binds a free port itself, which no other process can take first
         OMP_NUM_THREADS="1",
     )
     env.pop(WEIGHT_SYNC_ADDR_ENV, None)

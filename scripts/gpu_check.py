@@ -36,7 +36,6 @@ import os
 import pstats
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -128,12 +127,6 @@ def model_flops_per_token(config: Qwen2Config, seq_len: int) -> float:
     per_layer = d * d * 2 + d * kv * 2 + 3 * d * f
     matmul_params = L * per_layer + d * config.vocab_size
     return 6 * matmul_params + 6 * L * d * seq_len
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bare_loop(
@@ -418,9 +411,9 @@ def main() -> int:
                 writer.write(mb)
         streams.close()
 
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
+        # One rank: its store binds a free port itself (MASTER_PORT 0); a port found free
+        # beforehand can be taken by another process before the store binds it.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
         from pipeline_rl.trainer.trainer import run
 
         start = time.perf_counter()
