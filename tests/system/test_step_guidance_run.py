@@ -1,7 +1,7 @@
 """Step guidance end to end on the tiny model: the actor process asks, the preprocessor process
-scores on its thread (a step scorer that calls every first step wrong), and the actor cuts:
-cut rollouts land ending with the separator, and every verdict the preprocessor wrote reached
-the actor, taken or counted late."""
+scores on its thread (a step scorer that calls every first step wrong, and no other), and the
+actor cuts: cut rollouts land ending with the separator, and every verdict the preprocessor wrote
+reached the actor, taken or counted late."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ GUIDED = [
     "step_guidance.mode=cut",
     f"step_guidance.separator='{SEPARATOR}'",
     "step_guidance.scorer.cls=fixtures.step_scorers:WrongFromStep",
+    # Only the first step is wrong: a preprocessor behind the actor passes a request over for
+    # newer ones (step_service.py), and a later step's verdict then cuts nothing.
     "step_guidance.scorer.kwargs.bad=0",
+    "step_guidance.scorer.kwargs.until=0",
 ]
 ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
 
