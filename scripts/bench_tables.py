@@ -699,8 +699,8 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
     "long_chain_prm": ("docs/long_chain_prm_report.json", step_scorer_table, "docs/learning.md"),
     "learning_step_guidance_prm": ("docs/bench_learning_step_guidance_prm.json", guidance_table, "docs/learning.md"),
     "learning_warmup": ("docs/bench_learning_warmup.json", update_size_table, "docs/learning.md"),
-    "learning_epochs": (
-        "docs/bench_learning_epochs.json",
+    "learning_brief_variants": (
+        "docs/bench_learning_brief_variants.json",
         functools.partial(learning_table, variants=True),
         "docs/learning.md",
     ),
