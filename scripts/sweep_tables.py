@@ -13,6 +13,11 @@ def pct(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else f"{100 * x:{spec}} %"
 
 
+def reached(t: float | None) -> str:
+    """A time to a reward, or "not reached"."""
+    return seconds(t) if t else "not reached"
+
+
 def sooner_ratio(slow: float | None, fast: float | None) -> str:
     """Two times to one reward side by side, and how much sooner the second is."""
     if not slow or not fast:
@@ -69,8 +74,8 @@ def decay_table(rows: list[dict]) -> str:
     def row(r: dict) -> list[str]:
         return [
             r["mode"],
-            seconds(r["time_to_0.7_s"]).replace("never", "not reached"),
-            seconds(r["time_to_0.9_s"]).replace("never", "not reached"),
+            reached(r["time_to_0.7_s"]),
+            reached(r["time_to_0.9_s"]),
             f"{r['final']:.3f}",
             f"{r['worst_drop']:.3f}",
             cell(r["behaviour_kl_last_third"], ".4f", ""),
@@ -92,7 +97,7 @@ def lr_sweep_table(rows: list[dict]) -> str:
         if r is None:
             return "not run"
         nine = f" (0.9 at {seconds(r['time_to_0.9_s'])})" if r["time_to_0.9_s"] else ""
-        return f"{r['final']:.3f}, {seconds(r['time_to_0.7_s']).replace('never', 'not reached')}{nine}"
+        return f"{r['final']:.3f}, {reached(r['time_to_0.7_s'])}{nine}"
 
     lines = [[v, *(result(by.get((v, m))) for m in models), measured_on(by[v, models[0]])] for v in variants]
     return markdown(["variant", *(f"`{m}`" for m in models), "measured on"], lines)
