@@ -138,8 +138,9 @@ class Driver:
         return "".join(self.lines)
 
     def placed(self) -> dict[str, str]:
-        """Process name -> the Ray node id the driver says it placed it on."""
-        return dict(re.findall(r"^placed (\w+) on node (\w+) ", self.out, re.M))
+        """Process name -> the Ray node id the driver says it placed it on, or started it again on."""
+        found = re.finditer(r"^(?:placed (\w+)|started (\w+) again) on node (\w+) ", self.out, re.M)
+        return {m[1] or m[2]: m[3] for m in found}
 
     def wait(self, timeout: float) -> int:
         try:
@@ -368,15 +369,41 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
     assert run_processes(run_dir, driver.redis_port) == {}
 
 
+def replaced_after(driver: Driver, run_dir: Path, since: float, timeout: float) -> float:
+    """Wait until actor0 generates, after `since`, on weights the trainer sent it; returns how long
+    after `since` that was seen."""
+
+    def generating() -> bool:
+        after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > since]
+        return any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after)
+
+    while not generating():
+        assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
+        assert time.time() - since < timeout, f"actor0 not back {timeout:.0f} s after:\n{driver.out[-4000:]}"
+        time.sleep(1)
+    return time.time() - since
+
+
 @pytest.mark.redis
 @pytest.mark.vllm
 @pytest.mark.deepspeed
-def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on(cluster, tmp_path, tiny_model):
-    """kill -9 actor0's process (its node stays): the driver starts it again in its bundle, the
-    replacement generates on weights sent after the kill, and the run reaches max_steps."""
+def test_an_actor_killed_lost_with_its_node_and_frozen_with_it_is_started_again_each_time(
+    cluster, tmp_path, tiny_model
+):
+    """One run (world.max_restarts=3), actor0 lost three times in turn, each healed before the
+    next: (1) kill -9 of its process, its node staying: the driver starts it again in its bundle;
+    (2) its node lost and a new node added: Ray places its bundle there and the driver starts
+    actor0 on it; (3) its node frozen (raylet and processes stopped, sockets open) and a new node
+    added: without waiting minutes for Ray to mark the node dead, the driver starts actor0 in a
+    placement group of its own on the new node; woken, the old actor0 is killed (its SIGKILL was
+    queued). Each replacement generates on weights sent after its loss, and the run reaches
+    max_steps with no process left."""
     run_dir = tmp_path / "run"
-    final = 60  # the trainer waits for the replacement's samples: the run cannot end before it generates
-    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
+    # The trainer waits for the replacement's samples after each loss; the versions made between
+    # a replacement's first groups and the next loss are few, so the run ends after the third.
+    final = 90
+    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=3")
+    node, frozen = None, []
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
         (pid,) = [
@@ -385,87 +412,40 @@ def test_a_killed_actor_process_is_started_again_on_its_node_and_the_run_goes_on
             if "-m pipeline_rl.actor " in args and args.endswith("--index 0")
         ]
         psutil.Process(pid).kill()
-        killed_at = time.time()
-        code = driver.wait(timeout=300)
-    finally:
-        driver.stop()
-    out = driver.out
-    went_on(driver, run_dir, code, final, killed_at)
-    assert "failed: killed by SIGKILL; restarting actor0 (restart 1 of 1" in out, out[-4000:]
-    assert "started actor0 again on node" in out
+        replaced_after(driver, run_dir, time.time(), 180)
 
-
-@pytest.mark.redis
-@pytest.mark.vllm
-@pytest.mark.deepspeed
-def test_the_actor_of_a_lost_node_starts_again_on_a_new_node_and_the_run_goes_on(cluster, tmp_path, tiny_model):
-    """The actor's node is lost and the cluster gets a new node: Ray places the actor's bundle
-    there, the driver starts actor0 on it, and the run reaches max_steps on the weights the
-    trainer sends it."""
-    run_dir = tmp_path / "run"
-    final = 60
-    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
-    try:
-        run_until(driver, run_dir, versions=3, timeout=300)
-        node_id, held, killed_at = kill_node(cluster, driver, run_dir, "actor0")
+        lost_id, held, lost_at = kill_node(cluster, driver, run_dir, "actor0")
         assert held == ["actor0"]
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-        code = driver.wait(timeout=400)
-    finally:
-        driver.stop()
-    out = driver.out
-    went_on(driver, run_dir, code, final, killed_at)
-    assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
-    moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
-    assert moved and moved[0] != node_id, out[-3000:]
+        replaced_after(driver, run_dir, lost_at, 240)
 
-
-@pytest.mark.redis
-@pytest.mark.vllm
-@pytest.mark.deepspeed
-def test_the_actor_of_a_frozen_node_starts_again_on_another_node_and_the_old_one_is_fenced(
-    cluster, tmp_path, tiny_model
-):
-    """actor0's node freezes (raylet and processes stopped, sockets open) and the cluster gets a
-    new node: the driver finds the node frozen and, without waiting minutes for Ray to mark it
-    dead, starts actor0 in a placement group of its own on the new node, which generates on the
-    weights the trainer sends it. Woken while the run goes on, the old actor is killed (its
-    SIGKILL was queued) and the run reaches max_steps with no process left."""
-    run_dir = tmp_path / "run"
-    final = 60
-    driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=1")
-    frozen = []
-    try:
-        run_until(driver, run_dir, versions=3, timeout=300)
-        node, node_id, held, frozen, frozen_at = freeze_node(cluster, driver, "actor0")
+        node, frozen_id, held, frozen, frozen_at = freeze_node(cluster, driver, "actor0")
         assert held == ["actor0"]
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-        deadline = time.time() + 180
-
-        def replaced() -> bool:
-            after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > frozen_at]
-            return any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after)
-
-        while not replaced():
-            assert driver.proc.poll() is None and time.time() < deadline, without_raylet_dumps(driver.out)[-4000:]
-            time.sleep(1)
-        replaced_in = time.time() - frozen_at
+        replaced_in = replaced_after(driver, run_dir, frozen_at, 180)
         old = [p for p in frozen if "pipeline_rl.actor" in " ".join(p.cmdline())]
         assert len(old) == 1, [p.cmdline() for p in frozen]
         for p in frozen:  # the node wakes up
             p.resume()
         _, alive = psutil.wait_procs(old, timeout=30)
         assert not alive, "the woken actor0 of the frozen node still runs"
+        at_wake = trainer_versions(run_dir)[-1]
+        assert at_wake < final, "the run ended before the third loss was healed"
         code = driver.wait(timeout=400)
     finally:
         driver.stop()
         take_out(cluster, node if frozen else None, frozen)
     out = driver.out
     went_on(driver, run_dir, code, final, frozen_at)
-    assert f"node {node_id} (" in out and "restarting actor0 (restart 1 of 1" in out, out[-4000:]
+    assert "failed: killed by SIGKILL; restarting actor0 (restart 1 of 3" in out, out[-4000:]
+    assert f"node {lost_id} (" in out and "restarting actor0 (restart 2 of 3" in out, out[-4000:]
+    assert f"node {frozen_id} (" in out and "restarting actor0 (restart 3 of 3" in out, out[-4000:]
     moved = re.findall(r"^started actor0 again on node (\w+) ", out, re.M)
-    assert moved and moved[0] != node_id, out[-3000:]
-    print(f"\nactor0's node frozen -> actor0 generating again on node {moved[0]} after {replaced_in:.1f} s")
+    assert len(moved) == 3 and moved[1] != lost_id and moved[2] != frozen_id, out[-3000:]
+    print(
+        f"\nactor0's node frozen -> actor0 generating again on node {moved[2]} after {replaced_in:.1f} s "
+        f"(version {at_wake} of {final} when its old node woke)"
+    )
 
 
 @pytest.mark.redis
