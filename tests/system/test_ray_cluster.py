@@ -181,9 +181,14 @@ def went_on(driver: Driver, run_dir: Path, code: int, final: int, killed_at: flo
     replacement generated on weights it was sent, no process left."""
     assert code == 0, without_raylet_dumps(driver.out)[-4000:]
     assert trainer_versions(run_dir)[-1] == final
-    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > killed_at]
-    assert any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after), after[-1:]
+    assert generated_since(run_dir, killed_at), "actor0 wrote no group on sent weights after its loss"
     assert run_processes(run_dir, driver.redis_port) == {}
+
+
+def generated_since(run_dir: Path, since: float) -> bool:
+    """Whether actor0 reported, after `since`, groups written on weights the trainer sent it."""
+    after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > since]
+    return any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after)
 
 
 def trainer_versions(run_dir: Path) -> list[int]:
@@ -372,12 +377,7 @@ def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp
 def replaced_after(driver: Driver, run_dir: Path, since: float, timeout: float) -> float:
     """Wait until actor0 generates, after `since`, on weights the trainer sent it; returns how long
     after `since` that was seen."""
-
-    def generating() -> bool:
-        after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > since]
-        return any(r["version"] > 0 and r["groups_written_total"] > 0 for r in after)
-
-    while not generating():
+    while not generated_since(run_dir, since):
         assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
         assert time.time() - since < timeout, f"actor0 not back {timeout:.0f} s after:\n{driver.out[-4000:]}"
         time.sleep(1)
