@@ -175,11 +175,22 @@ def finished(name: str, run_dir: Path, key: dict, started: float, provenance: di
     return {**summarize(name, run_dir, wall_s, started), "provenance": provenance}
 
 
+def step_of(conf: str, overrides: list[str]) -> dict:
+    """The settings a row of the family's table names: a step's problems and attempts at each, and
+    the entropy bonus."""
+    cfg = load_config(conf, overrides)
+    return {
+        "groups_per_step": cfg.shared.groups_per_step,
+        "attempts": cfg.actor.attempts,
+        "entropy_coef": cfg.trainer.loss.entropy_coef,
+    }
+
+
 def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool, provenance: dict) -> dict:
     run_dir = out / name
     key = run_key(conf, budget_s, overrides, [f"conf={conf}", *overrides])
     if (kept := reused(name, run_dir, key, reuse)) is not None:
-        return kept
+        return kept | {"step": step_of(conf, overrides)}
     warm_up(Path(key["model"]))
     warm_up_engine(Path(key["model"]))
     argv = [
@@ -197,7 +208,7 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], 
     code = subprocess.run(argv, cwd=ROOT).returncode
     if code != 0:
         raise SystemExit(f"[{name}] launch.py exited with {code}; see {run_dir / 'logs'}")
-    return finished(name, run_dir, key, start, provenance)
+    return finished(name, run_dir, key, start, provenance) | {"step": step_of(conf, overrides)}
 
 
 TRL_DOMAINS = ("arithmetic", "multistep")
@@ -610,6 +621,7 @@ def result_rows(per_model: list[tuple[str, list[dict]]], budget_s: float, agains
                     "tool_calls_first_third": calls_first,
                     "tool_calls_last_third": calls_last,
                     "scorer_share": r["scorer_s"] / r["cpu_s"] if r.get("scorer_s") and r.get("cpu_s") else None,
+                    **(r.get("step") or {}),
                     **(r.get("provenance") or {}),
                 }
             )

@@ -67,3 +67,14 @@ def test_the_update_sizes_are_kept_in_the_row():
     results = [{**summary("warm", 0.9, None), "update_sizes": {"first_kl_max": 0.07, "later_kl_median": 0.004}}]
     (row,) = bench_learning.result_rows([("m", results)], 120.0)
     assert row["first_kl_max"] == 0.07 and row["later_kl_median"] == 0.004
+
+
+def test_a_row_names_the_step_its_run_trained_with():
+    # conf=tiny's own step, and a variant's overrides of it.
+    shipped = bench_learning.step_of("tiny", [])
+    assert shipped == {"groups_per_step": 64, "attempts": 4, "entropy_coef": 0.01}
+    other = ["shared.groups_per_step=32", "actor.attempts=8", "trainer.loss.entropy_coef=0"]
+    assert bench_learning.step_of("tiny", other) == {"groups_per_step": 32, "attempts": 8, "entropy_coef": 0.0}
+    results = [{**summary("async", 0.9, None), "step": bench_learning.step_of("tiny", other)}]
+    (row,) = bench_learning.result_rows([("m", results)], 600.0)
+    assert (row["groups_per_step"], row["attempts"], row["entropy_coef"]) == (32, 8, 0.0)

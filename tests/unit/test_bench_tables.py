@@ -113,6 +113,24 @@ def test_a_learning_table_is_made_from_its_rows():
     assert lines[3] == "| `m2` | 0.300 | 0.800 | never | never | 0.700 (-0.100) | 0.010 | 0.000 | 2.50 | not recorded |"
 
 
+def test_the_family_table_names_each_row_s_step_and_the_goals_it_misses():
+    step = {"groups_per_step": 64, "attempts": 4, "entropy_coef": 0.01}
+    meets = LEARNING_ROW | step
+    # 590 s / 300 s = 1.97x: short of 2x; +0.04 where TRL's 0.8 leaves room; a fall of 0.06.
+    slow = meets | {"model": "m2", "time_to_trl_s": 300.0, "gain": 0.04, "early_fall": 0.06}
+    # TRL's 0.97 leaves less than 0.05 of room, so the gain goal does not apply; a drop of 0.051.
+    ceiling = LEARNING_ROW | {"model": "m3", "trl_final": 0.97, "gain": 0.01, "worst_drop": 0.051}
+    lines = bench_tables.family_table([ceiling, meets, slow]).splitlines()
+    assert lines[0].endswith("| versions/s | problems x attempts, entropy bonus | goals missed | measured on |")
+    # Rows with a recorded step first, in their order; the row without one last.
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| `family_char_brief`", "| `m2`", "| `m3`"]
+    assert lines[2].endswith("| 2.50 | 64 x 4, 0.01 | none | not recorded |")
+    assert lines[3].endswith("| 64 x 4, 0.01 | time, gain, first minute | not recorded |")
+    assert lines[4].endswith("| not recorded | drop | not recorded |")
+    # A run that never reached TRL's final misses the time goal.
+    assert bench_tables.goals_missed(meets | {"time_to_trl_s": None}) == ["time"]
+
+
 def test_the_guidance_table_sets_each_variant_against_the_run_it_names():
     bar = LEARNING_ROW | {"mode": "plain", "against": "plain", "against_span_s": 600.0, "time_to_against_s": None}
     bar |= {"gain_against": None, "tokens_per_trained": 1.25, "cuts": 0, "scorer_share": None}
@@ -150,13 +168,13 @@ def test_the_pipelining_table_sets_the_pipelined_run_against_sync_and_trl():
 
 
 def test_the_headline_table_finds_each_tasks_rows_in_any_kept_json():
-    tiny = LEARNING_ROW | {"model": "family_char_base", "mode": "ent", "final": 0.97, "trl_span_s": 593.0}
+    tiny = LEARNING_ROW | {"model": "family_char_base_s23", "mode": "async", "final": 0.97, "trl_span_s": 593.0}
     sync = LEARNING_ROW | {"model": "long_chain_policy", "mode": "sync", "against": "sync", "final": 0.6}
     sync |= {"against_span_s": 600.0, "time_to_against_s": None, "machine": "m", "commit": "abc1234"}
     pipe = sync | {"mode": "async", "time_to_against_s": 250.0, "final": 0.7, "time_to_trl_s": 200.0}
     lines = bench_tables.headline_table([[tiny], [sync, pipe]]).splitlines()
     assert lines[2].endswith(
-        "| `family_char_base` (not tuned on) | not measured | 236 s against TRL's 593 s "
+        "| `family_char_base_s23` (not tuned on) | not measured | 236 s against TRL's 593 s "
         "| 0.970 / not measured / 0.800 | not recorded |"
     )
     # 600 s of sync's evaluations / 250 s = 2.40x.
