@@ -43,9 +43,11 @@ from pipeline_rl.wire import CACHE_ENV, ExitCode, Topic
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 
-def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
+def test_pipeline_learns_end_to_end_stops_cleanly_and_resumes_without_double_training(tmp_path, tiny_model):
+    """A run of 6 steps, stopped at max_steps, then run again to 8: the second resumes from the
+    first's last checkpoint and trains no version and no group twice."""
     run_dir = tmp_path / "run"
-    code, out = launch(run_dir, "shared.max_steps=6", "trainer.checkpoint_every=0", "metrics.plot_at_end=true")
+    code, out = launch(run_dir, "shared.max_steps=6", "trainer.checkpoint_every=4", "metrics.plot_at_end=true")
     assert code == 0, out
     groups = stream_records(run_dir, "actor")
     versions = {v for g in groups for r in g["rollouts"] for v in r["versions"]}
@@ -65,6 +67,18 @@ def test_pipeline_learns_end_to_end_and_stops_cleanly(tmp_path, tiny_model):
     assert dropped == sum(n for lag, n in lags.items() if lag > 2), "dropped samples are not all counted"
     assert (run_dir / "plots" / "reward.png").exists() and (run_dir / "plots" / "lag_histogram.png").exists()
     assert run_processes(run_dir) == {}
+
+    code, out = launch(run_dir, "shared.max_steps=8", "trainer.checkpoint_every=4")
+    assert code == 0, out
+    assert "resuming" in out
+    versions = [s["values"]["version"] for s in trainer_steps(run_dir)]
+    assert versions == sorted(versions) and versions[-1] == 8
+    assert len(versions) == len(set(versions)), f"a step was trained twice: {versions}"
+    # Every group reached the trainer in exactly one step.
+    seen: dict[str, int] = {}
+    for b in stream_records(run_dir, "trainer"):
+        for gid in b["group_ids"]:
+            assert seen.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {seen[gid]} and {b['step']}"
 
 
 def test_tensor_parallel_actor_trains(tmp_path, tiny_model):
@@ -169,24 +183,6 @@ def test_a_dead_tensor_parallel_worker_stops_the_run_naming_the_actor(tmp_path, 
     assert proc.returncode != 0
     assert "actor0" in out and "vLLM engine failed" in out, out[-3000:]
     assert run_processes(run_dir) == {}
-
-
-def test_resume_continues_from_checkpoint_without_double_training(tmp_path, tiny_model):
-    run_dir = tmp_path / "run"
-    code, out = launch(run_dir, "shared.max_steps=3", "trainer.checkpoint_every=2")
-    assert code == 0, out
-    assert trainer_steps(run_dir)[-1]["values"]["version"] == 3
-    code, out = launch(run_dir, "shared.max_steps=5", "trainer.checkpoint_every=2")
-    assert code == 0, out
-    assert "resuming" in out
-    versions = [s["values"]["version"] for s in trainer_steps(run_dir)]
-    assert versions == sorted(versions) and versions[-1] == 5
-    assert len(versions) == len(set(versions)), f"a step was trained twice: {versions}"
-    # Every group reached the trainer in exactly one step.
-    seen: dict[str, int] = {}
-    for b in stream_records(run_dir, "trainer"):
-        for gid in b["group_ids"]:
-            assert seen.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {seen[gid]} and {b['step']}"
 
 
 def test_lora_run_resumes_with_the_engine_on_the_checkpoint_adapter(tmp_path, tiny_model):

@@ -91,7 +91,11 @@ def cluster(module_cluster):
     """Three live 1-CPU nodes with nothing running on them: the module's cluster, the nodes an
     earlier test removed replaced and those it added removed, every CPU free again (the earlier
     run's Ray workers end with its driver's job)."""
-    c = module_cluster
+    return fresh_nodes(module_cluster)
+
+
+def fresh_nodes(c):
+    """`c` with NODES live nodes, every CPU free: the nodes lost replaced, those added removed."""
     while len(c.worker_nodes) > NODES:
         c.remove_node(next(iter(c.worker_nodes)))
     while len(c.worker_nodes) < NODES:
@@ -310,65 +314,98 @@ def groups_in_steps(run_dir: Path) -> tuple[set[int], dict[str, set[int]]]:
     return steps, steps_of
 
 
+LOSSES = [("actor0", kill_node), ("actor0", freeze_node), ("trainer0", freeze_node), ("trainer0", kill_node)]
+"""The node losses that stop a run without restarts, one run each: the node that holds actor0, then
+the one that holds trainer rank 0 and the run's Redis, each killed (raylet, workers and the run's
+processes SIGKILLed) and frozen (all of them SIGSTOPped, sockets left open: what a hung kernel or a
+partition looks like from the other nodes)."""
+
+
+def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, lose) -> tuple[Driver, dict]:
+    """A run of `run_dir` (world.max_restarts=0) until it has made 3 versions more than the runs
+    before it, a checkpoint and groups on sent weights, then the loss of `process`'s node by `lose`;
+    the node is taken out and replaced once the driver has stopped. Returns the driver and
+    what the loss was: node id, processes held, seconds from the loss to the driver's exit, exit
+    code, and the run's processes left on the other nodes."""
+    before, started = len(trainer_versions(run_dir)), time.time()
+    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", "world.max_restarts=0")
+    node, frozen = None, []
+    try:
+        deadline = time.time() + 300
+        while len(trainer_versions(run_dir)) < before + 3 or not generated_since(run_dir, started):
+            assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
+            assert time.time() < deadline, f"no 3 versions and a swap in 300 s:\n{driver.out[-4000:]}"
+            time.sleep(1)
+        if lose is kill_node:
+            node_id, held, lost_at = kill_node(cluster, driver, run_dir, process)
+        else:
+            node, node_id, held, frozen, lost_at = freeze_node(cluster, driver, process)
+        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
+        stopped_in = time.time() - lost_at
+        left = set(run_processes(run_dir, redis_port)) - {p.pid for p in frozen}
+    finally:
+        driver.stop()
+        take_out(cluster, node if frozen else None, frozen)
+    fresh_nodes(cluster)
+    return driver, {"node": node_id, "held": held, "stopped_in": stopped_in, "code": code, "left": left}
+
+
 @pytest.mark.redis
 @pytest.mark.vllm
 @pytest.mark.deepspeed
-def test_a_node_lost_mid_run_stops_the_run_and_the_next_run_resumes(cluster, tmp_path, tiny_model):
-    """(a) three nodes train; (b) the actor's node is lost: the run stops within 45 s naming the
-    node and actor0; (d) run again on a replacement node: it resumes from the checkpoint, trains
-    no group in two steps, and a SIGTERM of the driver stops it with a checkpoint of the version
-    reached."""
+@pytest.mark.timeout(1200)
+def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster, tmp_path, tiny_model):
+    """Five runs of one run directory in turn. Each of the first four (no restarts) loses a node of
+    LOSSES and stops within 45 s, exit 1, naming the node and what it held (actor0; trainer0 and
+    redis), with no process of the run left on the other nodes. Each next run, on a replacement
+    node, resumes from the last checkpoint and trains the versions after it again, once each. The
+    fifth is stopped by a SIGTERM of its driver: trainers first, with a checkpoint of the version
+    reached. Over the five, every step trained is in Redis's append-only file and no group was
+    given to two steps."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
-    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", "world.max_restarts=0")
-    try:
-        run_until(driver, run_dir, versions=3, timeout=300)
-        placed = driver.placed()
-        assert set(placed) == {"trainer0", "preprocessor0", "actor0"}
-        assert len(set(placed.values())) == 3, f"expected one process per node: {placed}"
-        # run_until saw the actor, on its own node, generate with weights the trainer on another node sent.
-        node_id, held, killed_at = kill_node(cluster, driver, run_dir, "actor0")
-        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
-        stopped_in = time.time() - killed_at
-    finally:
-        driver.stop()
-    out = driver.out
-    assert code == 1, out[-4000:]
-    assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the node was lost:\n{out[-3000:]}"
-    assert held == ["actor0"]
-    assert f"node {node_id} (" in out and "is gone" in out and "it ran actor0" in out, out[-3000:]
-    assert run_processes(run_dir, driver.redis_port) == {}
-    print(f"\nnode of actor0 lost -> run stopped in {stopped_in:.1f} s; the driver said:")
-    print("\n".join(line for line in out.splitlines() if "is gone" in line))
+    checkpointed = None
+    for process, lose in LOSSES:
+        trained_before = trainer_versions(run_dir)
+        driver, loss = run_and_lose(cluster, run_dir, redis_port, process, lose)
+        out, how = driver.out, {kill_node: "killed", freeze_node: "frozen"}[lose]
+        assert loss["code"] == 1, f"{how} {process}:\n{without_raylet_dumps(out)[-4000:]}"
+        assert loss["stopped_in"] < NODE_LOSS_STOP_S, f"{how} {process}: stopped {loss['stopped_in']:.0f} s after"
+        assert loss["held"] == [process], (how, loss["held"])
+        named = "trainer0, redis" if process == "trainer0" else "actor0"
+        assert f"node {loss['node']} (" in out and "is gone" in out and f"it ran {named}" in out, out[-3000:]
+        assert not loss["left"], f"{how} {process}: processes on the other nodes outlived the run: {loss['left']}"
+        if checkpointed is not None:
+            assert "resuming" in out, out[-3000:]
+            new = trainer_versions(run_dir)[len(trained_before) :]
+            assert new == list(range(checkpointed + 1, checkpointed + 1 + len(new))), (checkpointed, new)
+        saved = latest_checkpoint(run_dir)
+        assert saved is not None
+        checkpointed = saved[1]
+        print(f"\nnode of {named} {how} -> run stopped in {loss['stopped_in']:.1f} s; the driver said:")
+        print("\n".join(line for line in out.splitlines() if "is gone" in line))
 
     trained_before = trainer_versions(run_dir)
-    saved = latest_checkpoint(run_dir)
-    assert saved is not None
-    checkpointed = saved[1]
-    cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-    cluster.wait_for_nodes()
     driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
     try:
         deadline = time.time() + 240
         while len(trainer_versions(run_dir)) < len(trained_before) + 3:
             assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
             time.sleep(1)
-        # SIGTERM of the driver: trainers stop first and checkpoint the version they reached.
         driver.proc.send_signal(signal.SIGTERM)
         code = driver.wait(timeout=120)
     finally:
         driver.stop()
     assert code == ExitCode.INTERRUPTED, driver.out[-4000:]
     assert "resuming" in driver.out
-    # The steps after the checkpoint were lost with the node and are trained again, once each.
     versions = trainer_versions(run_dir)
-    assert versions == trained_before + list(range(checkpointed + 1, versions[-1] + 1)), versions
+    assert versions[len(trained_before) :] == list(range(checkpointed + 1, versions[-1] + 1)), versions
     saved = latest_checkpoint(run_dir)
     assert saved is not None and saved[1] == versions[-1], (saved, versions)
     steps, steps_of = groups_in_steps(run_dir)
-    # Every step trained in either run is in the file (step s makes version s + 1)...
+    # Every step trained in any run is in the file (step s makes version s + 1)...
     assert set(range(versions[-1])) <= steps, sorted(set(range(versions[-1])) - steps)
-    # ...and no group was given to two steps, before the node was lost, after it, or across.
+    # ...and no group was given to two steps, in one run or across them.
     twice = {gid: steps for gid, steps in steps_of.items() if len(steps) > 1}
     assert not twice, f"groups in more than one step: {twice}"
     assert run_processes(run_dir, driver.redis_port) == {}
@@ -587,83 +624,6 @@ def test_an_actor_added_to_a_running_job_goes_to_a_new_node_and_drains_when_scal
     (added,) = [name for name in groups if name.endswith(":actor1")]
     assert groups[added] == "REMOVED", groups
     assert run_processes(run_dir, driver.redis_port) == {}
-
-
-@pytest.mark.redis
-@pytest.mark.vllm
-@pytest.mark.deepspeed
-def test_losing_the_node_of_trainer_rank_0_and_redis_stops_the_run(cluster, tmp_path, tiny_model):
-    """(c) the node that holds trainer rank 0 and the run's Redis is lost: the run stops within
-    45 s naming that node, trainer0 and redis."""
-    run_dir = tmp_path / "run"
-    driver = Driver(cluster, run_dir, free_port(), "shared.max_steps=1000")
-    try:
-        run_until(driver, run_dir, versions=1, timeout=300)
-        node_id, held, killed_at = kill_node(cluster, driver, run_dir, "trainer0")
-        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
-        stopped_in = time.time() - killed_at
-    finally:
-        driver.stop()
-    out = driver.out
-    assert code == 1, out[-4000:]
-    assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the node was lost:\n{out[-3000:]}"
-    assert held == ["trainer0"]
-    assert f"node {node_id} (" in out and "it ran trainer0, redis" in out, out[-3000:]
-    assert run_processes(run_dir, driver.redis_port) == {}
-    print(f"\nnode of trainer0 and redis lost -> run stopped in {stopped_in:.1f} s; the driver said:")
-    print("\n".join(line for line in out.splitlines() if "is gone" in line))
-
-
-@pytest.mark.redis
-@pytest.mark.vllm
-@pytest.mark.deepspeed
-@pytest.mark.parametrize("process", ["actor0", "trainer0"])
-def test_a_frozen_node_stops_the_run_within_the_promise(cluster, tmp_path, tiny_model, process):
-    """A node that freezes instead of dying (raylet and processes stopped, sockets open: what a
-    hung kernel or a partition looks like from the other nodes) stops the run within 45 s of the
-    freeze when no restart may heal it, naming the node and what it held: the actor's node
-    (world.max_restarts=0; with restarts see the test below), and the node of trainer rank 0
-    and Redis (the driver's status reads from that Redis must not hold up the probe). Running
-    again after the loss of trainer rank 0's node and Redis, on a replacement node, resumes."""
-    run_dir = tmp_path / "run"
-    redis_port = free_port()
-    no_restarts = ["world.max_restarts=0"] if process == "actor0" else []
-    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", *no_restarts)
-    frozen = []
-    try:
-        run_until(driver, run_dir, versions=2, timeout=300)
-        node, node_id, held, frozen, frozen_at = freeze_node(cluster, driver, process)
-        code = driver.wait(timeout=NODE_LOSS_STOP_S + 30)
-        stopped_in = time.time() - frozen_at
-        left = set(run_processes(run_dir, redis_port))
-    finally:
-        driver.stop()
-        take_out(cluster, node if frozen else None, frozen)
-    out = driver.out
-    assert code == 1, out[-4000:]
-    assert stopped_in < NODE_LOSS_STOP_S, f"stopped {stopped_in:.0f} s after the freeze:\n{out[-3000:]}"
-    assert held == [process]
-    named = "trainer0, redis" if process == "trainer0" else "actor0"
-    assert f"node {node_id} (" in out and "is gone" in out and f"it ran {named}" in out, out[-3000:]
-    assert left <= {p.pid for p in frozen}, "processes on the other nodes outlived the run"
-    print(f"\nnode of {named} frozen -> run stopped in {stopped_in:.1f} s; the driver said:")
-    print("\n".join(line for line in out.splitlines() if "is gone" in line))
-
-    if process == "actor0":  # the rerun after an actor's node is lost: the test above
-        return
-    assert latest_checkpoint(run_dir) is not None
-    trained = len(trainer_versions(run_dir))
-    cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-    cluster.wait_for_nodes()
-    driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
-    try:
-        deadline = time.time() + 240
-        while len(trainer_versions(run_dir)) <= trained:
-            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-            time.sleep(1)
-    finally:
-        driver.stop()
-    assert "resuming" in driver.out, driver.out[-3000:]
 
 
 def test_a_process_that_does_not_see_the_run_directory_is_refused(tmp_path):
