@@ -341,8 +341,9 @@ def step_settings(r: dict) -> str:
 
 
 def family_table(rows: list[dict]) -> str:
-    """The family's rows, latest settings first: each member's run against TRL's, the step and
-    entropy bonus it ran with, and the goals of the bar it misses."""
+    """The family's rows, by problems a step and then entropy bonus, largest first (conf=tiny's
+    64 x 4 with its bonus ahead of the earlier settings): each member's run against TRL's, the
+    step and bonus it ran with, and the goals of the bar it misses."""
     ordered = sorted(rows, key=lambda r: (r.get("groups_per_step") or 0, r.get("entropy_coef") or 0), reverse=True)
     extra = {
         "problems x attempts, entropy bonus": step_settings,
