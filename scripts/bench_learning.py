@@ -189,8 +189,9 @@ def step_of(conf: str, overrides: list[str]) -> dict:
 def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], reuse: bool, provenance: dict) -> dict:
     run_dir = out / name
     key = run_key(conf, budget_s, overrides, [f"conf={conf}", *overrides])
+    step = {"step": step_of(conf, overrides)}
     if (kept := reused(name, run_dir, key, reuse)) is not None:
-        return kept | {"step": step_of(conf, overrides)}
+        return kept | step
     warm_up(Path(key["model"]))
     warm_up_engine(Path(key["model"]))
     argv = [
@@ -208,7 +209,7 @@ def run(name: str, conf: str, budget_s: float, out: Path, overrides: list[str], 
     code = subprocess.run(argv, cwd=ROOT).returncode
     if code != 0:
         raise SystemExit(f"[{name}] launch.py exited with {code}; see {run_dir / 'logs'}")
-    return finished(name, run_dir, key, start, provenance) | {"step": step_of(conf, overrides)}
+    return finished(name, run_dir, key, start, provenance) | step
 
 
 TRL_DOMAINS = ("arithmetic", "multistep")

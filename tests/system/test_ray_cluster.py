@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -314,19 +315,30 @@ def groups_in_steps(run_dir: Path) -> tuple[set[int], dict[str, set[int]]]:
     return steps, steps_of
 
 
-LOSSES = [("actor0", kill_node), ("actor0", freeze_node), ("trainer0", freeze_node), ("trainer0", kill_node)]
+LOSSES = [("actor0", "killed"), ("actor0", "frozen"), ("trainer0", "frozen"), ("trainer0", "killed")]
 """The node losses that stop a run without restarts, one run each: the node that holds actor0, then
 the one that holds trainer rank 0 and the run's Redis, each killed (raylet, workers and the run's
 processes SIGKILLed) and frozen (all of them SIGSTOPped, sockets left open: what a hung kernel or a
 partition looks like from the other nodes)."""
 
 
-def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, lose) -> tuple[Driver, dict]:
+class Loss(NamedTuple):
+    """What a node's loss did to a run."""
+
+    node: str
+    held: list[str]
+    """The run's processes on the node."""
+    stopped_in: float
+    """Seconds from the loss to the driver's exit."""
+    code: int
+    left: set[int]
+    """The run's processes left on the other nodes."""
+
+
+def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, how: str) -> tuple[Driver, Loss]:
     """A run of `run_dir` (world.max_restarts=0) until it has made 3 versions more than the runs
-    before it, a checkpoint and groups on sent weights, then the loss of `process`'s node by `lose`;
-    the node is taken out and replaced once the driver has stopped. Returns the driver and
-    what the loss was: node id, processes held, seconds from the loss to the driver's exit, exit
-    code, and the run's processes left on the other nodes."""
+    before it, a checkpoint and groups on sent weights, then `process`'s node "killed" (kill_node)
+    or "frozen" (freeze_node); the node is taken out and replaced once the driver has stopped."""
     before, started = len(trainer_versions(run_dir)), time.time()
     driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", "world.max_restarts=0")
     node, frozen = None, []
@@ -336,7 +348,7 @@ def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, lose) ->
             assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
             assert time.time() < deadline, f"no 3 versions and a swap in 300 s:\n{driver.out[-4000:]}"
             time.sleep(1)
-        if lose is kill_node:
+        if how == "killed":
             node_id, held, lost_at = kill_node(cluster, driver, run_dir, process)
         else:
             node, node_id, held, frozen, lost_at = freeze_node(cluster, driver, process)
@@ -347,7 +359,7 @@ def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, lose) ->
         driver.stop()
         take_out(cluster, node if frozen else None, frozen)
     fresh_nodes(cluster)
-    return driver, {"node": node_id, "held": held, "stopped_in": stopped_in, "code": code, "left": left}
+    return driver, Loss(node_id, held, stopped_in, code, left)
 
 
 @pytest.mark.redis
@@ -365,16 +377,16 @@ def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster
     run_dir = tmp_path / "run"
     redis_port = free_port()
     checkpointed = None
-    for process, lose in LOSSES:
+    for process, how in LOSSES:
         trained_before = trainer_versions(run_dir)
-        driver, loss = run_and_lose(cluster, run_dir, redis_port, process, lose)
-        out, how = driver.out, {kill_node: "killed", freeze_node: "frozen"}[lose]
-        assert loss["code"] == 1, f"{how} {process}:\n{without_raylet_dumps(out)[-4000:]}"
-        assert loss["stopped_in"] < NODE_LOSS_STOP_S, f"{how} {process}: stopped {loss['stopped_in']:.0f} s after"
-        assert loss["held"] == [process], (how, loss["held"])
+        driver, loss = run_and_lose(cluster, run_dir, redis_port, process, how)
+        out = driver.out
+        assert loss.code == 1, f"{how} {process}:\n{without_raylet_dumps(out)[-4000:]}"
+        assert loss.stopped_in < NODE_LOSS_STOP_S, f"{how} {process}: stopped {loss.stopped_in:.0f} s after"
+        assert loss.held == [process], (how, loss.held)
         named = "trainer0, redis" if process == "trainer0" else "actor0"
-        assert f"node {loss['node']} (" in out and "is gone" in out and f"it ran {named}" in out, out[-3000:]
-        assert not loss["left"], f"{how} {process}: processes on the other nodes outlived the run: {loss['left']}"
+        assert f"node {loss.node} (" in out and "is gone" in out and f"it ran {named}" in out, out[-3000:]
+        assert not loss.left, f"{how} {process}: processes on the other nodes outlived the run: {loss.left}"
         if checkpointed is not None:
             assert "resuming" in out, out[-3000:]
             new = trainer_versions(run_dir)[len(trained_before) :]
@@ -382,7 +394,7 @@ def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster
         saved = latest_checkpoint(run_dir)
         assert saved is not None
         checkpointed = saved[1]
-        print(f"\nnode of {named} {how} -> run stopped in {loss['stopped_in']:.1f} s; the driver said:")
+        print(f"\nnode of {named} {how} -> run stopped in {loss.stopped_in:.1f} s; the driver said:")
         print("\n".join(line for line in out.splitlines() if "is gone" in line))
 
     trained_before = trainer_versions(run_dir)
