@@ -10,13 +10,23 @@ import os
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from fixtures.helpers import free_port, wait_for
 from fixtures.trainer_runs import make_steps, start_ranks, trainer_config, trainer_metrics, wait_all, write_steps
+from fixtures.weight_peers import (
+    CHURNING,
+    HOLD_S,
+    TIMEOUT_S,
+    churning_receivers,
+    hanging_sender,
+    killed_receiver,
+    receiver_main,
+    stream_receiver,
+    weights,
+)
 
 from pipeline_rl.collectives import nccl_env
 from pipeline_rl.weight_sync import (
@@ -32,31 +42,12 @@ from pipeline_rl.weight_sync import (
 )
 from pipeline_rl.wire import WEIGHT_SYNC_ADDR_ENV
 
-TIMEOUT_S = 6.0
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(f"w{i}", torch.randn(64, 64, generator=g)) for i in range(4)]
-
-
-def _receiver_main(addr: str, rank: int, world: int, updates, results, timeout_s: float = TIMEOUT_S) -> None:
-    """A receiver process: receives each announced update and reports it (or its error)."""
-    receiver = WeightReceiver(addr, rank, world, "gloo", timeout_s)
-    results.put((rank, 0, "ready"))  # imports done: the first update is timed from here
-    while True:
-        update = updates.get()
-        try:
-            receiver.receive(update)
-            results.put((rank, update.version, "ok"))
-        except Exception as e:
-            results.put((rank, update.version, f"{type(e).__name__}: {e}"))
-
-
 def _start_receiver(addr: str, rank: int, world: int, queues: dict, results: dict):
-    """A `_receiver_main` process at `rank`, started and past its imports."""
-    proc = _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
+    """A `receiver_main` process at `rank`, started and past its imports."""
+    proc = _SPAWN.Process(target=receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
     proc.start()
     assert results[rank].get(timeout=120) == (rank, 0, "ready")
     return proc
@@ -99,7 +90,7 @@ def test_the_sender_names_a_receiver_that_was_killed():
     # so, the survivor done but its report stuck behind the dead process's lock).
     results = {rank: _SPAWN.Queue() for rank in (1, 2)}
     procs = [
-        _SPAWN.Process(target=_receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
+        _SPAWN.Process(target=receiver_main, args=(addr, rank, world, queues[rank], results[rank]), daemon=True)
         for rank in (1, 2)
     ]
     for p in procs:
@@ -113,13 +104,13 @@ def test_the_sender_names_a_receiver_that_was_killed():
         # A spawned receiver imports torch first: on a busy machine that alone can take longer
         # than the timeout the first update would be held to.
         assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
-        sender.send(1, _weights(1), announce, bucket_mb=1)
+        sender.send(1, weights(1), announce, bucket_mb=1)
         assert [results[rank].get(timeout=30) for rank in (1, 2)] == [(1, 1, "ok"), (2, 1, "ok")]
         procs[1].kill()  # actor1, weight-update rank 2
         procs[1].join(10)
         started = time.monotonic()
         with pytest.raises(PeerGone) as failed:
-            sender.send(2, _weights(2), announce, bucket_mb=1)
+            sender.send(2, weights(2), announce, bucket_mb=1)
         took = time.monotonic() - started
         message = str(failed.value)
         assert "gone (no heartbeat" in message and "actor1 (weight-update rank 2)" in message, message
@@ -159,22 +150,22 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         return {rank: _report(results[rank], version) for rank in (1, 2)}
 
     try:
-        sender.send(1, _weights(1), announce, bucket_mb=1)
+        sender.send(1, weights(1), announce, bucket_mb=1)
         assert reports(1) == {1: "ok", 2: "ok"}
         procs[1].kill()  # rank 2
         procs[1].join(10)
         with pytest.raises(PeerGone):
-            sender.send(2, _weights(2), announce, bucket_mb=1)
+            sender.send(2, weights(2), announce, bucket_mb=1)
         _report(results[1], 2)  # the survivor's end of the failed update, whichever it was
         queues[2] = _SPAWN.Queue()  # the dead process's queue may be left locked
         results[2] = _SPAWN.Queue()
 
-        sender.send(3, _weights(3), announce, bucket_mb=1)
+        sender.send(3, weights(3), announce, bucket_mb=1)
         assert sender.members == [0, 1]
         assert _report(results[1], 3) == "ok"
 
         procs.append(start(2))  # the replacement, at the same rank
-        sender.send(4, _weights(4), announce, bucket_mb=1)
+        sender.send(4, weights(4), announce, bucket_mb=1)
         got = reports(4)
         # A group takes the receivers registered by the time it is formed: the replacement, if
         # it registered by then (under load it can), receives update 4; if not, it is told
@@ -184,7 +175,7 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         else:
             assert sender.members == [0, 1, 2] and got == {1: "ok", 2: "ok"}, (sender.members, got)
 
-        sender.send(5, _weights(5), announce, bucket_mb=1)
+        sender.send(5, weights(5), announce, bucket_mb=1)
         assert sender.members == [0, 1, 2]
         assert reports(5) == {1: "ok", 2: "ok"}
 
@@ -199,7 +190,7 @@ def test_the_group_goes_on_without_a_dead_receiver_and_takes_its_replacement_bac
         queues[2].put(announced[-1])  # update 5, of a group formed without it: registered all the same
         assert _report(results[2], 5).startswith("NotMember")
         assert sender.has_joiners()
-        sender.send(6, _weights(6), announce, bucket_mb=1)
+        sender.send(6, weights(6), announce, bucket_mb=1)
         assert sender.members == [0, 1, 2]
         assert reports(6) == {1: "ok", 2: "ok"}
     finally:
@@ -234,7 +225,7 @@ def test_an_announcement_of_a_group_formed_again_since_is_over_for_every_receive
 
     procs = [start(1), start(2)]
     try:
-        sender.send(1, _weights(1), announce, bucket_mb=1)
+        sender.send(1, weights(1), announce, bucket_mb=1)
         assert [_report(results[rank], 1) for rank in (1, 2)] == ["ok", "ok"]
         for p in procs:  # the actor and its workers are gone
             p.kill()
@@ -242,8 +233,8 @@ def test_an_announcement_of_a_group_formed_again_since_is_over_for_every_receive
         queues = {rank: _SPAWN.Queue() for rank in (1, 2)}
         results = {rank: _SPAWN.Queue() for rank in (1, 2)}
         with pytest.raises(PeerGone):
-            sender.send(2, _weights(2), announced.append, bucket_mb=1)
-        sender.send(3, _weights(3), announced.append, bucket_mb=1)
+            sender.send(2, weights(2), announced.append, bucket_mb=1)
+        sender.send(3, weights(3), announced.append, bucket_mb=1)
         assert sender.members == [0]  # nobody registered: announced only
         first, before = announced[0], announced[-1]
 
@@ -253,7 +244,7 @@ def test_an_announcement_of_a_group_formed_again_since_is_over_for_every_receive
         queues[1].put(before)
         assert _report(results[1], 3).startswith("NotMember")
         assert sender.has_joiners()
-        again = threading.Thread(target=sender.send, args=(3, _weights(3), announced.append, 1), daemon=True)
+        again = threading.Thread(target=sender.send, args=(3, weights(3), announced.append, 1), daemon=True)
         again.start()
         while announced[-1] is before and again.is_alive():
             time.sleep(0.05)
@@ -284,7 +275,7 @@ def _two_receivers(timeout_s: float, sender_timeout_s: float | None = None):
     results = {rank: _SPAWN.Queue() for rank in (1, 2)}
     procs = {
         rank: _SPAWN.Process(
-            target=_receiver_main, args=(addr, rank, 3, queues[rank], results[rank], timeout_s), daemon=True
+            target=receiver_main, args=(addr, rank, 3, queues[rank], results[rank], timeout_s), daemon=True
         )
         for rank in (1, 2)
     }
@@ -309,7 +300,7 @@ def test_the_first_update_waits_only_for_the_actors_there():
     proc = _start_receiver(addr, 1, 3, queues, results)
     try:
         started = time.monotonic()
-        sender.send(1, _weights(1), lambda update: queues[1].put(update), bucket_mb=1)
+        sender.send(1, weights(1), lambda update: queues[1].put(update), bucket_mb=1)
         assert _report(results[1], 1) == "ok"
         assert sender.members == [0, 1]
         assert time.monotonic() - started < timeout_s / 2
@@ -332,7 +323,7 @@ def test_a_leaving_receiver_that_registers_again_is_still_left_out():
     left: list[bool] = []
     try:
         assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
-        sender.send(1, _weights(1), announce, bucket_mb=1)
+        sender.send(1, weights(1), announce, bucket_mb=1)
         assert [_report(results[rank], 1) for rank in (1, 2)] == ["ok", "ok"]
         token = store.get(ready_key(2))
         leaving = threading.Thread(target=lambda: left.append(leave_group(addr, [2], 60.0)))
@@ -340,7 +331,7 @@ def test_a_leaving_receiver_that_registers_again_is_still_left_out():
         wait_for(lambda: store.get(ready_key(2)).decode() == LEFT, 10.0, "the withdrawal of the registration")
         store.set(ready_key(2), token)  # registered again
         wait_for(lambda: store.get(ready_key(2)).decode() == LEFT, 20 * LEAVE_POLL_S, "its second withdrawal")
-        sender.send(2, _weights(2), lambda update: announce(update, (1,)), bucket_mb=1)
+        sender.send(2, weights(2), lambda update: announce(update, (1,)), bucket_mb=1)
         assert sender.members == [0, 1] and _report(results[1], 2) == "ok"
         leaving.join(10 * LEAVE_POLL_S)
         assert left == [True]
@@ -411,24 +402,24 @@ def test_a_group_is_not_held_up_by_a_member_that_died_after_it_registered():
 
     try:
         assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
-        sender.send(1, _weights(1), announce, bucket_mb=1)
+        sender.send(1, weights(1), announce, bucket_mb=1)
         assert [_report(results[rank], 1, timeout_s) for rank in (1, 2)] == ["ok", "ok"]
         time.sleep(2 * WAIT_SLICE_S)  # both have beaten since they connected
         procs[2].kill()
         procs[2].join(10)
         with pytest.raises(PeerGone):
-            sender.send(2, _weights(2), announce, bucket_mb=1)
+            sender.send(2, weights(2), announce, bucket_mb=1)
         procs[1].kill()
         procs[1].join(10)
         started = time.monotonic()
         with pytest.raises(PeerGone) as failed:
-            sender.send(3, _weights(3), announce, bucket_mb=1)
+            sender.send(3, weights(3), announce, bucket_mb=1)
         took = time.monotonic() - started
         assert sender.members == [0, 1]
         assert isinstance(failed.value.__cause__, MemberFrozen), repr(failed.value.__cause__)
         assert "actor0 (weight-update rank 1)" in str(failed.value), str(failed.value)
         assert took < FROZEN_S + 2 * WAIT_SLICE_S + DIAGNOSE_S + 5 < timeout_s, took
-        sender.send(4, _weights(4), announce, bucket_mb=1)  # no receiver left: announced only
+        sender.send(4, weights(4), announce, bucket_mb=1)  # no receiver left: announced only
         assert sender.members == [0]
     finally:
         for p in procs.values():
@@ -448,11 +439,11 @@ def test_a_receiver_building_a_group_whose_sender_failed_gives_it_up():
     sender, procs, results, announce = _two_receivers(timeout_s, sender_timeout_s)
     try:
         assert [results[rank].get(timeout=120) for rank in (1, 2)] == [(1, 0, "ready"), (2, 0, "ready")]
-        sender.send(1, _weights(1), announce, bucket_mb=1)
+        sender.send(1, weights(1), announce, bucket_mb=1)
         assert [_report(results[rank], 1, timeout_s) for rank in (1, 2)] == ["ok", "ok"]
         started = time.monotonic()
         with pytest.raises(WeightGroupFailed) as failed:  # sent again: a new group of all three
-            sender.send(1, _weights(1), lambda update: announce(update, (1,)), bucket_mb=1)
+            sender.send(1, weights(1), lambda update: announce(update, (1,)), bucket_mb=1)
         assert not isinstance(failed.value.__cause__, MemberFrozen), repr(failed.value.__cause__)
         # The sender's build times out, it sets ABANDONED, the receiver sees it at the end of a
         # slice and takes DIAGNOSE_S to name who is gone: far below the receiver's own timeout.
@@ -475,21 +466,10 @@ def _report(results, version: int, timeout_s: float = TIMEOUT_S) -> str:
         assert got < version, (got, version, report)
 
 
-def _hanging_sender(addr: str, announced) -> None:
-    """Announces an update in the store like a sender, then never broadcasts it."""
-    sender = WeightSender(addr, 2, "gloo", 60, member_names(1, 1))
-
-    def announce(update) -> None:
-        announced.put(update)
-        time.sleep(3600)
-
-    sender.send(1, _weights(1), announce, bucket_mb=1)
-
-
 def test_a_receiver_names_the_sender_that_was_killed():
     addr = f"127.0.0.1:{free_port()}"
     announced = _SPAWN.Queue()
-    proc = _SPAWN.Process(target=_hanging_sender, args=(addr, announced), daemon=True)
+    proc = _SPAWN.Process(target=hanging_sender, args=(addr, announced), daemon=True)
     proc.start()
     receiver = WeightReceiver(addr, 1, 2, "gloo", TIMEOUT_S)
     try:
@@ -521,24 +501,6 @@ def test_a_receiver_names_the_sender_that_was_killed():
         receiver.close()
 
 
-def _killed_receiver(cfg_path: str, addr: str, ready) -> None:
-    """An actor's receiver that takes version 1, says so, and then hangs (the test kills it)."""
-    from pipeline_rl.config import load_saved_config
-    from pipeline_rl.streams import open_streams
-    from pipeline_rl.streams.records import WeightUpdate
-
-    cfg = load_saved_config(Path(cfg_path))
-    streams = open_streams(cfg)
-    reader = streams.reader("weights", WeightUpdate)
-    receiver = WeightReceiver(addr, 1, 2, "gloo", cfg.world.collective_timeout_s)
-    ready.put("listening")
-    while True:
-        for entry in reader.read(timeout=0.5):
-            receiver.receive(entry.record)
-            ready.put(entry.record.version)
-            time.sleep(3600)
-
-
 @pytest.mark.deepspeed
 def test_a_trainer_whose_receiver_dies_goes_on_without_it(tmp_path, tiny_model):
     """Real DeepSpeed rank 0 broadcasting to a receiver process that is killed after version 1:
@@ -551,7 +513,7 @@ def test_a_trainer_whose_receiver_dies_goes_on_without_it(tmp_path, tiny_model):
     write_steps(cfg, make_steps(tiny_model, 4, 2, seed=0), ranks=1)
     addr = f"127.0.0.1:{free_port()}"
     ready = _SPAWN.Queue()
-    receiver = _SPAWN.Process(target=_killed_receiver, args=(str(run_dir / "config.yaml"), addr, ready), daemon=True)
+    receiver = _SPAWN.Process(target=killed_receiver, args=(str(run_dir / "config.yaml"), addr, ready), daemon=True)
     receiver.start()
     # The trainer waits only the collective timeout for the receiver to join its first
     # broadcast: start it once the receiver is up (a loaded machine takes seconds to spawn one).
@@ -574,31 +536,6 @@ def test_a_trainer_whose_receiver_dies_goes_on_without_it(tmp_path, tiny_model):
     assert published[1]["weight_update_members"] == 1 and published[1]["weight_update_failed_total"] == 0
     assert "weight_update_members" not in published[2] and published[2]["weight_update_failed_total"] == 1
     assert all(published[v]["weight_update_members"] == 0 for v in (3, 4)), published
-
-
-def _stream_receiver(cfg_path: str, addr: str, rank: int, world: int, ready, freeze_after: int | None) -> None:
-    """An actor's receiver reading the "weights" stream; it reports each update (or its error),
-    and stops itself (SIGSTOP: a frozen node, sockets open) right after update `freeze_after`."""
-    import signal
-
-    from pipeline_rl.config import load_saved_config
-    from pipeline_rl.streams import open_streams
-    from pipeline_rl.streams.records import WeightUpdate
-    from pipeline_rl.weight_sync import transfer_timeout_s
-
-    cfg = load_saved_config(Path(cfg_path))
-    reader = open_streams(cfg).reader("weights", WeightUpdate)
-    receiver = WeightReceiver(addr, rank, world, "gloo", transfer_timeout_s(cfg.world.collective_timeout_s))
-    ready.put((rank, "listening"))
-    while True:
-        for entry in reader.read(timeout=0.5):
-            try:
-                receiver.receive(entry.record)
-                ready.put((rank, entry.record.version))
-            except Exception as e:
-                ready.put((rank, f"{type(e).__name__}"))
-            if entry.record.version == freeze_after:
-                os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _without_frozen_check() -> None:
@@ -646,7 +583,7 @@ def test_a_frozen_receiver_costs_one_update_not_the_zero3_trainer_pool(tmp_path)
     ready = _SPAWN.Queue()
     receivers = [
         _SPAWN.Process(
-            target=_stream_receiver,
+            target=stream_receiver,
             args=(str(run_dir / "config.yaml"), addr, rank, 3, ready, 1 if rank == 2 else None),
             daemon=True,
         )
@@ -678,34 +615,6 @@ def test_a_frozen_receiver_costs_one_update_not_the_zero3_trainer_pool(tmp_path)
     assert all(published[v]["weight_update_members"] == 1 for v in (3, 4)), published
 
 
-CHURNING = 32
-"""Receivers of the churn test: a read of the registrations checks each, so a withdrawal lands
-between a rank's check and the read of its value with probability about 1/2 (the share of
-ranks already checked)."""
-HOLD_S = 1.0
-"""How long a churning receiver stays withdrawn before it registers again."""
-
-
-def _churning_receivers(addr: str, ready, done) -> None:
-    """Receivers of ranks 1..CHURNING registered (as WeightReceiver._connect registers); then,
-    until `done`, one of them withdraws (as leave_group does) and registers again HOLD_S later."""
-    import random
-
-    from pipeline_rl.weight_sync.group import ready_key, split_host_port
-    from pipeline_rl.weight_sync.receiver import withdraw
-
-    host, port = split_host_port(addr)
-    store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
-    for rank in range(1, CHURNING + 1):
-        store.set(ready_key(rank), f"token{rank}")
-    ready.set()
-    while not done.is_set():
-        rank = random.randint(1, CHURNING)
-        withdraw(store, [rank])
-        done.wait(HOLD_S)
-        store.set(ready_key(rank), f"token{rank}")
-
-
 def test_reading_the_registrations_is_not_held_up_by_a_receiver_leaving_meanwhile():
     """The trainer reads the registrations (has_joiners, whenever it waits for data) while an
     actor scaled away withdraws its own (leave_group): a registration seen present is still
@@ -714,9 +623,9 @@ def test_reading_the_registrations_is_not_held_up_by_a_receiver_leaving_meanwhil
     addr = f"127.0.0.1:{free_port()}"
     sender = WeightSender(addr, CHURNING + 1, "gloo", TIMEOUT_S, member_names(CHURNING, 1))
     sender.expect([])
-    sender.send(1, _weights(1), lambda update: None, bucket_mb=1)  # formed, with no receiver
+    sender.send(1, weights(1), lambda update: None, bucket_mb=1)  # formed, with no receiver
     ready, done = _SPAWN.Event(), _SPAWN.Event()
-    proc = _SPAWN.Process(target=_churning_receivers, args=(addr, ready, done), daemon=True)
+    proc = _SPAWN.Process(target=churning_receivers, args=(addr, ready, done), daemon=True)
     proc.start()
     slowest, reads = 0.0, 0
     try:

@@ -259,8 +259,13 @@ def freeze_node(cluster, driver: Driver, process: str):
     node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
     held = sorted(name for name, on in placed.items() if on == node_id)
     raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-    frozen = [raylet, *raylet.children(recursive=True)]
-    commands = " | ".join(" ".join(p.cmdline()) for p in frozen)
+    frozen: dict[psutil.Process, str] = {}
+    for p in [raylet, *raylet.children(recursive=True)]:
+        try:
+            frozen[p] = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:  # a short-lived child that ended meanwhile
+            pass
+    commands = " | ".join(frozen.values())
     assert all(f"--index {name[-1]}" in commands for name in held), (held, commands)
     frozen_at = time.time()
     for p in frozen:
@@ -268,7 +273,21 @@ def freeze_node(cluster, driver: Driver, process: str):
     return node, node_id, held, frozen, frozen_at
 
 
-def take_out(cluster, node, frozen: list) -> None:
+def wake(frozen: dict) -> list[psutil.Process]:
+    """The frozen node wakes up: its processes resumed. Returns the actor processes it held, found
+    by the command lines they had when frozen (a stopped process may still be killed meanwhile:
+    SIGKILL reaches a stopped process, so it is gone, not resumed)."""
+    old = [p for p, command in frozen.items() if "pipeline_rl.actor" in command]
+    assert len(old) == 1, list(frozen.values())
+    for p in frozen:
+        try:
+            p.resume()
+        except psutil.NoSuchProcess:
+            pass
+    return old
+
+
+def take_out(cluster, node, frozen) -> None:
     """The frozen node "comes back" only to be taken out: its processes killed, the node removed."""
     for p in frozen:
         try:
@@ -341,7 +360,7 @@ def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, how: str
     or "frozen" (freeze_node); the node is taken out and replaced once the driver has stopped."""
     before, started = len(trainer_versions(run_dir)), time.time()
     driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", "world.max_restarts=0")
-    node, frozen = None, []
+    node, frozen = None, {}
     try:
         deadline = time.time() + 300
         while len(trainer_versions(run_dir)) < before + 3 or not generated_since(run_dir, started):
@@ -452,7 +471,7 @@ def test_an_actor_killed_lost_with_its_node_and_frozen_with_it_is_started_again_
     # a replacement's first groups and the next loss are few, so the run ends after the third.
     final = 90
     driver = Driver(cluster, run_dir, free_port(), f"shared.max_steps={final}", "world.max_restarts=3")
-    node, frozen = None, []
+    node, frozen = None, {}
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
         (pid,) = [
@@ -472,10 +491,7 @@ def test_an_actor_killed_lost_with_its_node_and_frozen_with_it_is_started_again_
         assert held == ["actor0"]
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
         replaced_in = replaced_after(driver, run_dir, frozen_at, 180)
-        old = [p for p in frozen if "pipeline_rl.actor" in " ".join(p.cmdline())]
-        assert len(old) == 1, [p.cmdline() for p in frozen]
-        for p in frozen:  # the node wakes up
-            p.resume()
+        old = wake(frozen)
         _, alive = psutil.wait_procs(old, timeout=30)
         assert not alive, "the woken actor0 of the frozen node still runs"
         at_wake = trainer_versions(run_dir)[-1]
@@ -517,7 +533,7 @@ def test_with_no_node_free_the_run_goes_on_without_a_frozen_actor_and_takes_it_b
         "shared.max_steps=100000",
         "world.max_restarts=1",
     )
-    frozen = []
+    frozen = {}
     try:
         run_until(driver, run_dir, versions=3, timeout=300)
         node, node_id, held, frozen, frozen_at = freeze_node(full_cluster, driver, "actor0")
@@ -529,10 +545,7 @@ def test_with_no_node_free_the_run_goes_on_without_a_frozen_actor_and_takes_it_b
         absent_at, at_absent = time.time(), len(trainer_versions(run_dir))
         time.sleep(CARRIED_S)
         carried = len(trainer_versions(run_dir)) - at_absent
-        old = [p for p in frozen if "pipeline_rl.actor" in " ".join(p.cmdline())]
-        assert len(old) == 1, [p.cmdline() for p in frozen]
-        for p in frozen:  # the node wakes up
-            p.resume()
+        old = wake(frozen)
         woke_at = time.time()
         _, alive = psutil.wait_procs(old, timeout=30)
         assert not alive, "the woken actor0 of the frozen node still runs"
