@@ -61,6 +61,8 @@ class WeightUpdates:
                 continue
             try:
                 for entry in entries:
+                    if self.closed.is_set():  # the engine stops: the rest is not taken
+                        return
                     self.apply(receiver, entry.record)
             except BaseException as e:  # a bug here would leave the engine on its weights for good
                 log.exception("the weight receiver thread failed")

@@ -85,6 +85,8 @@ class WeightReceiver(Endpoint):
             self.staging_device = torch.device("cpu")
         self._bounce: torch.Tensor | None = None
         self._store: dist.TCPStore | None = None
+        self._closed = False
+        """Closed: it connects (and so registers) no more, whatever it is asked."""
         self._buffer: torch.Tensor | None = None
         """The receive buffer of the kept layout: the whole update."""
         self._reuse: torch.Tensor | None = None
@@ -331,7 +333,13 @@ class WeightReceiver(Endpoint):
         self._connect().set(key, value)
 
     def _connect(self) -> dist.TCPStore:
-        """The sender's store, connected (and this receiver registered in it) if it was not."""
+        """The sender's store, connected (and this receiver registered in it) if it was not.
+        A closed receiver never registers again: an announcement read after it closed (an actor
+        that stops while its update thread holds announcements it has not taken yet) would
+        otherwise register a receiver that is gone, and the sender's next group would wait for
+        it until the transfer's timeout."""
+        if self._closed:
+            raise StaleUpdate("the receiver is closed")
         if self._store is None:
             store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
             self.incarnation = store.get(INCARNATION).decode()
@@ -352,6 +360,7 @@ class WeightReceiver(Endpoint):
         return self._connect().multi_get(keys)
 
     def close(self) -> None:
+        self._closed = True
         super().close()
         self._bounce = None
         self._store = None

@@ -341,6 +341,34 @@ def test_a_leaving_receiver_that_registers_again_is_still_left_out():
         sender.close()
 
 
+def test_a_receiver_closed_after_leaving_does_not_register_again():
+    """An actor that left the group stops while its update thread still holds announcements it
+    has not taken: an announcement taken after the receiver closed is skipped without connecting
+    to the sender's store, so the registration stays withdrawn and the sender forms no group with
+    a receiver that is gone (one would wait for it until the transfer's timeout)."""
+    from pipeline_rl.streams.records import WeightUpdate
+    from pipeline_rl.weight_sync import StaleUpdate
+    from pipeline_rl.weight_sync.group import LEFT, ready_key
+    from pipeline_rl.weight_sync.receiver import withdraw
+
+    addr = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(addr, 2, "gloo", TIMEOUT_S, member_names(1, 1))
+    store = dist.TCPStore(sender.host, sender.port, None, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    receiver = WeightReceiver(addr, 1, 2, "gloo", TIMEOUT_S)
+    try:
+        receiver.publish("probe", "1")  # its first use of the store registers it
+        assert store.get(ready_key(1)).decode() == receiver.token
+        withdraw(store, [1])  # it left the group (leave_group)
+        receiver.close()
+        update = WeightUpdate(1, ["w0"], [[64, 64]], ["float32"], [1], "group1", "1")
+        with pytest.raises(StaleUpdate, match="closed"):
+            receiver.receive(update)
+        assert store.get(ready_key(1)).decode() == LEFT
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_a_frozen_receiver_is_given_up_and_the_group_goes_on_without_it():
     """A receiver that freezes (SIGSTOP: its sockets stay open, so gloo would wait for the whole
     timeout) while the sender broadcasts to it: the sender gives the transfer up once the

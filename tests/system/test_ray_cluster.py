@@ -381,6 +381,50 @@ def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, how: str
     return driver, Loss(node_id, held, stopped_in, code, left)
 
 
+def add_and_drain_an_actor(cluster, driver: Driver, run_dir: Path) -> dict[str, str]:
+    """`--actors 2` on the running job whose cluster just got a node: the driver places actor1
+    there, in a placement group of its own, and it generates on the current weights; `--actors 1`
+    drains it (it leaves, is not restarted) and the run goes on. Returns the state of each
+    placement group by name once it has."""
+    first_nodes = set(driver.placed().values())
+    cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    cluster.wait_for_nodes()
+    at_scale = len(trainer_versions(run_dir))
+    up = scale_actors(run_dir, 2)
+    assert up.returncode == 0 and "added actors 1..1" in up.stdout, up.stdout + up.stderr
+    deadline = time.time() + 10  # the driver's output arrives through a pipe
+    while "actor1" not in driver.placed() and time.time() < deadline:
+        time.sleep(0.2)
+    assert driver.placed().get("actor1") not in first_nodes | {None}, driver.out[-3000:]
+
+    def generating() -> bool:
+        written = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor1"]
+        return any(r["version"] >= at_scale and r["groups_written_total"] > 0 for r in written)
+
+    deadline = time.time() + 120
+    while not generating():
+        assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+        time.sleep(1)
+    down = scale_actors(run_dir, 1)
+    assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
+    deadline = time.time() + 120
+    while "actor1 drained and left the job" not in driver.out:
+        assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+        time.sleep(1)
+    after, deadline = len(trainer_versions(run_dir)), time.time() + 60
+    while len(trainer_versions(run_dir)) < after + 5:
+        assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
+        time.sleep(1)
+    import ray
+    from ray.util import placement_group_table
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        return {g["name"]: g["state"] for g in placement_group_table().values()}
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.redis
 @pytest.mark.vllm
 @pytest.mark.deepspeed
@@ -391,8 +435,9 @@ def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster
     redis), with no process of the run left on the other nodes. Each next run, on a replacement
     node, resumes from the last checkpoint and trains the versions after it again, once each. The
     fifth is stopped by a SIGTERM of its driver: trainers first, with a checkpoint of the version
-    reached. Over the five, every step trained is in Redis's append-only file and no group was
-    given to two steps."""
+    reached, after an actor was added to it on a node added to the cluster and drained again
+    (add_and_drain_an_actor). Over the five, every step trained is in Redis's append-only file and
+    no group was given to two steps."""
     run_dir = tmp_path / "run"
     redis_port = free_port()
     checkpointed = None
@@ -423,12 +468,16 @@ def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster
         while len(trainer_versions(run_dir)) < len(trained_before) + 3:
             assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
             time.sleep(1)
+        groups = add_and_drain_an_actor(cluster, driver, run_dir)
         driver.proc.send_signal(signal.SIGTERM)
         code = driver.wait(timeout=120)
     finally:
         driver.stop()
     assert code == ExitCode.INTERRUPTED, driver.out[-4000:]
     assert "resuming" in driver.out
+    assert "restarting" not in without_raylet_dumps(driver.out), driver.out[-4000:]
+    (added,) = [name for name in groups if name.endswith(":actor1")]
+    assert groups[added] == "REMOVED", groups
     versions = trainer_versions(run_dir)
     assert versions[len(trained_before) :] == list(range(checkpointed + 1, versions[-1] + 1)), versions
     saved = latest_checkpoint(run_dir)
@@ -591,64 +640,6 @@ def test_with_no_node_free_the_run_goes_on_without_a_frozen_actor_and_takes_it_b
         r["values"] for r in read_metrics(run_dir) if r["process"] == "launcher" and "actors_absent" in r["values"]
     ]
     assert [r["actors_absent"] for r in launcher] == [1, 0], launcher
-
-
-@pytest.mark.redis
-@pytest.mark.vllm
-@pytest.mark.deepspeed
-def test_an_actor_added_to_a_running_job_goes_to_a_new_node_and_drains_when_scaled_back(cluster, tmp_path, tiny_model):
-    """`--actors 2` on a running job whose cluster just got a node: the driver places actor1
-    there, in a placement group of its own, and it generates on the current weights; `--actors
-    1` drains it (it leaves, is not restarted), its placement group is removed, and the run goes
-    on."""
-    run_dir = tmp_path / "run"
-    driver = Driver(cluster, run_dir, free_port(), "shared.max_steps=100000")
-    try:
-        run_until(driver, run_dir, versions=3, timeout=300)
-        first_nodes = set(driver.placed().values())
-        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-        cluster.wait_for_nodes()
-        at_scale = len(trainer_versions(run_dir))
-        up = scale_actors(run_dir, 2)
-        assert up.returncode == 0 and "added actors 1..1" in up.stdout, up.stdout + up.stderr
-        deadline = time.time() + 10  # the driver's output arrives through a pipe
-        while "actor1" not in driver.placed() and time.time() < deadline:
-            time.sleep(0.2)
-        assert driver.placed().get("actor1") not in first_nodes | {None}, driver.out[-3000:]
-
-        def generating() -> bool:
-            written = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor1"]
-            return any(r["version"] >= at_scale and r["groups_written_total"] > 0 for r in written)
-
-        deadline = time.time() + 120
-        while not generating():
-            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-            time.sleep(1)
-        down = scale_actors(run_dir, 1)
-        assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
-        deadline = time.time() + 120
-        while "actor1 drained and left the job" not in driver.out:
-            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-            time.sleep(1)
-        after, deadline = len(trainer_versions(run_dir)), time.time() + 60
-        while len(trainer_versions(run_dir)) < after + 5:
-            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-            time.sleep(1)
-        import ray
-        from ray.util import placement_group_table
-
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            groups = {g["name"]: g["state"] for g in placement_group_table().values()}
-        finally:
-            ray.shutdown()
-    finally:
-        driver.stop()
-    out = without_raylet_dumps(driver.out)
-    assert "restarting" not in out, out[-4000:]
-    (added,) = [name for name in groups if name.endswith(":actor1")]
-    assert groups[added] == "REMOVED", groups
-    assert run_processes(run_dir, driver.redis_port) == {}
 
 
 def test_a_process_that_does_not_see_the_run_directory_is_refused(tmp_path):

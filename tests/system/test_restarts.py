@@ -55,12 +55,14 @@ def assert_no_group_in_two_steps(run_dir: Path) -> None:
             assert seen.setdefault(gid, b["step"]) == b["step"], f"group {gid} in steps {seen[gid]} and {b['step']}"
 
 
-def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
+def test_a_killed_actor_is_replaced_a_killed_preprocessor_restarted_and_the_run_goes_on(tmp_path, tiny_model):
     """kill -9 the one actor mid-run: the launcher starts another in its slot, which gets the
     current weights (the trainer sends them again while it waits for groups) and generates on
-    them within REPLACED_WITHIN_S; the trainer reaches max_steps; of the groups the dead actor
-    had in flight (its position file, frozen by SIGSTOP before the kill), those of its last
-    in-flight save that did not land after it are continued, the others counted lost."""
+    them within REPLACED_WITHIN_S; of the groups the dead actor had in flight (its position
+    file, frozen by SIGSTOP before the kill), those of its last in-flight save that did not land
+    after it are continued, the others counted lost. Then kill -9 the preprocessor: the launcher
+    starts it again in its slot and it goes on from its saved position in the actor stream. The
+    trainer reaches max_steps training every step once, with no group in two steps."""
     run_dir = tmp_path / "run"
     final = 100  # far more groups after the kill than an actor gets ahead of the trainer by
     proc = launch(
@@ -88,14 +90,25 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
         at_kill = version(run_dir)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
+
+        def replaced() -> bool:
+            return any(r["what"] == "actor0" and r["recovered_s"] is not None for r in restarts(run_dir))
+
+        wait_until(replaced, proc, 240, "actor0 generating again", run_dir)
+        assert version(run_dir) < final, "the run ended before the preprocessor was killed"
+        os.kill(pid_of(run_dir, "preprocessor0"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=420)
     finally:
         stop(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "process actor0 failed: killed by SIGKILL; restarting actor0 (restart 1 of 2" in out, out[-4000:]
+    assert "process preprocessor0 failed: killed by SIGKILL; restarting preprocessor0 (restart 1 of 2" in out, out[
+        -4000:
+    ]
     versions = [s["values"]["version"] for s in trainer_steps(run_dir)]
     assert versions == list(range(1, final + 1)), versions
     assert [s["values"]["version"] for s in trainer_steps(run_dir) if s["time"] > killed_at][-1] == final
+    assert_no_group_in_two_steps(run_dir)
 
     records = read_metrics(run_dir)
     replacement = [r["values"] for r in records if r["process"] == "actor0" and r["time"] > killed_at]
@@ -116,11 +129,13 @@ def test_a_killed_actor_is_replaced_and_the_run_goes_on(tmp_path, tiny_model):
     # It counted the groups written after its predecessor's last save, and went on from there.
     assert replacement[0]["groups_written_total"] >= saved["written"] + unsaved
 
-    (restart,) = restarts(run_dir)
+    restart, again = restarts(run_dir)
     assert restart["what"] == "actor0" and "SIGKILL" in restart["reason"]
     assert restart["recovered_s"] is not None and restart["recovered_s"] < REPLACED_WITHIN_S
+    assert again["what"] == "preprocessor0" and "SIGKILL" in again["reason"] and again["recovered_s"] is not None
     launcher = [r["values"] for r in records if r["process"] == "launcher"]
-    assert launcher[-1]["restarts_total"] == 1 and launcher[-1]["restarts/actor0_total"] == 1
+    assert launcher[-1]["restarts_total"] == 2 and launcher[-1]["restarts/actor0_total"] == 1
+    assert launcher[-1]["restarts/preprocessor0_total"] == 1
     assert run_processes(run_dir) == {}
 
 
@@ -179,33 +194,6 @@ def test_a_killed_trainer_rank_restarts_the_trainer_pool_from_its_checkpoint(tmp
         assert values["dropped_samples"] == stale, values
     assert restart["what"] == "trainer pool" and restart["died"] == "trainer1"
     assert restart["recovered_s"] is not None
-    assert run_processes(run_dir) == {}
-
-
-def test_a_killed_preprocessor_is_restarted_and_the_run_goes_on(tmp_path, tiny_model):
-    """kill -9 the preprocessor mid-run: the launcher starts it again in its slot, it goes on from
-    its saved position in the actor stream, and the trainer reaches max_steps training every
-    step once, with no group in two steps; nothing else is restarted."""
-    run_dir = tmp_path / "run"
-    final = 30
-    proc = launch(
-        run_dir, f"shared.max_steps={final}", "trainer.checkpoint_every=0", "world.max_restarts=1", wait=False
-    )
-    try:
-        pid = pool_process_once_running(proc, run_dir, "preprocess", 240)
-        wait_until(lambda: version(run_dir) >= 3, proc, 240, "version 3")
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        stop(proc)
-    assert proc.returncode == 0, out[-4000:]
-    assert "process preprocessor0 failed: killed by SIGKILL; restarting preprocessor0 (restart 1 of 1" in out, out[
-        -4000:
-    ]
-    assert [s["values"]["version"] for s in trainer_steps(run_dir)] == list(range(1, final + 1))
-    assert_no_group_in_two_steps(run_dir)
-    (restart,) = restarts(run_dir)
-    assert restart["what"] == "preprocessor0" and restart["recovered_s"] is not None
     assert run_processes(run_dir) == {}
 
 
