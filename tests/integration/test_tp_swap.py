@@ -115,20 +115,23 @@ def test_a_dead_worker_fails_the_engine_instead_of_serving(tiny_model, tmp_path)
         pids = on_worker(llm, lambda w: os.getpid())
         assert len(set(pids)) == TP and os.getpid() not in pids
 
+        killed_at: list[float] = []
+
         async def generate_and_kill():
             task = asyncio.ensure_future(llm.generate(llm.tokenizer.encode("12 + 7 ="), 1, 200, 0.0, ignore_eos=True))
             start = llm.hook.forward_passes
             while llm.hook.forward_passes < start + 20:
                 await asyncio.sleep(0.001)
             os.kill(pids[1], signal.SIGKILL)
+            killed_at.append(time.monotonic())
             return await asyncio.wait_for(task, timeout=120)
 
-        started = time.monotonic()
         with pytest.raises(RuntimeError, match="engine failed"):
             asyncio.run(generate_and_kill())
         # vLLM's worker monitor gives the workers 5 s to exit, then 4 s after SIGTERM, then calls
         # the client; a step in flight would otherwise wait 300 s for the dead worker's reply.
-        assert time.monotonic() - started < 30
+        # Timed from the kill: reaching the 20th decode step first can take long on a busy machine.
+        assert time.monotonic() - killed_at[0] < 30
         # Either the cancelled step or vLLM's failure callback said it first.
         assert llm.failure is not None
         with pytest.raises(RuntimeError, match="worker process of this engine died"):
