@@ -147,6 +147,16 @@ class Driver:
         found = re.finditer(r"^(?:placed (\w+)|started (\w+) again) on node (\w+) ", self.out, re.M)
         return {m[1] or m[2]: m[3] for m in found}
 
+    def wait_until(self, check, timeout: float, what: str, poll_s: float = 1.0) -> None:
+        """Until `check()`, failing with the driver's output when it ended first or `timeout` passed."""
+        deadline = time.time() + timeout
+        while not check():
+            assert self.proc.poll() is None, (
+                f"the driver ended before {what}:\n{without_raylet_dumps(self.out)[-4000:]}"
+            )
+            assert time.time() < deadline, f"no {what} in {timeout:.0f} s:\n{without_raylet_dumps(self.out)[-4000:]}"
+            time.sleep(poll_s)
+
     def wait(self, timeout: float) -> int:
         try:
             code = self.proc.wait(timeout=timeout)
@@ -211,11 +221,15 @@ def actor_version(run_dir: Path) -> int:
 
 def run_until(driver: Driver, run_dir: Path, versions: int, timeout: float) -> None:
     """Until the trainer has made `versions` versions and a checkpoint, and the actor runs on new weights."""
-    deadline = time.time() + timeout
-    while len(trainer_versions(run_dir)) < versions or latest_checkpoint(run_dir) is None or not actor_version(run_dir):
-        assert driver.proc.poll() is None, driver.out[-4000:]
-        assert time.time() < deadline, f"no {versions} versions, a checkpoint and a swap in {timeout:.0f} s"
-        time.sleep(1)
+    driver.wait_until(
+        lambda: (
+            len(trainer_versions(run_dir)) >= versions
+            and latest_checkpoint(run_dir) is not None
+            and bool(actor_version(run_dir))
+        ),
+        timeout,
+        f"{versions} versions, a checkpoint and a swap",
+    )
 
 
 def kill_node(cluster, driver: Driver, run_dir: Path, process: str):
@@ -362,11 +376,11 @@ def run_and_lose(cluster, run_dir: Path, redis_port: int, process: str, how: str
     driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000", "world.max_restarts=0")
     node, frozen = None, {}
     try:
-        deadline = time.time() + 300
-        while len(trainer_versions(run_dir)) < before + 3 or not generated_since(run_dir, started):
-            assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
-            assert time.time() < deadline, f"no 3 versions and a swap in 300 s:\n{driver.out[-4000:]}"
-            time.sleep(1)
+        driver.wait_until(
+            lambda: len(trainer_versions(run_dir)) >= before + 3 and generated_since(run_dir, started),
+            300,
+            "3 versions and a swap",
+        )
         if how == "killed":
             node_id, held, lost_at = kill_node(cluster, driver, run_dir, process)
         else:
@@ -401,20 +415,12 @@ def add_and_drain_an_actor(cluster, driver: Driver, run_dir: Path) -> dict[str, 
         written = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor1"]
         return any(r["version"] >= at_scale and r["groups_written_total"] > 0 for r in written)
 
-    deadline = time.time() + 120
-    while not generating():
-        assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-        time.sleep(1)
+    driver.wait_until(generating, 120, "group from actor1")
     down = scale_actors(run_dir, 1)
     assert down.returncode == 0 and "actors 1..1 drain and leave" in down.stdout, down.stdout + down.stderr
-    deadline = time.time() + 120
-    while "actor1 drained and left the job" not in driver.out:
-        assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-        time.sleep(1)
-    after, deadline = len(trainer_versions(run_dir)), time.time() + 60
-    while len(trainer_versions(run_dir)) < after + 5:
-        assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-        time.sleep(1)
+    driver.wait_until(lambda: "actor1 drained and left the job" in driver.out, 120, "actor1 draining")
+    after = len(trainer_versions(run_dir))
+    driver.wait_until(lambda: len(trainer_versions(run_dir)) >= after + 5, 60, "5 versions after the drain")
     import ray
     from ray.util import placement_group_table
 
@@ -464,10 +470,7 @@ def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster
     trained_before = trainer_versions(run_dir)
     driver = Driver(cluster, run_dir, redis_port, "shared.max_steps=1000")
     try:
-        deadline = time.time() + 240
-        while len(trainer_versions(run_dir)) < len(trained_before) + 3:
-            assert driver.proc.poll() is None and time.time() < deadline, driver.out[-4000:]
-            time.sleep(1)
+        driver.wait_until(lambda: len(trainer_versions(run_dir)) >= len(trained_before) + 3, 240, "3 versions")
         groups = add_and_drain_an_actor(cluster, driver, run_dir)
         driver.proc.send_signal(signal.SIGTERM)
         code = driver.wait(timeout=120)
@@ -494,10 +497,7 @@ def test_each_lost_or_frozen_node_stops_the_run_and_the_next_run_resumes(cluster
 def replaced_after(driver: Driver, run_dir: Path, since: float, timeout: float) -> float:
     """Wait until actor0 generates, after `since`, on weights the trainer sent it; returns how long
     after `since` that was seen."""
-    while not generated_since(run_dir, since):
-        assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
-        assert time.time() - since < timeout, f"actor0 not back {timeout:.0f} s after:\n{driver.out[-4000:]}"
-        time.sleep(1)
+    driver.wait_until(lambda: generated_since(run_dir, since), timeout - (time.time() - since), "actor0 back")
     return time.time() - since
 
 
@@ -587,10 +587,7 @@ def test_with_no_node_free_the_run_goes_on_without_a_frozen_actor_and_takes_it_b
         run_until(driver, run_dir, versions=3, timeout=300)
         node, node_id, held, frozen, frozen_at = freeze_node(full_cluster, driver, "actor0")
         assert held == ["actor0"]
-        deadline = time.time() + 90
-        while "no node has room for actor0" not in driver.out:
-            assert driver.proc.poll() is None and time.time() < deadline, without_raylet_dumps(driver.out)[-4000:]
-            time.sleep(0.5)
+        driver.wait_until(lambda: "no node has room for actor0" in driver.out, 90, "actor0 counted absent", 0.5)
         absent_at, at_absent = time.time(), len(trainer_versions(run_dir))
         time.sleep(CARRIED_S)
         carried = len(trainer_versions(run_dir)) - at_absent
@@ -603,16 +600,10 @@ def test_with_no_node_free_the_run_goes_on_without_a_frozen_actor_and_takes_it_b
             after = [r["values"] for r in read_metrics(run_dir) if r["process"] == "actor0" and r["time"] > woke_at]
             return len({r["groups_written_total"] for r in after}) > 1  # it writes groups
 
-        while not back():
-            assert driver.proc.poll() is None, without_raylet_dumps(driver.out)[-4000:]
-            assert time.time() - woke_at < BACK_WITHIN_S, without_raylet_dumps(driver.out)[-4000:]
-            time.sleep(1)
+        driver.wait_until(back, BACK_WITHIN_S - (time.time() - woke_at), "actor0 back after its node woke")
         back_in = time.time() - woke_at
         at_back = len(trainer_versions(run_dir))
-        wait_s = time.time()
-        while len(trainer_versions(run_dir)) < at_back + 5:
-            assert driver.proc.poll() is None and time.time() - wait_s < 60, without_raylet_dumps(driver.out)[-4000:]
-            time.sleep(1)
+        driver.wait_until(lambda: len(trainer_versions(run_dir)) >= at_back + 5, 60, "5 versions with actor0 back")
     finally:
         driver.stop()
         take_out(full_cluster, node if frozen else None, frozen)
