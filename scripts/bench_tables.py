@@ -33,16 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
-def machine() -> str:
-    """The machine a benchmark ran on: its CPU as /proc/cpuinfo names it, and its core count."""
+def machine(cpuinfo: str | None = None) -> str:
+    """The machine a benchmark ran on: its CPU as `cpuinfo` (/proc/cpuinfo's text) names it, its
+    core count and, where the CPU has AVX2 but not AVX-512, "AVX2": vLLM's CPU kernels are built
+    for both, and one model name covers CPUs with and without AVX-512."""
     import os
 
-    names = [
-        line.split(":", 1)[1].strip()
-        for line in Path("/proc/cpuinfo").read_text().splitlines()
-        if line.startswith("model name")
-    ]
-    return f"{os.cpu_count()}-core {names[0] if names else 'unknown CPU'}"
+    lines = (Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo).splitlines()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    isa = ", AVX2" if "avx2" in flags and "avx512f" not in flags else ""
+    return f"{os.cpu_count()}-core {names[0] if names else 'unknown CPU'}{isa}"
 
 
 def commit() -> str:
@@ -723,6 +724,11 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         "docs/learning.md",
     ),
     "learning_family": ("docs/bench_learning_family.json", family_table, "docs/learning.md"),
+    "learning_lr": (
+        "docs/bench_learning_lr.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
     "learning_entropy": (
         "docs/bench_learning_entropy.json",
         functools.partial(learning_table, variants=True),

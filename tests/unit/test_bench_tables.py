@@ -388,3 +388,9 @@ def test_the_family_sync_table_sets_the_two_modes_side_by_side():
     assert sweep_tables.family_sync_table([row]).splitlines()[2] == (
         "| `m` | 169 s / 89 s (1.90x) | 329 s / never | 0.970 / 0.988 | 1.46x (1.36x) | not recorded |"
     )
+
+
+def test_the_machine_names_a_cpu_without_avx512():
+    cpuinfo = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2\n"
+    assert bench_tables.machine(cpuinfo).endswith("-core AMD EPYC, AVX2")
+    assert bench_tables.machine(cpuinfo.replace("avx2", "avx2 avx512f")).endswith("-core AMD EPYC")
