@@ -578,6 +578,29 @@ def digits_table(rows: list[dict]) -> str:
     return markdown(header, [[r["name"], *(f"{r[k]:.3f}" for k in keys)] for r in rows])
 
 
+def spread_table(rows: list[dict]) -> str:
+    """scripts/group_spread.py's rows: groups without a reward spread against a binomial at the
+    same mean reward, and the dispersion of right attempts between groups."""
+    header = ["run", "groups", "attempts", "mean reward", "no spread (binomial's)", "all right (binomial's)"]
+    header += ["dispersion", "measured on"]
+
+    def row(r: dict) -> list[str]:
+        dispersion = "" if r["dispersion"] is None else f"{r['dispersion']:.2f}"
+        groups = f"{r['first_group']:,}-{r['first_group'] + r['groups']:,}"
+        shares = [f"{r[k]:.3f} ({r[k + '_binomial']:.3f})" for k in ("no_spread", "all_right")]
+        return [
+            f"`{r['run']}`",
+            groups,
+            str(r["attempts"]),
+            f"{r['mean_reward']:.3f}",
+            *shares,
+            dispersion,
+            measured_on(r),
+        ]
+
+    return markdown(header, [row(r) for r in rows])
+
+
 def streams_table(rows: list[dict]) -> str:
     """scripts/bench_streams.py's rows without routes: each case's best round, and the layers
     against raw redis-py."""
@@ -718,6 +741,7 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         "docs/agents.md",
     ),
     "answer_digits_family": ("docs/answer_digits_family.json", digits_table, "docs/learning.md"),
+    "group_spread_family": ("docs/group_spread_family.json", spread_table, "docs/learning.md"),
     "learning_lr_by_signal": (
         "docs/bench_learning_lr_by_signal.json",
         functools.partial(learning_table, variants=True),

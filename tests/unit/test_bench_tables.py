@@ -271,6 +271,15 @@ def test_the_digits_table_shows_each_share_of_a_row():
     assert bench_tables.digits_table([row]).splitlines()[2] == "| m built | 0.250 | 1.000 | 0.938 | 0.300 | 0.500 |"
 
 
+def test_the_spread_table_shows_a_window_and_leaves_an_undefined_dispersion_blank():
+    row = {"run": "m", "first_group": 2000, "groups": 1500, "attempts": 4, "mean_reward": 0.1}
+    row |= {"no_spread": 0.75, "no_spread_binomial": 0.6875, "all_right": 0.125, "all_right_binomial": 0.0001}
+    row |= {"dispersion": 1.375, "machine": "c", "commit": "abc"}
+    lines = bench_tables.spread_table([row, row | {"dispersion": None}]).splitlines()
+    assert lines[2] == "| `m` | 2,000-3,500 | 4 | 0.100 | 0.750 (0.688) | 0.125 (0.000) | 1.38 | c, abc |"
+    assert lines[3].split(" | ")[6] == ""
+
+
 def test_the_gpu_tables_are_made_from_the_result_lines_of_a_calls_log():
     run = {"seq_length": 8192, "mfu": 0.1, "peak_gpu_gib": 20.0, "outside_allocator_gib": 1.5}
     log = "\n".join(
