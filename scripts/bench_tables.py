@@ -753,6 +753,11 @@ TABLES: dict[str, tuple[str | tuple[str, ...], Callable, str]] = {
         functools.partial(learning_table, variants=True),
         "docs/learning.md",
     ),
+    "learning_entropy_plateau": (
+        "docs/bench_learning_entropy_plateau.json",
+        functools.partial(learning_table, variants=True),
+        "docs/learning.md",
+    ),
     "learning_entropy": (
         "docs/bench_learning_entropy.json",
         functools.partial(learning_table, variants=True),
