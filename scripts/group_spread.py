@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from pipeline_rl.streams.records import RolloutGroup, decode
+from pipeline_rl.streams.records import RecordError, RolloutGroup, decode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -42,7 +42,10 @@ def right_counts(run_dir: Path) -> tuple[list[int], int]:
         for number, line in enumerate(path.read_bytes().splitlines(), 1):
             if not line.strip():
                 continue
-            group = decode(line, RolloutGroup)
+            try:
+                group = decode(line, RolloutGroup)
+            except RecordError as e:
+                raise ValueError(f"{path}:{number}: {e}") from e
             rewards = [r.reward for r in group.rollouts]
             if any(r not in (0.0, 1.0) for r in rewards):
                 raise ValueError(f"{path}:{number}: rewards {rewards} are not all 0 or 1")

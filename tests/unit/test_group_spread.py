@@ -80,6 +80,14 @@ def test_groups_of_another_size_are_refused_naming_the_line(tmp_path):
         group_spread.right_counts(path)
 
 
+def test_a_line_that_is_not_a_group_is_refused_naming_it(tmp_path):
+    path = run_dir(tmp_path, [[0, 1]])
+    with (path / "streams" / "actor" / "0.jsonl").open("ab") as f:
+        f.write(b'{"kind": "rollout_group", "problem_id": "p"}\n')
+    with pytest.raises(ValueError, match=r"actor/0\.jsonl:2: "):
+        group_spread.right_counts(path)
+
+
 def test_the_command_keeps_its_rows(tmp_path):
     path = run_dir(tmp_path / "run", [[0, 0], [1, 0], [1, 1], [0, 1]])
     kept = tmp_path / "spread.json"
