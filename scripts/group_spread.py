@@ -61,8 +61,7 @@ def right_counts(run_dir: Path) -> tuple[list[int], int]:
 def window_report(counts: list[int], attempts: int) -> dict:
     """The window's mean reward, the share of its groups without a spread and of those every
     attempt of which was right, each beside its share under a binomial at the same mean, and the
-    dispersion (the variance of right attempts per group over
-    the binomial's)."""
+    dispersion (the variance of right attempts per group over the binomial's)."""
     if not counts:
         raise ValueError("an empty window")
     p = sum(counts) / (attempts * len(counts))
@@ -117,7 +116,8 @@ def main() -> None:
     if args.json:
         from bench_tables import commit, keep, machine
 
-        keep(args.json, [{**r, "machine": machine(), "commit": commit()} for r in rows])
+        measured_on = {"machine": machine(), "commit": commit()}  # once: commit() runs git
+        keep(args.json, [{**r, **measured_on} for r in rows])
         print(f"kept in {args.json}")
 
 
